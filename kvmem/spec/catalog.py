@@ -1,0 +1,62 @@
+"""The bundled model catalog: HuggingFace ids and short aliases -> config fields."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from kvmem.errors import UnknownModelError
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    hf_id: str
+    name: str
+    aliases: tuple[str, ...]
+    config: dict[str, Any]
+    total_params: int | None
+    source_quality: str
+    notes: str | None
+
+
+@cache
+def catalog() -> tuple[CatalogEntry, ...]:
+    raw = json.loads(resources.files("kvmem.spec").joinpath("catalog/models.json").read_text())
+    return tuple(
+        CatalogEntry(m["id"], m["name"], tuple(m["aliases"]), m["config"], m.get("total_params"),
+                     m.get("source_quality", ""), m.get("notes"))
+        for m in raw["models"]
+    )
+
+
+@cache
+def _index() -> dict[str, CatalogEntry]:
+    index: dict[str, CatalogEntry] = {}
+    for entry in catalog():
+        for key in (entry.hf_id, entry.name, *entry.aliases):
+            index[key.lower()] = entry
+    return index
+
+
+def find_entry(name: str) -> CatalogEntry:
+    """Look a model up by HF id, name or alias (case-insensitive); suggest close names."""
+    entry = _index().get(name.lower().strip())
+    if entry is not None:
+        return entry
+    close = difflib.get_close_matches(name.lower(), list(_index()), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see `kvmem models`"
+    raise UnknownModelError(f"unknown model {name!r} (not a path, not in the catalog){hint}")
+
+
+def catalog_config(name: str) -> tuple[str, dict[str, Any]]:
+    """(display name, config dict) for a catalog model; total_params travels in the config."""
+    entry = find_entry(name)
+    cfg = dict(entry.config)
+    if entry.total_params:
+        cfg["total_params"] = entry.total_params
+    cfg.setdefault("_name_or_path", entry.hf_id)
+    return entry.hf_id, cfg

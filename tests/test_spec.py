@@ -1,0 +1,129 @@
+"""kvmem.spec: config parsing, layer kinds, sharding rules and the catalog."""
+
+import json
+
+import pytest
+
+from kvmem.errors import ConfigError, UnknownModelError
+from kvmem.spec import AttentionKind, catalog, load_spec, spec_from_config
+from kvmem.spec.dtypes import dtype_bytes, resolve_kv_dtype
+
+
+def test_catalog_has_25_models_and_all_parse():
+    entries = catalog()
+    assert len(entries) >= 25
+    for e in entries:
+        spec = load_spec(e.hf_id)
+        assert spec.num_layers == len(spec.layers) > 0
+        assert load_spec(e.aliases[0]).num_layers == spec.num_layers
+
+
+def test_explicit_head_dim_wins_over_hidden_over_heads():
+    spec = load_spec("Qwen/Qwen3-0.6B")  # hidden 1024 / 16 heads = 64, but head_dim is 128
+    assert spec.head_dim == 128
+    assert spec.kv_bytes_per_token(dtype_bytes=2) == 28 * 2 * 8 * 128 * 2
+
+
+def test_qwen3_32b_fp8_is_2048_bytes_per_token_per_layer():
+    spec = load_spec("qwen3-32b")
+    assert spec.layers[0].bytes_per_token(tp=1, dtype_bytes=1) == 2048
+
+
+def test_gqa_heads_replicate_when_tp_exceeds_kv_heads():
+    layer = load_spec("Qwen/Qwen2.5-7B-Instruct").layers[0]  # 4 KV heads
+    assert layer.kv_heads_on_rank(2) == 2
+    assert layer.kv_heads_on_rank(8) == 1
+    assert layer.bytes_per_token(8, 2) == layer.bytes_per_token(4, 2)
+
+
+def test_mla_does_not_shrink_with_tp():
+    spec = load_spec("deepseek-ai/DeepSeek-V3")
+    assert spec.attention_kinds == {AttentionKind.MLA}
+    per_layer = (512 + 64) * 2
+    assert spec.kv_bytes_per_token(tp=1, dtype_bytes=2) == 61 * per_layer
+    assert spec.kv_bytes_per_token(tp=8, dtype_bytes=2) == 61 * per_layer
+
+
+@pytest.mark.parametrize(
+    "model, sliding, full, window",
+    [
+        ("google/gemma-3-27b-it", 52, 10, 1024),
+        ("google/gemma-2-9b-it", 21, 21, 4096),
+        ("openai/gpt-oss-20b", 12, 12, 128),
+        ("microsoft/Phi-3-mini-4k-instruct", 32, 0, 2047),
+    ],
+)
+def test_sliding_window_patterns(model, sliding, full, window):
+    spec = load_spec(model)
+    kinds = [layer.kind for layer in spec.layers]
+    assert kinds.count(AttentionKind.SLIDING) == sliding
+    assert kinds.count(AttentionKind.FULL) == full
+    assert all(layer.window == window for layer in spec.layers if layer.kind is AttentionKind.SLIDING)
+
+
+def test_gemma3_every_sixth_layer_is_global():
+    spec = load_spec("google/gemma-3-4b-it")
+    assert spec.layers[5].kind is AttentionKind.FULL
+    assert spec.layers[0].kind is AttentionKind.SLIDING
+
+
+def test_llama4_chunked_local_attention():
+    spec = load_spec("meta-llama/Llama-4-Scout-17B-16E")
+    kinds = [layer.kind for layer in spec.layers]
+    assert kinds.count(AttentionKind.CHUNKED) == 36 and kinds.count(AttentionKind.FULL) == 12
+    assert spec.layers[0].window == 8192
+
+
+def test_qwen2_sliding_window_off_means_full():
+    spec = spec_from_config({
+        "model_type": "qwen2", "num_hidden_layers": 4, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "sliding_window": 32, "use_sliding_window": False,
+    })
+    assert spec.attention_kinds == {AttentionKind.FULL}
+
+
+def test_kv_groups_are_equal_sized_and_cover_all_layers():
+    spec = load_spec("google/gemma-3-27b-it")
+    groups = spec.kv_groups()
+    covered = sorted(i for g in groups for i in g.layers)
+    assert covered == list(range(62))
+    assert max(len(g.layers) for g in groups) == 10  # the 10 global layers set the group size
+    full = [g for g in groups if g.kind is AttentionKind.FULL]
+    assert len(full) == 1
+
+
+def test_sliding_group_needs_only_the_window():
+    group = next(g for g in load_spec("openai/gpt-oss-20b").kv_groups()
+                 if g.kind is AttentionKind.SLIDING)
+    assert group.blocks_per_request(100_000, 16, 2048) == (128 - 1 + 2048 + 15) // 16 + 1
+    assert group.blocks_per_request(32, 16, 2048) == 2
+
+
+def test_kv_dtype_auto_follows_model_and_fp8_is_one_byte():
+    assert resolve_kv_dtype("auto", "bfloat16") == "bfloat16"
+    assert dtype_bytes(resolve_kv_dtype("fp8", "bfloat16")) == 1
+    assert dtype_bytes("fp8_e5m2") == 1
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        resolve_kv_dtype("int3", "bfloat16")
+
+
+def test_unknown_model_suggests_close_names():
+    with pytest.raises(UnknownModelError, match="did you mean"):
+        load_spec("qwen3-32")
+
+
+def test_bad_configs_give_one_line_errors(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_spec(bad)
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ConfigError, match="missing num_hidden_layers"):
+        load_spec(tmp_path)
+    bad.write_text(json.dumps({"num_hidden_layers": 0, "hidden_size": 64,
+                               "num_attention_heads": 4, "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="positive integer"):
+        load_spec(bad)
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_spec(tmp_path / "..")
