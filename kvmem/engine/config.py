@@ -1,0 +1,112 @@
+"""EngineConfig: every engine option in one place, shared by ``LLM``, the CLI and the server.
+
+Later features (offload tiers, elastic memory, parallelism, profiling) add their options
+here and in ``add_engine_arguments`` so that every entry point gets them at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from kvmem.errors import ConfigError
+from kvmem.units import GiB, parse_size
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine. ``model=None`` is the embedded SmolLM2 checkpoint."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    attention_backend: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    # KV sizing: an explicit byte budget wins; else the GPU budget comes from profiling at
+    # gpu_memory_utilization, and the CPU budget from cpu_kv_memory_bytes (default below).
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_memory_bytes: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ConfigError(f"unknown device {self.device!r} (choose from {', '.join(DEVICES)})")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes,
+                                                    "kv_cache_memory_bytes")
+        if self.cpu_kv_memory_bytes is not None:
+            self.cpu_kv_memory_bytes = parse_size(self.cpu_kv_memory_bytes, "cpu_kv_memory_bytes")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in API requests."""
+        return self.served_model_name or self.model or "smollm2"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def default_cpu_kv_memory_bytes() -> int:
+    """1 GiB, or a quarter of the available RAM when that is smaller."""
+    try:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    except ImportError:  # pragma: no cover - psutil is an engine dependency
+        return GiB
+    return max(64 << 20, min(GiB, available // 4))
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    """The engine flags every ``kvmem`` engine command accepts."""
+    d = EngineConfig()
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="checkpoint directory, .gguf file or 'smollm2' (default: embedded "
+                            "SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--served-model-name", default=None, help="model name used in the API")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--attention-backend", default=d.attention_backend,
+                   choices=("auto", "reference", "triton"))
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's limit)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (prefill chunks and decodes)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching, help="reuse KV of shared prompt prefixes")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
+    g.add_argument("--kv-cache-memory-bytes", default=None, metavar="SIZE",
+                   help="explicit KV budget per device, e.g. 2GiB (skips profiling)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of GPU memory the engine may use (weights + activations + KV)")
+    g.add_argument("--cpu-kv-memory", dest="cpu_kv_memory_bytes", default=None, metavar="SIZE",
+                   help="KV budget on CPU (default: 1GiB or a quarter of free RAM)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded requests' sampling")

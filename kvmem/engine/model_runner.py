@@ -1,0 +1,102 @@
+"""ModelRunner: turns a scheduled batch into model inputs, runs the model, samples tokens.
+
+All sequences of a step are packed into one flat token dimension; each sequence brings
+its block table per KV group, and the slot of every new token is derived from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmem.engine.attention.metadata import AttentionMetadata
+from kvmem.engine.request import Request
+from kvmem.engine.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], kv_cache_manager,
+                 *, num_kv_groups: int, block_size: int, device: torch.device,
+                 sampler: Sampler) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv_cache_manager = kv_cache_manager
+        self.num_kv_groups = num_kv_groups
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+
+    def prepare_inputs(self, scheduled: list[tuple[Request, int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens = [], []
+        tables: list[list[list[int]]] = [[] for _ in range(self.num_kv_groups)]
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            input_ids.extend(request.all_token_ids[start:start + num_new])
+            positions.extend(range(start, start + num_new))
+            query_lens.append(num_new)
+            seq_lens.append(start + num_new)
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            for group, ids in zip(tables, block_ids, strict=True):
+                group.append(list(ids))
+        metadata = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
+                                           device=self.device)
+        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), metadata)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
+        """Run one step; returns the sampled token of every request that completes its input.
+
+        A request samples when this step computes its last known token: the end of its
+        prompt (or of its recomputed tokens after preemption), or a decode. Partial prefill
+        chunks only fill the cache.
+        """
+        input_ids, positions, metadata = self.prepare_inputs(scheduled)
+        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        samplers: list[Request] = []
+        last_indices: list[int] = []
+        end = 0
+        for request, num_new in scheduled:
+            end += num_new
+            if request.num_computed_tokens + num_new == request.num_tokens:
+                samplers.append(request)
+                last_indices.append(end - 1)
+        if not samplers:
+            return {}
+        index = torch.tensor(last_indices, dtype=torch.long, device=hidden.device)
+        logits = self.model.compute_logits(hidden[index])
+        tokens = self.sampler(logits, [r.sampling_params for r in samplers],
+                              [getattr(r, "generator", None) for r in samplers])
+        return {r.request_id: t for r, t in zip(samplers, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_model_len: int) -> None:
+        """A forward pass over ``num_tokens`` prompt tokens that writes no KV (peak activations).
+
+        The tokens form sequences of at most ``max_model_len``; their block tables point at
+        the null block and their slot mappings are -1, so the cache is left untouched.
+        """
+        query_lens = []
+        remaining = num_tokens
+        while remaining > 0:
+            query_lens.append(min(remaining, max_model_len))
+            remaining -= query_lens[-1]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        width = -(-max(query_lens) // self.block_size)
+        table = torch.zeros((len(query_lens), width), dtype=torch.int32, device=self.device)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+            max_query_len=max(query_lens), max_seq_len=max(query_lens),
+            block_tables=[table] * self.num_kv_groups,
+            slot_mappings=[torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)]
+            * self.num_kv_groups,
+            block_size=self.block_size)
+        positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        self.model.compute_logits(hidden[-min(len(query_lens), 256):])

@@ -1,0 +1,36 @@
+"""What the engine hands back for a request after each step (and at the end)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """The generated part of a request: all of it so far, plus what is new since last step."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids

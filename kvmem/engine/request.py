@@ -1,0 +1,90 @@
+"""Request: one generation's tokens, progress and state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+from kvmem.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV will be recomputed
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # could never be scheduled (e.g. the KV pool is too small)
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """A prompt and the tokens generated for it so far.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache. The scheduler computes
+    ``num_tokens - num_computed_tokens`` more tokens for it (a prefill chunk, or 1 for a
+    decode); once all tokens are computed, the model runner samples the next token.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, *, prompt: str | None = None,
+                 cache_salt: str | None = None, arrival_time: float | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.lora_name: str | None = None
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.num_preemptions = 0
+        self.error: str | None = None
+        self.stop_reason: int | str | None = None
+        self.output_text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")

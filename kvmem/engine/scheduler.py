@@ -1,0 +1,167 @@
+"""Scheduler: continuous batching with chunked prefill under a token budget.
+
+Each step first gives running requests their next tokens (a decode, or the next chunk
+of a prompt), then admits waiting requests, reusing prefix-cache hits. When the block
+manager reports no capacity, the newest running request is preempted: its blocks are
+freed and it goes back to the front of the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvmem.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: each scheduled request with how many new tokens it computes."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # finished with an error this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens whose KV was already cached
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens \
+            else 0.0
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the newest is last
+        self.stats = SchedulerStats()
+
+    # -- queues -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Mark ``request`` finished, take it out of its queue and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+            self.kv_cache_manager.free(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        wanted = set(request_ids)
+        found = [r for r in (*self.running, *self.waiting) if r.request_id in wanted]
+        for request in found:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return found
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # after a preemption, memory is short: admit nobody this step
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                if victim is request and i == 0:
+                    # Alone and still no room: it can never run in this pool.
+                    self._fail(request, out, "the KV cache is too small for this request "
+                               f"({request.num_tokens} tokens); raise the KV budget or "
+                               "lower max_model_len")
+                    break
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            # ``request`` left the running list (preempted or failed); index i is the next one.
+            if request in self.running:  # pragma: no cover - defensive
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        mgr = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit = mgr.get_computed_blocks(request) if self.enable_prefix_caching else None
+            num_cached = hit.num_tokens if hit is not None else 0
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not mgr.allocate_slots(request, num_new, prefix_hit=hit):
+                if not self.running and mgr.usage().held == 0:
+                    self.waiting.popleft()
+                    self._fail(request, out, "the KV cache is too small for this request "
+                               f"({request.num_tokens} tokens) even with nothing else running; "
+                               "raise the KV budget or lower max_model_len")
+                    continue
+                break  # wait for running requests to finish and free blocks
+            self.waiting.popleft()
+            self.stats.prefix_queried_tokens += request.num_tokens
+            self.stats.prefix_hit_tokens += num_cached
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
+        out.preempted.append(request)
+
+    def _fail(self, request: Request, out: SchedulerOutput, message: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self.kv_cache_manager.free(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = message
+        out.failed.append(request)
