@@ -1,0 +1,79 @@
+"""What one forward step tells the attention backend about its batch.
+
+The tokens of all sequences in a step are packed into one flat dimension ``T``;
+``query_start_loc`` marks where each sequence's new tokens start. Each KV group has
+its own block table and slot mapping (hybrid models keep sliding-window layers in
+other blocks than full-attention layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [B+1]: cumulative count of new tokens per sequence
+    seq_lens: torch.Tensor  # int32 [B]: context length after this step (cached + new)
+    max_query_len: int
+    max_seq_len: int
+    block_tables: list[torch.Tensor]  # per KV group: int32 [B, max_blocks], 0-padded (null block)
+    slot_mappings: list[torch.Tensor]  # per KV group: int64 [T]; -1: do not write
+    block_size: int
+    query_lens: list[int] = field(default_factory=list)  # host copies, filled when left empty
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.seq_lens_cpu:
+            self.seq_lens_cpu = [int(n) for n in self.seq_lens.tolist()]
+        if not self.query_lens:
+            starts = [int(n) for n in self.query_start_loc.tolist()]
+            self.query_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence adds exactly one token (the batched decode path)."""
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(cls, query_lens: Sequence[int], seq_lens: Sequence[int],
+              block_tables: Sequence[Sequence[Sequence[int]]], block_size: int,
+              device: str | torch.device = "cpu") -> AttentionMetadata:
+        """Metadata from plain lists: ``block_tables[g][b]`` is sequence b's block ids in group g.
+
+        Slot mappings are derived: the new tokens of sequence b sit at positions
+        ``seq_lens[b] - query_lens[b] .. seq_lens[b] - 1``.
+        """
+        if len(query_lens) != len(seq_lens):
+            raise ValueError("query_lens and seq_lens differ in length")
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        tables, slots = [], []
+        for group in block_tables:
+            width = max((len(row) for row in group), default=0) or 1
+            tables.append(torch.tensor([list(row) + [0] * (width - len(row)) for row in group],
+                                       dtype=torch.int32, device=device).reshape(len(group), width))
+            mapping = []
+            for row, q, n in zip(group, query_lens, seq_lens, strict=True):
+                for pos in range(n - q, n):
+                    mapping.append(row[pos // block_size] * block_size + pos % block_size)
+            slots.append(torch.tensor(mapping, dtype=torch.int64, device=device))
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_tables=tables,
+            slot_mappings=slots,
+            block_size=block_size,
+            query_lens=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )

@@ -1,0 +1,57 @@
+"""Model construction: a HuggingFace config dict -> a paged-cache decoder module.
+
+>>> model = build_model(config, dtype=torch.float32, device="cpu")
+>>> model.load_weights(files.weights())
+>>> hidden = model(input_ids, positions, metadata, kv_caches)
+>>> logits = model.compute_logits(hidden[last_token_rows])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvmem.engine.attention import get_attention_backend
+from kvmem.errors import ConfigError
+
+# architecture name -> implementing class (all share the Llama decoder today)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
+
+
+def model_architecture(config: dict[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else {
+        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    }.get(str(config.get("model_type")), "")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"model architecture {arch or config.get('model_type')!r} is not "
+                          f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return arch
+
+
+def build_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", tp_rank: int = 0, tp_size: int = 1,
+                layers: range | None = None, attention_backend: str = "auto") -> nn.Module:
+    """An uninitialised model for ``config`` (call ``load_weights`` next).
+
+    ``layers`` restricts the decoder layers to one pipeline stage's range.
+    """
+    from kvmem.engine.models.llama import LlamaForCausalLM
+
+    arch = model_architecture(config)
+    n = int(config.get("num_hidden_layers", 0))
+    if layers is not None and (layers.step != 1 or not 0 <= layers.start < layers.stop <= n):
+        raise ConfigError(f"layer range {layers} is not a contiguous part of {n} layers")
+    backend = get_attention_backend(attention_backend, device)
+    with torch.device(device):
+        model = LlamaForCausalLM(config, backend, architecture=arch, tp_rank=tp_rank,
+                                 tp_size=tp_size, layers=layers)
+    return model.to(dtype=dtype).eval()
+
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "build_model", "model_architecture"]

@@ -1,0 +1,175 @@
+"""Building blocks with tensor-parallel-style sharding (the field's usual names).
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies its
+rank's shard out of the full HuggingFace tensor, so that a checkpoint loads unchanged for
+any ``tp_size``. Column-parallel layers split output features, row-parallel layers split
+input features and all-reduce their output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    if tp_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+    return x
+
+
+def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((size,), lambda p, w, shard_id=None: _copy(p, w))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T (+ b)`` with W's output rows split over tensor-parallel ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if out_features % tp_size:
+            raise ValueError(f"{out_features} output features do not split over {tp_size} ranks")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.out_per_rank = out_features // tp_size
+        self.weight = _param((self.out_per_rank, in_features), self.weight_loader)
+        self.bias = _param((self.out_per_rank,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.out_per_rank
+        _copy(param, loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate + up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
+        self.out_sizes = [n // tp_size for n in out_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset, size = sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id]
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; KV heads are replicated when tp exceeds them."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        if num_heads % tp_size:
+            raise ValueError(f"{num_heads} attention heads do not split over {tp_size} ranks")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q, self.tp_rank
+        else:
+            offset, size = (q if shard_id == "k" else q + kv), kv
+            rank = self.tp_rank // self.kv_replicas
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return qkv.split([q, kv, kv], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T (+ b)`` with W's input columns split over ranks; outputs are summed."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if in_features % tp_size:
+            raise ValueError(f"{in_features} input features do not split over {tp_size} ranks")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.in_per_rank = in_features // tp_size
+        self.weight = _param((out_features, self.in_per_rank), self.weight_loader)
+        self.bias = _param((out_features,), lambda p, w, shard_id=None: _copy(p, w)) \
+            if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.in_per_rank
+        _copy(param, loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _all_reduce(F.linear(x, self.weight), self.tp_size)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split over ranks (rows outside a rank are 0)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__()
+        self.tp_size = tp_size
+        self.per_rank = -(-vocab_size // tp_size)
+        self.start = tp_rank * self.per_rank
+        self.weight = _param((self.per_rank, hidden_size), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        shard = loaded[self.start:self.start + self.per_rank]
+        param.data.zero_()
+        param.data[:shard.shape[0]].copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.per_rank)
+        x = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * inside.unsqueeze(-1)
+        return _all_reduce(x, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to vocabulary logits, split by vocabulary like the embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__(vocab_size, hidden_size, tp_rank, tp_size)
+        self.vocab_size = vocab_size
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+            dist.all_gather(parts, local)
+            local = torch.cat(parts, dim=-1)
+        return local[..., :self.vocab_size]
