@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmem.engine.config import EngineConfig
-from kvmem.engine.detokenizer import IncrementalDetokenizer
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.outputs import CompletionOutput, RequestOutput
 from kvmem.engine.request import Request, RequestStatus
@@ -117,7 +116,7 @@ class LLMEngine:
                                         sampler=Sampler(config.seed))
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._detokenizers: dict = {}  # request id -> incremental detokenizer
         self._sent_text: dict[str, int] = {}
         self._sent_tokens: dict[str, int] = {}
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
@@ -172,8 +171,8 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids)
+        self._detokenizers[request.request_id] = self.tokenizer.detokenizer(
+            request.prompt_token_ids)
         self.scheduler.add_request(request)
         return request
 
