@@ -1,0 +1,101 @@
+"""Offload settings and the identity that namespaces a disk tier.
+
+``OffloadConfig`` is what the user states (``--cpu-offload-gib``, ``--disk-offload-dir``,
+``--disk-offload-gib``). ``TierIdentity`` is what makes stored blocks reusable: two
+processes share a disk tier only when model, layout, KV dtype and block size all agree,
+so the directory of a tier is named by a digest of exactly those.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvmem.errors import ConfigError
+from kvmem.units import GiB, format_bytes
+
+POLICIES = ("lru", "seen-twice")
+FORMAT_VERSION = 1  # bump when the on-disk block format changes
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Byte budgets of the CPU and disk tiers; a budget of 0 turns that tier off."""
+
+    cpu_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    policy: str = "lru"
+    # Most blocks held by stores still copying out of the pool; beyond it a store is skipped
+    # so that offloading can never starve allocation.
+    max_inflight_store_blocks: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes < 0 or self.disk_bytes < 0:
+            raise ConfigError("offload budgets must not be negative")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown offload policy {self.policy!r}; choose one of "
+                              f"{', '.join(POLICIES)}")
+        if self.disk_bytes and not self.disk_dir:
+            raise ConfigError("--disk-offload-gib needs --disk-offload-dir")
+        if self.disk_dir and not self.disk_bytes:
+            raise ConfigError("--disk-offload-dir needs --disk-offload-gib (its byte budget)")
+        if self.max_inflight_store_blocks < 1:
+            raise ConfigError("max_inflight_store_blocks must be at least 1")
+
+    @classmethod
+    def from_gib(cls, cpu_offload_gib: float = 0.0, disk_offload_dir: str | None = None,
+                 disk_offload_gib: float = 0.0, policy: str = "lru") -> OffloadConfig:
+        """Build from the CLI's GiB values (negative or non-finite values are rejected)."""
+        for flag, value in (("--cpu-offload-gib", cpu_offload_gib),
+                            ("--disk-offload-gib", disk_offload_gib)):
+            if not value >= 0 or value == float("inf"):
+                raise ConfigError(f"{flag} must be a non-negative number of GiB, got {value!r}")
+        return cls(cpu_bytes=int(cpu_offload_gib * GiB), disk_dir=disk_offload_dir,
+                   disk_bytes=int(disk_offload_gib * GiB), policy=policy)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_bytes > 0 or self.disk_bytes > 0
+
+    def describe(self) -> str:
+        """One line for `kvmem plan` and engine start-up logs."""
+        parts = []
+        if self.cpu_bytes:
+            parts.append(f"CPU {format_bytes(self.cpu_bytes)}")
+        if self.disk_bytes:
+            parts.append(f"disk {format_bytes(self.disk_bytes)} in {self.disk_dir}")
+        if not parts:
+            return "off"
+        return ", ".join(parts) + f" ({self.policy})"
+
+
+@dataclass(frozen=True)
+class TierIdentity:
+    """What a stored block depends on besides its tokens.
+
+    ``model`` names the weights (e.g. checkpoint name plus file size); ``layout`` names this
+    rank's share (tensor/pipeline rank, its layers and KV groups). The slot shape and dtype
+    come from the KV storage itself, so a different head count or block size can never
+    read another layout's blocks.
+    """
+
+    model: str
+    layout: str
+    kv_dtype: str
+    block_size: int
+    slot_shape: tuple[int, ...]  # one block of one slot tensor
+    num_slots: int
+
+    def digest(self) -> str:
+        record = {**asdict(self), "format": FORMAT_VERSION}
+        return xxhash.xxh3_128_hexdigest(json.dumps(record, sort_keys=True).encode())
+
+    def namespace_dir(self, root: str | Path) -> Path:
+        return Path(root) / f"kvmem-{self.digest()[:24]}"
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "format": FORMAT_VERSION}, indent=2, sort_keys=True)

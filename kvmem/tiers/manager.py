@@ -1,0 +1,230 @@
+"""``OffloadManager``: what the scheduler calls to use the CPU and disk tiers.
+
+All methods are called from the scheduler's thread; copies run on the transfer engine's
+threads. The life of a block:
+
+1. ``offer(block_ids, keys)`` when a request finishes or is preempted: the blocks are
+   held in the pool (``holder.hold``) so they are neither free nor evictable, copied to
+   host memory asynchronously, and released by the ``poll()`` that sees the copy done.
+   ``on_evict(block_id, key)`` covers a cached block about to be reused that no tier has
+   yet: it is snapshotted at once (its pool row is about to be overwritten).
+2. ``lookup(keys)`` continues a prefix hit past the device pool: the number of leading
+   keys stored in the CPU tier or, failing that, on disk.
+3. ``load(request_id, keys, block_ids)`` copies those blocks into newly allocated pool
+   blocks. The entries are pinned so they cannot be evicted meanwhile. ``poll()`` returns
+   the finished ``LoadHandle``; its first ``num_loaded`` blocks are valid, and the request
+   recomputes from there on (a failed load never yields a wrong token).
+4. ``shutdown()`` stops and joins the threads and releases every hold.
+
+A full tier, a busy transfer engine or a broken disk skips the store and counts it; none
+of them ever blocks compute.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
+from kvmem.errors import ConfigError
+from kvmem.memory.storage import KVStorage
+from kvmem.tiers.blocks import BlockCopier, key_name
+from kvmem.tiers.config import OffloadConfig, TierIdentity
+from kvmem.tiers.cpu_store import CPUStore
+from kvmem.tiers.disk_store import DiskStore
+from kvmem.tiers.faults import NO_FAULTS, Faults
+from kvmem.tiers.policy import make_policy
+from kvmem.tiers.stats import TierStats
+from kvmem.tiers.store import BlockStore
+from kvmem.tiers.transfer import LoadHandle, StoreJob, TransferEngine
+from kvmem.units import MiB
+
+log = logging.getLogger("kvmem.tiers")
+
+DISK_QUEUE_BYTES = 512 * MiB  # host rows waiting for the disk writer; beyond it, skip
+
+
+class BlockHolder(Protocol):
+    """The block manager's side: keep blocks out of the free queue during a copy."""
+
+    def hold(self, block_ids: Sequence[int]) -> None: ...
+
+    def release(self, block_ids: Sequence[int]) -> None: ...
+
+
+class OffloadManager:
+    def __init__(self, config: OffloadConfig, storage: KVStorage, num_slots: int,
+                 holder: BlockHolder, *, model: str, layout: str,
+                 faults: Faults = NO_FAULTS) -> None:
+        if not config.enabled:
+            raise ConfigError("offloading needs --cpu-offload-gib or --disk-offload-gib")
+        self.config = config
+        self.holder = holder
+        self.copier = BlockCopier(storage, num_slots)
+        slot = self.copier.slots[0]
+        self.identity = TierIdentity(
+            model=model, layout=layout, kv_dtype=str(slot.dtype).removeprefix("torch."),
+            block_size=int(slot.shape[2]), slot_shape=tuple(int(d) for d in slot.shape[1:]),
+            num_slots=num_slots)
+        block_nbytes = self.copier.block_nbytes
+        self.cpu = self.disk = None
+        if config.cpu_bytes:
+            self.cpu = CPUStore(config.cpu_bytes, block_nbytes,
+                                make_policy(config.policy, config.cpu_bytes // block_nbytes),
+                                pin_memory=self.copier.on_cuda, faults=faults)
+        if config.disk_bytes:
+            self.disk = DiskStore(config.disk_dir, config.disk_bytes, block_nbytes, self.identity,
+                                  make_policy(config.policy, config.disk_bytes // block_nbytes),
+                                  faults=faults)
+        self.tiers: list[BlockStore] = [t for t in (self.cpu, self.disk) if t is not None]
+        self.engine = TransferEngine(self.copier, self.cpu, self.disk, faults,
+                                     max(DISK_QUEUE_BYTES, block_nbytes))
+        self._held: Counter[int] = Counter()  # pool blocks held by stores not yet copied
+        self._pending: Counter[str] = Counter()  # names with a store in flight
+        self._closed = False
+
+    # -- stores ---------------------------------------------------------------------------
+    def offer(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> int:
+        """Queue full, hashed blocks (of a finished or preempted request) for the tiers.
+
+        Returns how many blocks were queued; blocks every tier already has are not copied
+        again, and when too many blocks are already held for copies the rest are skipped.
+        """
+        if len(block_ids) != len(keys):
+            raise ValueError("offer: one key per block id")
+        if self._closed:
+            return 0
+        todo = [(b, key_name(k)) for b, k in zip(block_ids, keys, strict=True)]
+        todo = [(b, n) for b, n in todo if not self._already_stored(n)]
+        room = self.config.max_inflight_store_blocks - sum(self._held.values())
+        if len(todo) > room:
+            for tier in self.tiers:
+                tier.record_skipped(len(todo) - max(room, 0))
+            todo = todo[:max(room, 0)]
+        if not todo:
+            return 0
+        ids = [b for b, _ in todo]
+        names = [n for _, n in todo]
+        self.holder.hold(ids)
+        self._held.update(ids)
+        self._pending.update(names)
+        self.engine.submit_store(StoreJob(names, ids, held=True,
+                                          after=self.copier.compute_done_event()))
+        return len(ids)
+
+    def on_evict(self, block_id: int, key: Hashable) -> bool:
+        """A cached block is about to be reused: keep a copy if no tier has it yet.
+
+        Called by the block pool just before eviction, so the copy is taken now (one
+        block, host memory) and written to the tiers asynchronously.
+        """
+        name = key_name(key)
+        if self._closed or self._already_stored(name):
+            return False
+        rows = self.copier.alloc_host(1)
+        self.copier.gather([block_id], rows, self.copier.compute_done_event())
+        self._pending[name] += 1
+        self.engine.submit_store(StoreJob([name], [block_id], held=False, rows=rows))
+        return True
+
+    def _already_stored(self, name: str) -> bool:
+        enabled = [t for t in self.tiers if t.enabled]
+        return not enabled or name in self._pending or all(t.contains(name) for t in enabled)
+
+    # -- lookups and loads ----------------------------------------------------------------
+    def lookup(self, keys: Sequence[Hashable]) -> int:
+        """How many leading ``keys`` a tier holds (CPU first, then disk); counts hits/misses.
+
+        Pass the keys of the blocks after the device pool's hit, and only of blocks the
+        request may skip computing (never its last prompt token).
+        """
+        hits: Counter[str] = Counter()
+        misses: Counter[str] = Counter()
+        found = 0
+        for key in keys:
+            name = key_name(key)
+            tier = None
+            for t in self.tiers:
+                if t.enabled and t.contains(name):
+                    tier = t
+                    break
+                misses[t.name] += t.enabled
+            if tier is None:
+                break
+            hits[tier.name] += 1
+            found += 1
+        for t in self.tiers:
+            t.record_lookup(hits[t.name], misses[t.name])
+        return found
+
+    def load(self, request_id: str, keys: Sequence[Hashable],
+             block_ids: Sequence[int]) -> LoadHandle:
+        """Load the blocks of ``keys`` into the newly allocated ``block_ids`` (asynchronously).
+
+        The blocks the request computes must wait for ``handle.done`` (``poll`` returns the
+        handle). Blocks evicted since ``lookup`` shorten the load; they are recomputed.
+        """
+        if len(block_ids) != len(keys):
+            raise ValueError("load: one key per block id")
+        sources = []
+        for key in keys:
+            entry = None
+            for tier in self.tiers:
+                entry = tier.pin(key_name(key))
+                if entry is not None:
+                    sources.append((tier, entry))
+                    break
+            if entry is None:
+                break
+        handle = LoadHandle(request_id, list(block_ids), [key_name(k) for k in keys], sources)
+        if self._closed:
+            self.engine._finish_load(handle, 0, "offloading is shut down")
+        else:
+            self.engine.submit_load(handle)
+        return handle
+
+    # -- completion -----------------------------------------------------------------------
+    def poll(self) -> list[LoadHandle]:
+        """Finish transfers: release the holds of copied blocks; return finished loads."""
+        loads = []
+        while not self.engine.events.empty():
+            kind, job = self.engine.events.get()
+            if kind == "loaded":
+                loads.append(job)
+            elif kind == "copied" and job.held:
+                self.holder.release(job.block_ids)
+                self._held.subtract(job.block_ids)
+                self._held += Counter()  # drop zero counts
+            elif kind == "stored":
+                self._pending.subtract(job.names)
+                self._pending += Counter()
+        return loads
+
+    @property
+    def held_blocks(self) -> int:
+        """Pool blocks held by stores whose copy has not finished (not free, not evictable)."""
+        return sum(self._held.values())
+
+    def drain(self, timeout: float = 60.0) -> list[LoadHandle]:
+        """Wait until every queued transfer has finished, then ``poll``."""
+        if not self.engine.wait_idle(timeout):
+            log.warning("offload: transfers still running after %.0f s", timeout)
+        return self.poll()
+
+    def shutdown(self, flush: bool = False, timeout: float = 30.0) -> None:
+        """Stop the workers (after finishing queued stores when ``flush``) and release holds."""
+        if self._closed:
+            return
+        if flush:
+            self.engine.wait_idle(timeout)
+        self._closed = True
+        stuck = self.engine.shutdown(timeout)
+        self.poll()
+        if stuck:
+            log.warning("offload: %s did not stop within %.0f s",
+                        ", ".join(t.name for t in stuck), timeout)
+
+    # -- metrics --------------------------------------------------------------------------
+    def stats(self) -> dict[str, TierStats]:
+        return {t.name: t.snapshot() for t in self.tiers}

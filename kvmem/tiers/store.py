@@ -1,0 +1,218 @@
+"""The bookkeeping every tier shares: a byte budget, an index, pins and eviction.
+
+A tier maps block names (``blocks.key_name``) to entries. An entry is written outside the
+lock and becomes visible only once its bytes are complete, so a lookup never finds a
+half-written block. A load pins its entries first, and a pinned entry is never evicted;
+an entry that fails to load leaves the index at once and gives its space back when the
+last pin goes. ``used_bytes`` is the exact sum of the entries' sizes at every moment.
+
+Subclasses supply ``_entry_bytes``, ``_allocate``, ``_write``, ``_read`` and ``_release``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvmem.tiers.faults import NO_FAULTS, Faults
+from kvmem.tiers.policy import LRUPolicy
+from kvmem.tiers.stats import TierStats
+
+log = logging.getLogger("kvmem.tiers")
+
+
+class LoadError(Exception):
+    """A stored block could not be read back intact."""
+
+
+@dataclass(eq=False)
+class Entry:
+    name: str
+    nbytes: int
+    handle: Any  # where the bytes are: an arena row (CPU) or a file path (disk)
+    pins: int = 0
+    ready: bool = False
+    dropped: bool = False
+
+
+class BlockStore(ABC):
+    name = "tier"
+
+    def __init__(self, capacity_bytes: int, policy: LRUPolicy, faults: Faults = NO_FAULTS) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.faults = faults
+        self.stats = TierStats(capacity_bytes=capacity_bytes)
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._used = 0
+        self._enabled = True
+
+    # -- queries (any thread) -------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return sum(e.ready for e in self._entries.values())
+
+    def contains(self, name: str) -> bool:
+        entry = self._entries.get(name)
+        return entry is not None and entry.ready
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            self.stats.used_bytes = self._used
+            self.stats.enabled = self._enabled
+            return TierStats(**self.stats.as_dict())
+
+    def record_lookup(self, hits: int, misses: int) -> None:
+        with self._lock:
+            self.stats.hits += hits
+            self.stats.misses += misses
+
+    def record_skipped(self, num_blocks: int) -> None:
+        """Count stores dropped before they reached this tier (e.g. too much already queued)."""
+        with self._lock:
+            self.stats.skipped_stores += num_blocks
+
+    # -- loads ----------------------------------------------------------------------------
+    def pin(self, name: str) -> Entry | None:
+        """Keep ``name`` from eviction until ``unpin``; None when it is not (or no longer) here."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None or not entry.ready:
+                return None
+            entry.pins += 1
+            self._policy.touched(name)
+            return entry
+
+    def unpin(self, entry: Entry) -> None:
+        with self._lock:
+            entry.pins -= 1
+            if entry.dropped and entry.pins == 0:
+                self._free(entry)
+
+    def read(self, entry: Entry, out: torch.Tensor) -> None:
+        """Copy a pinned entry into the host row ``out``; raises LoadError and drops the entry
+        when its bytes are missing or damaged."""
+        try:
+            if not self._enabled:
+                raise LoadError(f"{self.name} tier is disabled")
+            self.faults.before_read()
+            self._read(entry, out)
+        except (LoadError, OSError) as exc:
+            with self._lock:
+                self.stats.failed_loads += 1
+                self._forget(entry)
+            if isinstance(exc, OSError):
+                self._io_failed(exc)
+            raise LoadError(f"{self.name} tier: block {entry.name}: {exc}") from exc
+        with self._lock:
+            self.stats.bytes_loaded += entry.nbytes
+
+    # -- stores ---------------------------------------------------------------------------
+    def put(self, name: str, row: torch.Tensor) -> bool:
+        """Store one host row under ``name``; False (and counted) when it was not stored."""
+        with self._lock:
+            if not self._enabled:
+                self.stats.skipped_stores += 1
+                return False
+            if name in self._entries:
+                self._policy.touched(name)
+                return True
+            if not self._policy.admit(name):
+                self.stats.not_admitted += 1
+                return False
+            nbytes = self._entry_bytes(name)
+            if not self._make_room(nbytes):
+                self.stats.skipped_stores += 1
+                return False
+            entry = Entry(name, nbytes, self._allocate(name))
+            self._entries[name] = entry
+            self._used += nbytes
+        try:
+            self._write(entry, row)
+        except OSError as exc:
+            with self._lock:
+                self.stats.skipped_stores += 1
+                self._forget(entry)
+            self._io_failed(exc)
+            return False
+        with self._lock:
+            if entry.dropped:  # the tier was disabled while we wrote
+                return False
+            entry.ready = True
+            self._policy.inserted(name)
+            self.stats.stored_blocks += 1
+            self.stats.bytes_stored += nbytes
+        return True
+
+    def disable(self, reason: str) -> None:
+        """Stop using this tier (e.g. its directory vanished); its entries are forgotten."""
+        with self._lock:
+            if not self._enabled:
+                return
+            self._enabled = False
+            for entry in list(self._entries.values()):
+                self._forget(entry)
+        log.warning("%s offload tier disabled: %s", self.name, reason)
+
+    # -- internals (lock held) ------------------------------------------------------------
+    def _make_room(self, nbytes: int) -> bool:
+        if nbytes > self.capacity_bytes:
+            return False
+        for name in self._policy.victims():
+            if self._used + nbytes <= self.capacity_bytes:
+                break
+            entry = self._entries[name]
+            if entry.pins == 0:
+                self._forget(entry)
+                self.stats.evictions += 1
+        return self._used + nbytes <= self.capacity_bytes
+
+    def _forget(self, entry: Entry) -> None:
+        if self._entries.get(entry.name) is entry:
+            del self._entries[entry.name]
+            self._policy.removed(entry.name)
+        if not entry.dropped:
+            entry.dropped = True
+            if entry.pins == 0:
+                self._free(entry)
+
+    def _free(self, entry: Entry) -> None:
+        self._used -= entry.nbytes
+        self._release(entry)
+
+    # -- subclass hooks -------------------------------------------------------------------
+    def _io_failed(self, exc: OSError) -> None:  # noqa: B027 - optional hook
+        """Called (lock not held) after an OSError; a tier may disable itself here."""
+
+    @abstractmethod
+    def _entry_bytes(self, name: str) -> int:
+        ...
+
+    @abstractmethod
+    def _allocate(self, name: str) -> Any:
+        ...
+
+    @abstractmethod
+    def _write(self, entry: Entry, row: torch.Tensor) -> None:
+        ...
+
+    @abstractmethod
+    def _read(self, entry: Entry, out: torch.Tensor) -> None:
+        ...
+
+    @abstractmethod
+    def _release(self, entry: Entry) -> None:
+        ...
