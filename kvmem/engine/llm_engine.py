@@ -33,10 +33,36 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 class EngineStats:
     """Counters since start; ``kvmem.serve`` exports them as Prometheus metrics."""
 
+    received_requests: int = 0
     finished_requests: Counter = field(default_factory=Counter)  # finish reason -> count
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A consistent copy of the engine's counters and gauges, safe to read from any thread."""
+
+    received_requests: int
+    finished_requests: dict[str, int]
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens \
+            else 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -171,6 +197,7 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.stats.received_requests += 1
         self._detokenizers[request.request_id] = self.tokenizer.detokenizer(
             request.prompt_token_ids)
         self.scheduler.add_request(request)
@@ -294,6 +321,20 @@ class LLMEngine:
 
     def kv_usage(self):
         return self.kv_cache_manager.usage()
+
+    def snapshot(self) -> EngineSnapshot:
+        usage = self.kv_cache_manager.usage()
+        sched = self.scheduler.stats
+        return EngineSnapshot(
+            received_requests=self.stats.received_requests,
+            finished_requests=dict(self.stats.finished_requests),
+            prompt_tokens=self.stats.prompt_tokens,
+            generation_tokens=self.stats.generation_tokens, steps=self.stats.steps,
+            num_preemptions=sched.num_preemptions, num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting, kv_blocks_total=usage.total,
+            kv_blocks_free=usage.free, kv_blocks_used=usage.used, kv_blocks_cached=usage.cached,
+            prefix_queried_tokens=sched.prefix_queried_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens)
 
 
 def _one_block_plan(spec):
