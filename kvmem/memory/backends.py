@@ -1,0 +1,175 @@
+"""Page backends: reserve one virtual range, then map and unmap physical pages inside it.
+
+- ``MmapBackend`` (CPU): an anonymous ``MAP_NORESERVE`` mapping; a page is committed by
+  populating it and released with ``madvise(MADV_DONTNEED)``, so resident memory follows
+  the mapped pages.
+- ``FakeBackend``: records every operation and rejects a double map or a stray unmap;
+  for unit and stress tests.
+- ``CudaVmmBackend`` (``kvmem.memory.cuda_vmm``): the CUDA driver's virtual memory API,
+  imported only when a CUDA device is asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import random
+import threading
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from kvmem.errors import KvmemError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class BackendError(KvmemError):
+    """A page could not be reserved, mapped or unmapped."""
+
+
+class PageBackend(Protocol):
+    granularity: int
+
+    def reserve(self, nbytes: int) -> None: ...
+    def map(self, offset: int, length: int) -> None: ...
+    def unmap(self, offset: int, length: int) -> None: ...
+    def tensor(self, offset: int, length: int) -> torch.Tensor: ...  # uint8 view of the range
+    def close(self) -> None: ...
+
+
+_PROT_READ, _PROT_WRITE = 0x1, 0x2
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
+_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+class MmapBackend:
+    """CPU pages over an anonymous, unreserved mapping."""
+
+    def __init__(self) -> None:
+        self.granularity = mmap.PAGESIZE
+        self._libc = _libc()
+        self._addr: int | None = None
+        self._size = 0
+        self._populate = True  # MADV_POPULATE_WRITE needs Linux 5.14; fall back to touching
+
+    def reserve(self, nbytes: int) -> None:
+        addr = self._libc.mmap(None, nbytes, _PROT_READ | _PROT_WRITE,
+                               _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise BackendError(f"cannot reserve {nbytes} bytes of address space: "
+                               f"{os.strerror(err)}")
+        self._addr, self._size = addr, nbytes
+
+    def _check(self, offset: int, length: int) -> int:
+        if self._addr is None or offset < 0 or offset + length > self._size:
+            raise BackendError(f"range {offset}+{length} is outside the reservation")
+        return self._addr + offset
+
+    def map(self, offset: int, length: int) -> None:
+        addr = self._check(offset, length)
+        if self._populate and self._libc.madvise(addr, length, _MADV_POPULATE_WRITE) == 0:
+            return
+        self._populate = False
+        # Writing one byte per OS page commits it (the kernel hands out a zeroed page).
+        step = self.granularity
+        view = (ctypes.c_uint8 * length).from_address(addr)
+        for i in range(0, length, step):
+            view[i] = 0
+
+    def unmap(self, offset: int, length: int) -> None:
+        addr = self._check(offset, length)
+        if self._libc.madvise(addr, length, _MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise BackendError(f"madvise(MADV_DONTNEED) failed: {os.strerror(err)}")
+
+    def tensor(self, offset: int, length: int) -> torch.Tensor:
+        import torch
+
+        addr = self._check(offset, length)
+        return torch.frombuffer((ctypes.c_uint8 * length).from_address(addr), dtype=torch.uint8)
+
+    def close(self) -> None:
+        # Tensors over the range must be dropped first; callers own that ordering.
+        if self._addr is not None:
+            self._libc.munmap(self._addr, self._size)
+            self._addr = None
+
+
+class DoubleMapError(BackendError):
+    """A fake page was mapped twice or unmapped while not mapped."""
+
+
+class FakeBackend:
+    """Bookkeeping only: records operations, checks them, optionally sleeps to widen races."""
+
+    def __init__(self, granularity: int = 4096, *, max_delay: float = 0.0, seed: int = 0) -> None:
+        self.granularity = granularity
+        self.max_delay = max_delay
+        self.mapped: set[int] = set()  # offsets
+        self.log: list[tuple[str, int]] = []  # ("map" | "unmap", offset), in order
+        self.map_calls = 0
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._size = 0
+
+    def reserve(self, nbytes: int) -> None:
+        self._size = nbytes
+
+    def _delay(self) -> None:
+        if self.max_delay:
+            with self._lock:
+                d = self._rng.uniform(0, self.max_delay)
+            time.sleep(d)
+
+    def map(self, offset: int, length: int) -> None:
+        with self._lock:
+            if offset in self.mapped:
+                raise DoubleMapError(f"offset {offset} mapped twice")
+            self.mapped.add(offset)
+            self.log.append(("map", offset))
+            self.map_calls += 1
+        self._delay()
+
+    def unmap(self, offset: int, length: int) -> None:
+        self._delay()
+        with self._lock:
+            if offset not in self.mapped:
+                raise DoubleMapError(f"offset {offset} unmapped while not mapped")
+            self.mapped.discard(offset)
+            self.log.append(("unmap", offset))
+
+    def tensor(self, offset: int, length: int) -> torch.Tensor:
+        import torch
+
+        return torch.zeros(length, dtype=torch.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+def make_backend(device: str) -> PageBackend:
+    """The backend for a device string; CUDA's is imported only here, when asked for."""
+    kind = str(device).split(":")[0]
+    if kind == "cpu":
+        return MmapBackend()
+    if kind == "cuda":
+        from kvmem.memory.cuda_vmm import CudaVmmBackend
+
+        index = int(str(device).split(":")[1]) if ":" in str(device) else 0
+        return CudaVmmBackend(index)
+    raise BackendError(f"no elastic memory backend for device {device!r} (use cpu or cuda)")

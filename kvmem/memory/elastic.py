@@ -1,0 +1,177 @@
+"""``ElasticKVStorage``: KV slot tensors over a reserved virtual range, backed by physical
+pages only where blocks hold live KV.
+
+The reservation is sized for the largest pool the device could hold (``max_blocks``);
+the block manager sees all of those blocks, and the shared budget decides how many may
+be live at once (``capacity_guard``). Wiring into a block pool takes three lines::
+
+    storage = ElasticKVStorage(num_slots, shape, dtype, max_blocks=n, device="cuda:0",
+                               budget=Ledger.for_device("cuda:0").register("llama"))
+    pool = BlockPool(storage.num_blocks, free_queue=storage.free_queue())
+    storage.attach(pool)
+
+Startup order: the null block's page is mapped in the constructor, synchronously; the
+pre-mapping thread starts only in ``start()``. With tensor parallelism, rank 0 decides
+every mapping and the other ranks replay its decisions (``drain_ops`` / ``apply_ops``,
+or ``PageMapCoordinator`` at startup); rank and world size are constructor arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmem.errors import ConfigError
+from kvmem.memory.backends import PageBackend, make_backend
+from kvmem.memory.free_queue import PageAwareFreeQueue
+from kvmem.memory.ledger import EngineBudget
+from kvmem.memory.page_table import PageOp, PageTable
+from kvmem.memory.pages import PageGeometry
+from kvmem.memory.premap import PremapThread
+from kvmem.memory.storage import SlotShape
+
+if TYPE_CHECKING:
+    import torch
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class ElasticStats:
+    reserved_bytes: int  # virtual range
+    mapped_bytes: int  # physical pages mapped (or being mapped/unmapped)
+    held_bytes: int  # mapped plus budget taken for pages about to be mapped
+    used_bytes: int  # live blocks
+    page_bytes: int
+    mapped_pages: int
+    live_blocks: int
+    free_blocks: int
+    maps: int
+    unmaps: int
+    limit_bytes: int | None
+
+
+class ElasticKVStorage:
+    def __init__(self, num_slots: int, shape: SlotShape, dtype: torch.dtype, *, max_blocks: int,
+                 device: str = "cpu", backend: PageBackend | None = None,
+                 budget: EngineBudget | None = None, reserve_pages: int = 2,
+                 blocks_per_page: int | None = None, min_page_bytes: int = 0,
+                 rank: int = 0, world_size: int = 1, wait_timeout: float = 30.0,
+                 start: bool = True) -> None:
+        import torch
+
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not in a world of size {world_size}")
+        if reserve_pages < 0:
+            raise ConfigError("reserve_pages must be >= 0")
+        self.rank, self.world_size = rank, world_size
+        self.shape, self.dtype, self.device = shape, dtype, device
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.backend = backend if backend is not None else make_backend(device)
+        self.geometry = PageGeometry.build(
+            num_slots=num_slots, block_slot_bytes=shape.elements_per_block * elem,
+            max_blocks=max_blocks, granularity=self.backend.granularity,
+            min_page_bytes=min_page_bytes, blocks_per_page=blocks_per_page)
+        self.num_blocks = self.geometry.num_blocks
+        self.budget = budget if rank == 0 else None  # rank 0 speaks for the engine
+        self.table = PageTable(self.geometry, self.backend, self.budget,
+                               reserve_pages=reserve_pages, wait_timeout=wait_timeout,
+                               record_ops=world_size > 1)
+        self.backend.reserve(self.geometry.reserved_bytes)
+        if rank == 0:
+            # Before any background work exists: the null block's page, synchronously.
+            self.table.map_now(self.geometry.page_of(NULL_BLOCK))
+            self.table.pin(NULL_BLOCK)
+        self._slots: list[torch.Tensor] | None = None
+        self._premap: PremapThread | None = None
+        if start and world_size == 1:
+            self.start()
+
+    # ---- KVStorage --------------------------------------------------------------------------
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        if self._slots is None:  # views are made once the null page is mapped on this rank
+            geo, s = self.geometry, self.shape
+            self._slots = [
+                self.backend.tensor(i * geo.slot_bytes, geo.slot_bytes).view(self.dtype)
+                .view(self.num_blocks, s.num_kv, s.block_size, s.num_heads, s.head_dim)
+                for i in range(geo.num_slots)]
+        return self._slots[slot]
+
+    # ---- block manager wiring ---------------------------------------------------------------
+
+    def free_queue(self) -> PageAwareFreeQueue:
+        return PageAwareFreeQueue(self.table)
+
+    def capacity_guard(self, n: int) -> bool:
+        return self.table.can_allocate(n)
+
+    def on_blocks_allocated(self, block_ids: list[int]) -> None:
+        self.table.on_blocks_allocated(block_ids)
+
+    def on_blocks_released(self, block_ids: list[int]) -> None:
+        self.table.on_blocks_released(block_ids)
+
+    def attach(self, pool: Any) -> None:
+        """Register with a block pool: mapping hooks and the shared-budget guard."""
+        pool.add_listener(self)
+        pool.capacity_guard = self.capacity_guard
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the pre-mapping thread (rank 0 only; other ranks replay rank 0's ops)."""
+        if self.rank != 0 or self._premap is not None:
+            return
+        self._premap = PremapThread(self.table, heartbeat=self._heartbeat)
+        self._premap.start()
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Finish pending pre-mapping and trimming (tests and benchmarks)."""
+        if self.rank != 0:
+            return
+        if self._premap is None:
+            while self.table.maintain_once():
+                pass
+        else:
+            self._premap.settle(timeout)
+
+    def _heartbeat(self) -> None:
+        if self.budget is None:
+            return
+        _, allowed = self.budget.report(self.stats().used_bytes)
+        with self.table.cond:
+            self.table.allowed_bytes = allowed
+            self.table.cond.notify_all()
+
+    def drain_ops(self) -> list[PageOp]:
+        return self.table.drain_ops()
+
+    def apply_ops(self, ops: list[PageOp]) -> None:
+        self.table.apply_ops(ops)
+
+    def stats(self) -> ElasticStats:
+        t, geo = self.table, self.geometry
+        with t.cond:
+            return ElasticStats(
+                reserved_bytes=geo.reserved_bytes, mapped_bytes=t.mapped_pages * geo.page_bytes,
+                held_bytes=t.held_bytes, used_bytes=t.live_blocks * geo.block_slot_bytes
+                * geo.num_slots, page_bytes=geo.page_bytes, mapped_pages=t.mapped_pages,
+                live_blocks=t.live_blocks, free_blocks=t.num_free, maps=t.maps,
+                unmaps=t.unmaps, limit_bytes=t.allowed_bytes)
+
+    def close(self) -> None:
+        if self._premap is not None:
+            self._premap.stop()
+            self._premap = None
+        if self.budget is not None:
+            self.budget.close()
+            self.budget = None
+        self._slots = None
+        self.backend.close()
+
+    def __enter__(self) -> ElasticKVStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

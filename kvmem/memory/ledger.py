@@ -1,0 +1,196 @@
+"""The shared budget: a small file-backed table, locked with ``fcntl``, that lets engine
+processes on one device share a memory limit.
+
+Each engine has an entry (pid, held bytes, used bytes, own limit, heartbeat); the table
+may also carry a ``total_limit`` for all engines together. An engine asks for bytes
+before it maps pages (``EngineBudget.try_acquire``) and gives them back after it unmaps
+them. Entries of processes that no longer exist are reaped on every update.
+
+The file lives in ``$KVMEM_LEDGER_DIR`` (default ``/dev/shm``, else the temp directory)
+as ``kvmem-ledger-<device>.json``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvmem.errors import ConfigError, KvmemError
+
+
+class UnknownEngineError(KvmemError):
+    """No running engine of that name is in the ledger."""
+
+
+@dataclass
+class LedgerEntry:
+    name: str
+    pid: int
+    device: str
+    mapped_bytes: int  # bytes held from the budget (mapped pages plus any being mapped)
+    used_bytes: int  # bytes of blocks holding live KV
+    limit_bytes: int | None  # None: only the device total applies
+    heartbeat: float
+
+
+def ledger_dir() -> Path:
+    env = os.environ.get("KVMEM_LEDGER_DIR")
+    if env:
+        return Path(env)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _device_key(device: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in str(device))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Ledger:
+    """One device's table. Every read-modify-write holds an exclusive ``flock``."""
+
+    def __init__(self, path: str | Path, device: str = "cpu") -> None:
+        self.path = Path(path)
+        self.device = device
+
+    @classmethod
+    def for_device(cls, device: str, directory: str | Path | None = None) -> Ledger:
+        root = Path(directory) if directory else ledger_dir()
+        return cls(root / f"kvmem-ledger-{_device_key(device)}.json", device)
+
+    @classmethod
+    def all(cls, directory: str | Path | None = None) -> list[Ledger]:
+        root = Path(directory) if directory else ledger_dir()
+        return [cls(p, p.stem.removeprefix("kvmem-ledger-"))
+                for p in sorted(root.glob("kvmem-ledger-*.json"))]
+
+    @contextmanager
+    def _locked(self, write: bool) -> Iterator[dict]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+            raw = b""
+            while chunk := os.read(fd, 1 << 16):
+                raw += chunk
+            try:
+                table = json.loads(raw) if raw else {}
+            except json.JSONDecodeError:
+                table = {}  # a torn or foreign file: start a fresh table
+            table.setdefault("total_limit", None)
+            table.setdefault("engines", {})
+            yield table
+            if write:
+                table["engines"] = {n: e for n, e in table["engines"].items() if _alive(e["pid"])}
+                data = json.dumps(table).encode()
+                os.lseek(fd, 0, os.SEEK_SET)
+                os.ftruncate(fd, 0)
+                os.write(fd, data)
+        finally:
+            os.close(fd)  # closing the descriptor drops the lock
+
+    def entries(self) -> list[LedgerEntry]:
+        with self._locked(write=False) as table:
+            return [LedgerEntry(**e) for e in table["engines"].values() if _alive(e["pid"])]
+
+    def total_limit(self) -> int | None:
+        with self._locked(write=False) as table:
+            return table["total_limit"]
+
+    def set_total_limit(self, nbytes: int | None) -> None:
+        with self._locked(write=True) as table:
+            table["total_limit"] = nbytes
+
+    def set_limit(self, name: str, nbytes: int | None) -> None:
+        with self._locked(write=True) as table:
+            entry = table["engines"].get(name)
+            if entry is None or not _alive(entry["pid"]):
+                raise UnknownEngineError(f"no running engine named {name!r} on {self.device}")
+            entry["limit_bytes"] = nbytes
+
+    def register(self, name: str, *, limit_bytes: int | None = None,
+                 total_limit: int | None = None) -> EngineBudget:
+        """Add this process as engine ``name``; a live engine of that name is an error."""
+        with self._locked(write=True) as table:
+            old = table["engines"].get(name)
+            if old is not None and _alive(old["pid"]) and old["pid"] != os.getpid():
+                raise ConfigError(f"an engine named {name!r} (pid {old['pid']}) already uses "
+                                  f"{self.device}; pick another name")
+            if total_limit is not None and table["total_limit"] is None:
+                table["total_limit"] = total_limit
+            table["engines"][name] = asdict(LedgerEntry(
+                name, os.getpid(), self.device, 0, 0, limit_bytes, time.time()))
+        return EngineBudget(self, name)
+
+    def update(self, name: str, change: Callable[[dict, dict], object]) -> object:
+        """Apply ``change(entry, table)`` to engine ``name`` under the lock; returns its result."""
+        with self._locked(write=True) as table:
+            entry = table["engines"].get(name)
+            if entry is None:
+                raise UnknownEngineError(f"engine {name!r} is no longer in the ledger {self.path}")
+            entry["heartbeat"] = time.time()
+            return change(entry, table)
+
+
+class EngineBudget:
+    """One engine's handle on the ledger: ask for bytes before mapping, give them back after."""
+
+    def __init__(self, ledger: Ledger, name: str) -> None:
+        self.ledger = ledger
+        self.name = name
+
+    def try_acquire(self, nbytes: int) -> bool:
+        """Take ``nbytes`` if both this engine's limit and the device total allow it."""
+        def change(entry: dict, table: dict) -> bool:
+            held = entry["mapped_bytes"] + nbytes
+            if entry["limit_bytes"] is not None and held > entry["limit_bytes"]:
+                return False
+            total = table["total_limit"]
+            if total is not None:
+                others = sum(e["mapped_bytes"] for n, e in table["engines"].items()
+                             if n != self.name and _alive(e["pid"]))
+                if others + held > total:
+                    return False
+            entry["mapped_bytes"] = held
+            return True
+
+        return bool(self.ledger.update(self.name, change))
+
+    def release(self, nbytes: int) -> None:
+        def change(entry: dict, table: dict) -> None:
+            entry["mapped_bytes"] = max(0, entry["mapped_bytes"] - nbytes)
+
+        self.ledger.update(self.name, change)
+
+    def report(self, used_bytes: int) -> tuple[int, int | None]:
+        """Record used bytes and a heartbeat; returns (held bytes, bytes allowed to hold)."""
+        def change(entry: dict, table: dict) -> tuple[int, int | None]:
+            entry["used_bytes"] = used_bytes
+            caps = [c for c in (entry["limit_bytes"], table["total_limit"]) if c is not None]
+            return entry["mapped_bytes"], (min(caps) if caps else None)
+
+        held, allowed = self.ledger.update(self.name, change)  # type: ignore[misc]
+        return held, allowed
+
+    def close(self) -> None:
+        def change(entry: dict, table: dict) -> None:
+            table["engines"].pop(self.name, None)
+
+        with suppress(UnknownEngineError):
+            self.ledger.update(self.name, change)

@@ -1,0 +1,398 @@
+"""Page state and page-aware placement for an elastic KV cache.
+
+The ``PageTable`` knows, for every page, whether it is mapped, how many of its blocks hold
+live KV and which of its blocks are free. It backs three things:
+
+- the free-block queue (``PageAwareFreeQueue``): hands out blocks on mapped pages first,
+  the fullest such page first, so live blocks pack densely and sparse pages drain;
+- the block manager's hooks: pages are mapped when their blocks are allocated and become
+  unmappable when all their blocks are released;
+- the budget: ``can_allocate(n)`` tells the block manager whether ``n`` more blocks fit
+  under the shared limit, taking the bytes they need from the ledger up front (as
+  *credit*) so that the following allocation cannot fail.
+
+Every page moves UNMAPPED -> MAPPING -> MAPPED -> UNMAPPING -> UNMAPPED, each transition
+under one lock, so a page is never mapped twice or unmapped while in use; the driver call
+itself runs outside the lock. A thread that needs a page another thread is mapping waits
+for it, bounded by ``wait_timeout``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+from math import ceil
+
+from kvmem.errors import KvmemError
+from kvmem.memory.backends import PageBackend
+from kvmem.memory.ledger import EngineBudget
+from kvmem.memory.pages import PageGeometry
+from kvmem.memory.wait import wait_for
+
+
+class PageState(IntEnum):
+    UNMAPPED = 0
+    MAPPING = 1
+    MAPPED = 2
+    UNMAPPING = 3
+
+
+class OverBudgetError(KvmemError):
+    """Blocks were allocated without asking ``can_allocate`` and the budget refused them."""
+
+
+@dataclass(frozen=True)
+class PageOp:
+    """One mapping decision, replayed in order on every tensor-parallel rank."""
+
+    kind: str  # "map" or "unmap"
+    page: int
+
+
+class PageTable:
+    def __init__(self, geometry: PageGeometry, backend: PageBackend,
+                 budget: EngineBudget | None = None, *, reserve_pages: int = 2,
+                 wait_timeout: float = 30.0, record_ops: bool = False) -> None:
+        self.geo = geometry
+        self.backend = backend
+        self.budget = budget
+        self.reserve_pages = reserve_pages
+        self.wait_timeout = wait_timeout
+        self.cond = threading.Condition()
+        n_pages, k = geometry.num_pages, geometry.blocks_per_page
+        self.state = [PageState.UNMAPPED] * n_pages
+        self.live = [0] * n_pages  # live blocks per page
+        self._block_live = bytearray(geometry.num_blocks)
+        self.live_blocks = 0
+        # Free blocks per page in queue order; all blocks start free.
+        self._free: list[OrderedDict[int, None]] = [
+            OrderedDict.fromkeys(geometry.blocks_of(p)) for p in range(n_pages)]
+        self.num_free = geometry.num_blocks
+        self.free_on_mapped = 0  # free blocks on MAPPED or MAPPING pages
+        # Mapped pages with free blocks, bucketed by how many are free (fewest first wins).
+        self._buckets: list[set[int]] = [set() for _ in range(k + 1)]
+        self._min_bucket = k + 1
+        self._unmapped_heap = list(range(n_pages))  # lazily cleaned: lowest index first
+        self.mapped_pages = 0  # MAPPED + MAPPING + UNMAPPING: pages whose bytes are held
+        self.credit_pages = 0  # budget taken for pages not mapped yet
+        self.promised_blocks = 0  # blocks can_allocate said yes to, not yet allocated
+        self.allowed_bytes: int | None = None  # latest cap read from the ledger
+        self.maps = 0
+        self.unmaps = 0
+        self._ops: list[PageOp] | None = [] if record_ops else None
+
+    # ---- budget -------------------------------------------------------------------------
+
+    @property
+    def page_bytes(self) -> int:
+        return self.geo.page_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        return (self.mapped_pages + self.credit_pages) * self.geo.page_bytes
+
+    def _take_page_budget(self) -> bool:
+        if self.credit_pages:
+            self.credit_pages -= 1
+            return True
+        return self.budget is None or self.budget.try_acquire(self.geo.page_bytes)
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``n`` more blocks may be taken; the pages they need are paid for now."""
+        k = self.geo.blocks_per_page
+        with self.cond:
+            covered = self.free_on_mapped + self.credit_pages * k
+            if n > covered:
+                need = ceil((n - covered) / k)
+                if self.budget is not None and not self.budget.try_acquire(need * self.page_bytes):
+                    return False
+                self.credit_pages += need
+            self.promised_blocks = n
+            return True
+
+    # ---- free-block queue -----------------------------------------------------------------
+
+    def _bucket_move(self, page: int, old: int, new: int) -> None:
+        if self.state[page] not in (PageState.MAPPED, PageState.MAPPING):
+            return
+        if old:
+            self._buckets[old].discard(page)
+        if new:
+            self._buckets[new].add(page)
+            self._min_bucket = min(self._min_bucket, new)
+
+    def _pick_page(self) -> int | None:
+        k = self.geo.blocks_per_page
+        while self._min_bucket <= k and not self._buckets[self._min_bucket]:
+            self._min_bucket += 1
+        if self._min_bucket <= k:
+            return min(self._buckets[self._min_bucket])  # lowest index: deterministic
+        while self._unmapped_heap:
+            page = self._unmapped_heap[0]
+            if self.state[page] is PageState.UNMAPPED and self._free[page]:
+                return page
+            heapq.heappop(self._unmapped_heap)
+        # Pages being unmapped are the last resort; their blocks get remapped on allocation.
+        return next((p for p, s in enumerate(self.state)
+                     if s is PageState.UNMAPPING and self._free[p]), None)
+
+    def pop_free(self) -> int:
+        with self.cond:
+            page = self._pick_page()
+            if page is None:
+                raise IndexError("no free blocks")
+            block, _ = self._free[page].popitem(last=False)
+            self._on_free_count_change(page, -1)
+            return block
+
+    def push_free(self, block: int) -> None:
+        page = self.geo.page_of(block)
+        with self.cond:
+            if block in self._free[page]:
+                raise ValueError(f"block {block} is already free")
+            self._free[page][block] = None
+            self._on_free_count_change(page, +1)
+            self.cond.notify_all()
+
+    def remove_free(self, block: int) -> None:
+        page = self.geo.page_of(block)
+        with self.cond:
+            del self._free[page][block]
+            self._on_free_count_change(page, -1)
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free[self.geo.page_of(block)]
+
+    def free_blocks(self) -> list[int]:
+        with self.cond:
+            return [b for page in self._free for b in page]
+
+    def _on_free_count_change(self, page: int, delta: int) -> None:
+        now = len(self._free[page])
+        self.num_free += delta
+        if self.state[page] in (PageState.MAPPED, PageState.MAPPING):
+            self.free_on_mapped += delta
+            self._bucket_move(page, now - delta, now)
+        elif self.state[page] is PageState.UNMAPPED and delta > 0 and now == 1:
+            heapq.heappush(self._unmapped_heap, page)
+
+    # ---- block manager hooks ----------------------------------------------------------------
+
+    def on_blocks_allocated(self, block_ids: Iterable[int]) -> None:
+        """Mark blocks live and map their pages before the caller writes to them."""
+        to_map: list[int] = []
+        with self.cond:
+            pages: set[int] = set()
+            fresh = 0
+            for b in block_ids:
+                page = self.geo.page_of(b)
+                pages.add(page)
+                if not self._block_live[b]:
+                    self._block_live[b] = 1
+                    self.live[page] += 1
+                    fresh += 1
+            self.live_blocks += fresh
+            self.promised_blocks = max(0, self.promised_blocks - fresh)
+            for page in sorted(pages):
+                self._wait_settled(page)
+                if self.state[page] is PageState.UNMAPPED:
+                    if not self._take_page_budget():
+                        raise OverBudgetError(
+                            "elastic KV memory is at its limit; allocations must be checked "
+                            "with the pool's capacity guard first")
+                    self._begin_map(page)
+                    to_map.append(page)
+            self.cond.notify_all()  # the reserve may need topping up
+        for page in to_map:
+            self._map(page)
+
+    def on_blocks_released(self, block_ids: Iterable[int]) -> None:
+        """Blocks hold no KV any more: their pages may be unmapped once wholly unused."""
+        with self.cond:
+            gone = 0
+            for b in block_ids:
+                if self._block_live[b]:
+                    self._block_live[b] = 0
+                    self.live[self.geo.page_of(b)] -= 1
+                    gone += 1
+            self.live_blocks -= gone
+            self.cond.notify_all()
+
+    def _wait_settled(self, page: int) -> None:
+        state = self.state[page]
+        if state in (PageState.MAPPING, PageState.UNMAPPING):
+            doing = "mapping" if state is PageState.MAPPING else "unmapping"
+            wait_for(lambda: self.state[page] in (PageState.UNMAPPED, PageState.MAPPED),
+                     cond=self.cond, timeout=self.wait_timeout,
+                     what=f"another thread to finish {doing} KV page {page}")
+
+    # ---- mapping ----------------------------------------------------------------------------
+
+    def _begin_map(self, page: int) -> None:
+        self.state[page] = PageState.MAPPING
+        self.mapped_pages += 1
+        free = len(self._free[page])
+        self.free_on_mapped += free
+        self._bucket_move(page, 0, free)
+        if self._ops is not None:
+            self._ops.append(PageOp("map", page))
+
+    def _map(self, page: int) -> None:
+        """Map a page in MAPPING state (lock not held), then mark it MAPPED."""
+        try:
+            for offset, length in self.geo.regions(page):
+                self.backend.map(offset, length)
+        except BaseException:
+            with self.cond:
+                self._abort_map(page)
+            raise
+        with self.cond:
+            self.state[page] = PageState.MAPPED
+            self.maps += 1
+            self.cond.notify_all()
+
+    def _abort_map(self, page: int) -> None:
+        free = len(self._free[page])
+        self._bucket_move(page, free, 0)
+        self.free_on_mapped -= free
+        self.state[page] = PageState.UNMAPPED
+        self.mapped_pages -= 1
+        heapq.heappush(self._unmapped_heap, page)
+        if self.budget is not None:
+            self.budget.release(self.page_bytes)
+        self.cond.notify_all()
+
+    def map_now(self, page: int) -> None:
+        """Map one page synchronously (the null block's page at startup)."""
+        with self.cond:
+            self._wait_settled(page)
+            if self.state[page] is not PageState.UNMAPPED:
+                return
+            if not self._take_page_budget():
+                raise OverBudgetError(f"the KV memory limit is below one page "
+                                      f"({self.page_bytes} bytes)")
+            self._begin_map(page)
+        self._map(page)
+
+    def pin(self, block: int) -> None:
+        """Keep a block live for good (the null block), so its page is never unmapped."""
+        self.on_blocks_allocated([block])
+
+    # ---- background maintenance -------------------------------------------------------------
+
+    def _spare_pages_target(self) -> int:
+        return self.reserve_pages * self.geo.blocks_per_page + self.promised_blocks
+
+    def _over_cap(self, extra_pages: int = 0) -> bool:
+        cap = self.allowed_bytes
+        return cap is not None and self.held_bytes + extra_pages * self.page_bytes > cap
+
+    def _pick_premap(self) -> int | None:
+        if self.free_on_mapped >= self._spare_pages_target():
+            return None
+        if not self.credit_pages and self._over_cap(1):
+            return None
+        while self._unmapped_heap:
+            page = self._unmapped_heap[0]
+            if self.state[page] is PageState.UNMAPPED and self._free[page]:
+                return page
+            heapq.heappop(self._unmapped_heap)
+        return None
+
+    def _pick_trim(self) -> int | None:
+        k = self.geo.blocks_per_page
+        target = self.promised_blocks if self._over_cap() else self._spare_pages_target()
+        if self.free_on_mapped - k + self.credit_pages * k < target:
+            return None
+        # Highest-index wholly free page: keeps live blocks packed at the low end.
+        for page in sorted(self._buckets[k], reverse=True):
+            if self.state[page] is PageState.MAPPED and self.live[page] == 0:
+                return page
+        return None
+
+    def _surplus_credit(self) -> int:
+        needed = ceil(max(0, self.promised_blocks - self.free_on_mapped) / self.geo.blocks_per_page)
+        return self.credit_pages - needed
+
+    def maintain_once(self) -> bool:
+        """Do one step of background work (return spare credit, pre-map or trim one page).
+
+        Returns whether anything was done. Safe to call from any thread.
+        """
+        k = self.geo.blocks_per_page
+        with self.cond:
+            page = self._pick_premap()
+            if page is not None and self._take_page_budget():
+                self._begin_map(page)
+                action = "map"
+            elif (surplus := self._surplus_credit()) > 0:
+                # Budget taken by can_allocate but no longer needed goes back to the ledger.
+                self.credit_pages -= surplus
+                if self.budget is not None:
+                    self.budget.release(surplus * self.page_bytes)
+                return True
+            else:
+                page = self._pick_trim()
+                if page is None:
+                    return False
+                self.state[page] = PageState.UNMAPPING
+                self.free_on_mapped -= k
+                self._buckets[k].discard(page)
+                if self._ops is not None:
+                    self._ops.append(PageOp("unmap", page))
+                action = "unmap"
+        if action == "map":
+            self._map(page)
+        else:
+            self._unmap(page)
+        return True
+
+    def _unmap(self, page: int) -> None:
+        try:
+            for offset, length in self.geo.regions(page):
+                self.backend.unmap(offset, length)
+        finally:
+            with self.cond:
+                self.state[page] = PageState.UNMAPPED
+                self.mapped_pages -= 1
+                self.unmaps += 1
+                if self._free[page]:
+                    heapq.heappush(self._unmapped_heap, page)
+                self.cond.notify_all()
+            if self.budget is not None:
+                self.budget.release(self.page_bytes)
+
+    def apply_ops(self, ops: Iterable[PageOp]) -> None:
+        """Replay the leader's mapping decisions, in order (on ranks other than 0)."""
+        for op in ops:
+            page = op.page
+            with self.cond:
+                self._wait_settled(page)
+                want = PageState.UNMAPPED if op.kind == "map" else PageState.MAPPED
+                if self.state[page] is not want:
+                    raise KvmemError(f"cannot {op.kind} KV page {page}: it is "
+                                     f"{self.state[page].name.lower()} on this rank (ranks "
+                                     "disagree about the page map)")
+                if op.kind == "map":
+                    self._begin_map(page)
+                else:
+                    self.state[page] = PageState.UNMAPPING
+                    self.free_on_mapped -= len(self._free[page])
+                    self._buckets[len(self._free[page])].discard(page)
+            if op.kind == "map":
+                self._map(page)
+            else:
+                self._unmap(page)
+
+    def pages_in_flight(self) -> int:
+        return sum(s in (PageState.MAPPING, PageState.UNMAPPING) for s in self.state)
+
+    def drain_ops(self) -> list[PageOp]:
+        """Mapping decisions since the last call, in order (for the other ranks)."""
+        with self.cond:
+            ops, self._ops = (self._ops or []), ([] if self._ops is not None else None)
+            return ops

@@ -1,0 +1,80 @@
+"""The pre-mapping thread: keeps a few mapped free pages ready and gives back the rest.
+
+It runs ``PageTable.maintain_once`` until there is nothing to do, then sleeps until a
+block is freed or allocated (or a short interval passes, to send a heartbeat and pick
+up a limit changed with ``kvmem limit``). It starts only after the null block's page is
+mapped, and stopping it is bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from kvmem.memory.page_table import PageTable
+from kvmem.memory.wait import WaitTimeout, wait_for
+
+
+class PremapThread:
+    def __init__(self, table: PageTable, *, heartbeat: Callable[[], None] | None = None,
+                 interval: float = 0.25) -> None:
+        self.table = table
+        self.heartbeat = heartbeat
+        self.interval = interval
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvmem-premap", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        last_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                if self.heartbeat is not None and time.monotonic() - last_beat >= self.interval:
+                    self.heartbeat()
+                    last_beat = time.monotonic()
+                if self.table.maintain_once():
+                    continue
+                with self.table.cond:
+                    self.table.cond.wait(self.interval)
+        except BaseException as e:  # surfaced by settle() and stop(); the engine keeps going
+            self.error = e
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Finish all pending pre-mapping and trimming now (tests and benchmarks).
+
+        The calling thread does the remaining work itself, then waits for the
+        background thread's page in flight, if any.
+        """
+        deadline = time.monotonic() + timeout
+        table = self.table
+        while True:
+            while table.maintain_once():
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"timed out after {timeout:g} s waiting for KV pages "
+                                      "to settle")
+            with table.cond:
+                wait_for(lambda: not table.pages_in_flight(), cond=table.cond,
+                         timeout=max(0.0, deadline - time.monotonic()),
+                         what="the pre-mapping thread to finish its page in flight")
+            if self.error is not None:
+                raise self.error
+            if not table.maintain_once():
+                return
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        with self.table.cond:
+            self.table.cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise WaitTimeout(f"timed out after {timeout:g} s waiting for the pre-mapping "
+                                  "thread to stop")
