@@ -81,6 +81,7 @@ def cached_conversion(gguf_path: Path, *, progress: bool = True) -> Path:
     work = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         convert_gguf(gguf_path, work, progress=progress)
+        work.chmod(0o755)
         try:
             work.rename(target)
         except OSError:  # another process finished the same conversion first
@@ -120,7 +121,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
                 heads = config["num_attention_heads"] if "q_proj" in name \
                     else config["num_key_value_heads"]
                 array = unpermute_rotary_rows(array, heads)
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+            tensors[name] = torch.from_numpy(np.array(array, order="C"))  # owned, writable
             advance()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(meta, out_dir)

@@ -1,0 +1,68 @@
+"""Tiny random-weight checkpoints for tests, built locally with transformers (no download).
+
+``make_tiny_checkpoint(tmp_path, family)`` writes config.json, model.safetensors,
+tokenizer.json and tokenizer_config.json (byte-level tokenizer, ChatML template) and
+returns the directory. The same seed gives the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_BASE = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.1,
+    "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 256,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 10000.0, "tie_word_embeddings": False},
+    # layer 0 full attention, layer 1 sliding window of 8 tokens: two KV groups
+    "qwen2": {"rope_theta": 1000000.0, "use_sliding_window": True, "sliding_window": 8,
+              "max_window_layers": 1, "tie_word_embeddings": False},
+    # explicit head_dim larger than hidden/heads, q/k norm, tied embeddings
+    "qwen3": {"rope_theta": 1000000.0, "head_dim": 32, "tie_word_embeddings": True},
+}
+
+
+def byte_level_tokenizer_json() -> dict[str, Any]:
+    """A byte-level tokenizer with the 256 byte symbols and no merges, plus special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return json.loads(tok.to_str())
+
+
+def make_tiny_checkpoint(tmp_path: Path, family: str = "llama", seed: int = 0,
+                         **overrides: Any) -> Path:
+    """Write a random tiny ``family`` ("llama", "qwen2", "qwen3") checkpoint under tmp_path."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    config = config_cls(**{**_BASE, **FAMILIES[family], **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    out = Path(tmp_path) / f"tiny-{family}"
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
+    }))
+    return out
