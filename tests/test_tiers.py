@@ -1,0 +1,431 @@
+"""kvmem.tiers: CPU and disk stores, async transfers, failures and accounting (no model)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from kvmem.errors import ConfigError
+from kvmem.memory.storage import SlotShape, TensorKVStorage
+from kvmem.tiers import Faults, OffloadConfig, OffloadManager, TierIdentity
+from kvmem.tiers.blocks import key_name
+from kvmem.tiers.cpu_store import CPUStore
+from kvmem.tiers.policy import LRUPolicy
+
+NUM_SLOTS = 2
+SHAPE = SlotShape(num_kv=2, block_size=4, num_heads=2, head_dim=8)
+BLOCK_NBYTES = NUM_SLOTS * SHAPE.elements_per_block * 4  # float32
+
+
+class FakeHolder:
+    """Stands in for the block pool's hold/release and checks they balance."""
+
+    def __init__(self) -> None:
+        self.held: Counter[int] = Counter()
+
+    def hold(self, block_ids):
+        self.held.update(block_ids)
+
+    def release(self, block_ids):
+        for b in block_ids:
+            assert self.held[b] > 0, f"block {b} released more often than held"
+            self.held[b] -= 1
+        self.held += Counter()
+
+
+def make_storage(num_blocks: int = 24, seed: int = 0) -> TensorKVStorage:
+    storage = TensorKVStorage(num_blocks, NUM_SLOTS, SHAPE, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for s in range(NUM_SLOTS):
+        storage.slot_tensor(s).copy_(torch.randn(storage.slot_tensor(s).shape, generator=gen))
+    return storage
+
+
+def block(storage: TensorKVStorage, b: int) -> list[torch.Tensor]:
+    return [storage.slot_tensor(s)[b].clone() for s in range(NUM_SLOTS)]
+
+
+def same_block(storage, b: int, expected: list[torch.Tensor]) -> bool:
+    return all(torch.equal(storage.slot_tensor(s)[b], expected[s]) for s in range(NUM_SLOTS))
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [i.to_bytes(16, "little") for i in ids]
+
+
+@pytest.fixture
+def manager_factory(tmp_path):
+    made = []
+
+    def make(cpu_blocks: int = 8, disk_blocks: int = 0, storage=None, *, layout="tp1",
+             faults: Faults | None = None, policy: str = "lru", max_inflight: int = 4096,
+             disk_dir=None):
+        storage = storage if storage is not None else make_storage()
+        config = OffloadConfig(
+            cpu_bytes=cpu_blocks * BLOCK_NBYTES,
+            disk_dir=str(disk_dir or tmp_path / "tier") if disk_blocks else None,
+            disk_bytes=disk_blocks * (BLOCK_NBYTES + 200), policy=policy,
+            max_inflight_store_blocks=max_inflight)
+        holder = FakeHolder()
+        mgr = OffloadManager(config, storage, NUM_SLOTS, holder, model="tiny", layout=layout,
+                             faults=faults or Faults())
+        made.append(mgr)
+        return mgr, storage, holder
+
+    yield make
+    for mgr in made:
+        mgr.shutdown()
+
+
+def roundtrip(mgr, storage, src_ids, key_list, dst_ids):
+    """Load ``key_list`` into ``dst_ids`` and wait for it."""
+    handle = mgr.load("r", key_list, dst_ids)
+    assert handle.done.wait(10)
+    assert handle in mgr.poll()
+    return handle
+
+
+# -- the basic cycle ---------------------------------------------------------------------
+
+def test_offer_store_lookup_load_roundtrip(manager_factory):
+    mgr, storage, holder = manager_factory(cpu_blocks=8)
+    originals = [block(storage, b) for b in (1, 2, 3)]
+    assert mgr.offer([1, 2, 3], keys(10, 11, 12)) == 3
+    mgr.drain()
+    assert not holder.held and mgr.held_blocks == 0
+    assert mgr.lookup(keys(10, 11, 12, 13)) == 3
+    handle = roundtrip(mgr, storage, [1, 2, 3], keys(10, 11, 12), [7, 8, 9])
+    assert handle.ok and handle.num_loaded == 3 and handle.error is None
+    for dst, original in zip((7, 8, 9), originals, strict=True):
+        assert same_block(storage, dst, original)
+    cpu = mgr.stats()["cpu"]
+    assert cpu.hits == 3 and cpu.misses == 1
+    assert cpu.bytes_stored == 3 * BLOCK_NBYTES and cpu.bytes_loaded == 3 * BLOCK_NBYTES
+    assert cpu.used_bytes == 3 * BLOCK_NBYTES
+
+
+def test_source_blocks_are_held_until_the_copy_completes(manager_factory):
+    mgr, storage, holder = manager_factory(faults=Faults(store_delay_s=0.3))
+    mgr.offer([4, 5], keys(1, 2))
+    assert holder.held == Counter({4: 1, 5: 1}) and mgr.held_blocks == 2
+    mgr.poll()  # the copy has not run yet: holds stay
+    assert holder.held == Counter({4: 1, 5: 1})
+    mgr.drain()
+    assert not holder.held and mgr.held_blocks == 0
+
+
+def test_lookup_stops_at_first_gap(manager_factory):
+    mgr, storage, _ = manager_factory()
+    mgr.offer([1, 3], keys(10, 12))
+    mgr.drain()
+    assert mgr.lookup(keys(10, 11, 12)) == 1
+    assert mgr.lookup(keys(11, 12)) == 0
+
+
+def test_blocks_already_stored_are_not_copied_again(manager_factory):
+    mgr, storage, holder = manager_factory()
+    assert mgr.offer([1, 2], keys(10, 11)) == 2
+    assert mgr.offer([1, 2], keys(10, 11)) == 0  # still in flight
+    mgr.drain()
+    assert mgr.offer([1, 2], keys(10, 11)) == 0  # stored
+    assert mgr.stats()["cpu"].stored_blocks == 2
+
+
+def test_keys_of_different_groups_are_distinct():
+    h = (7).to_bytes(16, "little")
+    assert key_name((0, h)) != key_name((1, h))
+    assert key_name(h) == h.hex()
+    with pytest.raises(TypeError):
+        key_name(-1)
+
+
+# -- budgets and eviction ----------------------------------------------------------------
+
+def test_cpu_tier_evicts_lru_and_accounts_exactly(manager_factory):
+    mgr, storage, _ = manager_factory(cpu_blocks=3)
+    for b in range(1, 6):
+        mgr.offer([b], keys(b))
+        mgr.drain()
+    cpu = mgr.stats()["cpu"]
+    assert cpu.evictions == 2 and cpu.stored_blocks == 5
+    assert cpu.used_bytes == 3 * BLOCK_NBYTES == cpu.capacity_bytes
+    assert [mgr.lookup(keys(b)) for b in range(1, 6)] == [0, 0, 1, 1, 1]
+
+
+def test_lookup_hit_refreshes_lru_order(manager_factory):
+    mgr, storage, _ = manager_factory(cpu_blocks=2)
+    mgr.offer([1, 2], keys(1, 2))
+    mgr.drain()
+    roundtrip(mgr, storage, [1], keys(1), [9])  # key 1 is now the most recent
+    mgr.offer([3], keys(3))
+    mgr.drain()
+    assert mgr.lookup(keys(1)) == 1 and mgr.lookup(keys(2)) == 0
+
+
+def test_pinned_entries_are_never_evicted_and_full_tier_skips():
+    store = CPUStore(2 * BLOCK_NBYTES, BLOCK_NBYTES, LRUPolicy())
+    row = torch.zeros(BLOCK_NBYTES, dtype=torch.uint8)
+    assert store.put("a", row) and store.put("b", row)
+    pins = [store.pin("a"), store.pin("b")]
+    assert not store.put("c", row)
+    assert store.stats.skipped_stores == 1 and store.contains("a") and store.contains("b")
+    store.unpin(pins[0])
+    assert store.put("c", row)  # "a" is unpinned now and the least recent: evicted
+    assert not store.contains("a") and store.contains("b")
+    assert store.used_bytes == 2 * BLOCK_NBYTES
+
+
+def test_seen_twice_policy_admits_on_second_offer(manager_factory):
+    mgr, storage, _ = manager_factory(policy="seen-twice")
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    assert mgr.lookup(keys(1)) == 0 and mgr.stats()["cpu"].not_admitted == 1
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    assert mgr.lookup(keys(1)) == 1
+
+
+def test_too_many_inflight_blocks_skips_stores(manager_factory):
+    mgr, storage, holder = manager_factory(faults=Faults(store_delay_s=0.2), max_inflight=2)
+    assert mgr.offer([1, 2, 3, 4, 5], keys(1, 2, 3, 4, 5)) == 2
+    assert sum(holder.held.values()) == 2
+    assert mgr.stats()["cpu"].skipped_stores == 3
+    mgr.drain()
+    assert not holder.held
+
+
+def test_entry_evicted_between_lookup_and_load_shortens_the_load(manager_factory):
+    mgr, storage, _ = manager_factory(cpu_blocks=2)
+    mgr.offer([1, 2], keys(1, 2))
+    mgr.drain()
+    assert mgr.lookup(keys(1, 2)) == 2
+    mgr.offer([3, 4], keys(3, 4))  # evicts both before the load
+    mgr.drain()
+    before = block(storage, 9)
+    handle = roundtrip(mgr, storage, [], keys(1, 2), [9, 10])
+    assert handle.num_loaded == 0 and not handle.ok and handle.error
+    assert same_block(storage, 9, before)
+
+
+# -- the disk tier -----------------------------------------------------------------------
+
+def test_disk_tier_stores_files_with_exact_accounting(manager_factory):
+    mgr, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=4)
+    mgr.offer([1, 2, 3], keys(1, 2, 3))
+    mgr.drain()
+    files = sorted(mgr.disk.root.glob("*/*.kvb"))
+    assert len(files) == 3
+    disk = mgr.stats()["disk"]
+    assert disk.used_bytes == sum(f.stat().st_size for f in files)
+    assert (mgr.disk.root / "identity.json").is_file()
+    # CPU keeps one block; the other two come from disk, all three load correctly.
+    assert mgr.lookup(keys(1, 2, 3)) == 3
+    stats = mgr.stats()
+    assert stats["cpu"].hits == 1 and stats["disk"].hits == 2 and stats["cpu"].misses == 2
+    expected = [block(storage, b) for b in (1, 2, 3)]
+    handle = roundtrip(mgr, storage, [], keys(1, 2, 3), [11, 12, 13])
+    assert handle.ok
+    for dst, e in zip((11, 12, 13), expected, strict=True):
+        assert same_block(storage, dst, e)
+
+
+def test_disk_tier_evicts_to_stay_within_budget(manager_factory):
+    mgr, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=2)
+    for b in (1, 2, 3, 4):
+        mgr.offer([b], keys(b))
+        mgr.drain()
+    disk = mgr.stats()["disk"]
+    assert disk.evictions == 2 and disk.used_bytes <= disk.capacity_bytes
+    assert len(list(mgr.disk.root.glob("*/*.kvb"))) == 2
+
+
+def _disk_only_chain(manager_factory, **kw):
+    mgr, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=8, **kw)
+    mgr.offer([1, 2, 3], keys(1, 2, 3))
+    mgr.drain()
+    mgr.offer([4], keys(4))  # pushes the chain out of the one-block CPU tier
+    mgr.drain()
+    assert mgr.cpu.contains(key_name(keys(4)[0])) and not mgr.cpu.contains(key_name(keys(1)[0]))
+    return mgr, storage
+
+
+def test_checksum_mismatch_fails_load_from_that_block(manager_factory):
+    mgr, storage = _disk_only_chain(manager_factory)
+    expected = block(storage, 1)
+    path = mgr.disk.path_of(key_name(keys(2)[0]))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    handle = roundtrip(mgr, storage, [], keys(1, 2, 3), [11, 12, 13])
+    assert handle.num_loaded == 1 and "checksum" in handle.error
+    assert same_block(storage, 11, expected)
+    assert mgr.stats()["disk"].failed_loads == 1
+    assert not path.exists() and mgr.lookup(keys(1, 2, 3)) == 1
+
+
+def test_missing_file_fails_load(manager_factory):
+    mgr, storage = _disk_only_chain(manager_factory)
+    mgr.disk.path_of(key_name(keys(1)[0])).unlink()
+    handle = roundtrip(mgr, storage, [], keys(1, 2), [11, 12])
+    assert handle.num_loaded == 0 and handle.error
+    assert mgr.stats()["disk"].failed_loads == 1
+
+
+def test_injected_read_errors_fail_loads(manager_factory):
+    mgr, storage, _ = manager_factory(faults=Faults(read_error_rate=1.0))
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    handle = roundtrip(mgr, storage, [], keys(1), [9])
+    assert handle.num_loaded == 0 and "injected" in handle.error
+    assert mgr.stats()["cpu"].failed_loads == 1
+
+
+def test_corrupted_files_are_caught_by_checksum(manager_factory):
+    mgr, storage = _disk_only_chain(manager_factory, faults=Faults(corrupt_rate=1.0))
+    handle = roundtrip(mgr, storage, [], keys(1, 2, 3), [11, 12, 13])
+    assert handle.num_loaded == 0 and "checksum" in handle.error
+
+
+def test_full_disk_skips_the_store_and_leaves_no_partial_file(manager_factory):
+    mgr, storage, _ = manager_factory(cpu_blocks=4, disk_blocks=8,
+                                      faults=Faults(disk_full=True))
+    mgr.offer([1, 2], keys(1, 2))
+    mgr.drain()
+    stats = mgr.stats()
+    assert stats["disk"].skipped_stores == 2 and stats["disk"].used_bytes == 0
+    assert stats["disk"].enabled and stats["cpu"].stored_blocks == 2
+    assert not [p for p in mgr.disk.root.rglob("*") if p.is_file() and p.name != "identity.json"]
+
+
+def test_disappearing_directory_disables_disk_tier(manager_factory, caplog):
+    mgr, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=8)
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    shutil.rmtree(mgr.disk.root.parent)
+    with caplog.at_level(logging.WARNING, logger="kvmem.tiers"):
+        mgr.offer([2, 3], keys(2, 3))
+        mgr.drain()
+    assert not mgr.stats()["disk"].enabled
+    assert "disk offload tier disabled" in caplog.text
+    assert mgr.lookup(keys(1)) == 0  # disk entries are forgotten, CPU holds only key 3
+    assert mgr.lookup(keys(3)) == 1
+    mgr.offer([4], keys(4))  # still works with the CPU tier alone
+    mgr.drain()
+    assert mgr.lookup(keys(4)) == 1
+
+
+def test_restart_reuses_disk_tier_only_with_the_same_identity(manager_factory, tmp_path):
+    shared = tmp_path / "shared"
+    first, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=8, disk_dir=shared)
+    expected = [block(storage, b) for b in (1, 2)]
+    first.offer([1, 2], keys(1, 2))
+    first.shutdown(flush=True)
+
+    fresh = make_storage(seed=1)
+    second, _, _ = manager_factory(cpu_blocks=1, disk_blocks=8, storage=fresh, disk_dir=shared)
+    assert second.lookup(keys(1, 2)) == 2
+    handle = roundtrip(second, fresh, [], keys(1, 2), [5, 6])
+    assert handle.ok
+    assert same_block(fresh, 5, expected[0]) and same_block(fresh, 6, expected[1])
+
+    other, _, _ = manager_factory(cpu_blocks=1, disk_blocks=8, layout="tp2-rank0",
+                                  disk_dir=shared)
+    assert other.lookup(keys(1, 2)) == 0
+    bigger = TensorKVStorage(8, NUM_SLOTS, SlotShape(2, 8, 2, 8), torch.float32)
+    other_shape = OffloadManager(
+        OffloadConfig(cpu_bytes=1 << 20, disk_dir=str(shared), disk_bytes=1 << 20), bigger,
+        NUM_SLOTS, FakeHolder(), model="tiny", layout="tp1")
+    try:
+        assert other_shape.lookup(keys(1, 2)) == 0
+    finally:
+        other_shape.shutdown()
+
+
+def test_identity_digest_depends_on_every_field():
+    base = TierIdentity("m", "tp1", "float32", 16, (2, 16, 2, 8), 4)
+    variants = [TierIdentity("m2", "tp1", "float32", 16, (2, 16, 2, 8), 4),
+                TierIdentity("m", "tp2", "float32", 16, (2, 16, 2, 8), 4),
+                TierIdentity("m", "tp1", "bfloat16", 16, (2, 16, 2, 8), 4),
+                TierIdentity("m", "tp1", "float32", 32, (2, 32, 2, 8), 4),
+                TierIdentity("m", "tp1", "float32", 16, (2, 16, 2, 8), 5)]
+    digests = {v.digest() for v in variants}
+    assert base.digest() == TierIdentity("m", "tp1", "float32", 16, (2, 16, 2, 8), 4).digest()
+    assert base.digest() not in digests and len(digests) == len(variants)
+
+
+# -- eviction snapshots and shutdown -----------------------------------------------------
+
+def test_on_evict_snapshots_the_block_before_it_is_reused(manager_factory):
+    mgr, storage, holder = manager_factory(faults=Faults(store_delay_s=0.2))
+    original = block(storage, 3)
+    assert mgr.on_evict(3, keys(30)[0])
+    assert not holder.held  # no hold: the copy was taken synchronously
+    for s in range(NUM_SLOTS):
+        storage.slot_tensor(s)[3].fill_(-1.0)  # the block is reused for new data
+    mgr.drain()
+    handle = roundtrip(mgr, storage, [], keys(30), [9])
+    assert handle.ok and same_block(storage, 9, original)
+    assert not mgr.on_evict(3, keys(30)[0])  # already stored
+
+
+def test_shutdown_joins_threads_and_releases_every_hold(manager_factory):
+    mgr, storage, holder = manager_factory(cpu_blocks=4, disk_blocks=4,
+                                           faults=Faults(store_delay_s=0.2))
+    mgr.offer([1, 2], keys(1, 2))
+    mgr.offer([3], keys(3))
+    handle = mgr.load("r", keys(99), [9])
+    mgr.shutdown()
+    assert not holder.held and mgr.held_blocks == 0
+    assert handle.done.is_set() and handle.num_loaded == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvmem-")]
+    assert mgr.offer([4], keys(4)) == 0
+
+
+def test_loads_go_before_queued_stores(manager_factory):
+    mgr, storage, _ = manager_factory(cpu_blocks=8)
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    slow = Faults(store_delay_s=0.3)
+    mgr.engine.faults = slow
+    mgr.offer([2], keys(2))
+    mgr.offer([3], keys(3))
+    time.sleep(0.05)  # the first slow store is running; the second is queued
+    start = time.monotonic()
+    handle = mgr.load("r", keys(1), [9])
+    assert handle.done.wait(5)
+    assert time.monotonic() - start < 0.55  # waited for one store at most, not two
+    mgr.drain()
+
+
+# -- configuration -----------------------------------------------------------------------
+
+def test_config_errors_are_one_line_kvmem_errors(tmp_path):
+    with pytest.raises(ConfigError, match="--disk-offload-gib needs --disk-offload-dir"):
+        OffloadConfig(disk_bytes=1 << 30)
+    with pytest.raises(ConfigError, match="needs --disk-offload-gib"):
+        OffloadConfig(disk_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="non-negative"):
+        OffloadConfig.from_gib(cpu_offload_gib=-1)
+    with pytest.raises(ConfigError, match="unknown offload policy"):
+        OffloadConfig(cpu_bytes=1, policy="mru")
+    with pytest.raises(ConfigError, match="smaller than one KV block"):
+        OffloadManager(OffloadConfig(cpu_bytes=100), make_storage(), NUM_SLOTS, FakeHolder(),
+                       model="m", layout="l")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="--disk-offload-dir"):
+        OffloadManager(OffloadConfig(disk_dir=str(blocker), disk_bytes=1 << 20), make_storage(),
+                       NUM_SLOTS, FakeHolder(), model="m", layout="l")
+
+
+def test_config_from_gib_and_describe():
+    config = OffloadConfig.from_gib(cpu_offload_gib=4, disk_offload_dir="/d", disk_offload_gib=0.5)
+    assert config.cpu_bytes == 4 << 30 and config.disk_bytes == 512 << 20
+    assert config.describe() == "CPU 4.00 GiB, disk 512.00 MiB in /d (lru)"
+    assert OffloadConfig().describe() == "off" and not OffloadConfig().enabled
