@@ -1,0 +1,267 @@
+"""BlockPool: the state of every KV block id, shared by all KV groups.
+
+Block ids are global across groups; block 0 is the null block and is never handed out.
+Every other block is in exactly one state:
+
+- **free**: ref count 0, no cached data, in the free queue (reused first);
+- **cached** (cached-free): ref count 0, has a hash, in the free queue's LRU (evictable);
+- **used**: ref count > 0 (the number of block tables holding it);
+- **held**: ref count 0 but held by an in-flight transfer: neither free nor evictable.
+
+A hold on a used block only takes effect when its ref count falls to 0. The pool size
+comes from the planner (``kvmem.plan``: ``plan.engine.num_blocks``); the pool never
+computes it.
+
+Hooks for other packages:
+
+- ``free_queue``: any object with ``FreeBlockQueue``'s methods (e.g. page-aware);
+- ``add_listener(obj)``: ``obj.on_blocks_allocated(ids)`` when blocks leave the free or
+  cached-free state to be used, ``obj.on_blocks_released(ids)`` when blocks become free
+  with no cached data;
+- ``capacity_guard(n) -> bool``: whether ``n`` more blocks may be taken (an external
+  memory limit); a False answer makes the allocation return ``NoCapacity``;
+- ``evict_listener(block_id, block_hash)``: called just before a cached-free block is
+  evicted for reuse, so its content can be copied out first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from kvmem.cache.free_queue import FreeBlockQueue
+from kvmem.cache.hashing import BlockHash
+from kvmem.cache.results import NULL_BLOCK_ID, CacheUsage, KVCacheEvent
+
+
+class PoolListener(Protocol):
+    def on_blocks_allocated(self, block_ids: list[int]) -> None: ...
+
+    def on_blocks_released(self, block_ids: list[int]) -> None: ...
+
+
+class BlockPool:
+    """Ref counts, holds, the free queue and the prefix-cache map over ``num_blocks`` ids."""
+
+    def __init__(self, num_blocks: int, num_groups: int = 1, *, enable_events: bool = True,
+                 free_queue: FreeBlockQueue | None = None) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), "
+                             f"got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.num_usable = num_blocks - 1
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.hold_cnt: list[int] = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_group: list[int] = [-1] * num_blocks
+        # (group_id, hash) -> block id, as one dict per group
+        self.cached: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        self.free_queue = free_queue if free_queue is not None else FreeBlockQueue(
+            range(1, num_blocks))
+        self.held_idle: set[int] = set()  # ref count 0 and held
+        self.listeners: list[PoolListener] = []
+        self.capacity_guard: Callable[[int], bool] | None = None
+        self.evict_listener: Callable[[int, BlockHash], None] | None = None
+        self.events: list[KVCacheEvent] | None = [] if enable_events else None
+        self.epoch = 0  # bumped whenever a hash is dropped: detects stale prefix hits
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now: free plus cached-free (held ones excluded)."""
+        return len(self.free_queue)
+
+    def get_cached_block(self, group_id: int, block_hash: BlockHash) -> int | None:
+        return self.cached[group_id].get(block_hash)
+
+    def can_take(self, n: int) -> bool:
+        """Whether ``n`` more blocks can leave the free queue to be used."""
+        if n > len(self.free_queue):
+            return False
+        guard = self.capacity_guard
+        return n <= 0 or guard is None or bool(guard(n))
+
+    def usage(self) -> CacheUsage:
+        queue = self.free_queue
+        free, cached, held = queue.num_free, queue.num_cached, len(self.held_idle)
+        used = self.num_usable - free - cached - held
+        return CacheUsage(free=free, used=used, cached=cached, held=held, total=self.num_usable)
+
+    def add_listener(self, listener: PoolListener) -> None:
+        self.listeners.append(listener)
+
+    def ensure_groups(self, num_groups: int) -> None:
+        while len(self.cached) < num_groups:
+            self.cached.append({})
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def take_new_blocks(self, n: int, group_id: int) -> list[int]:
+        """Take ``n`` blocks for ``group_id`` with ref count 1, evicting cached data if needed.
+
+        The caller has checked ``can_take``.
+        """
+        if n <= 0:
+            return []
+        block_ids = self.free_queue.pop_n(n)
+        ref_cnt, block_hash, block_group = self.ref_cnt, self.block_hash, self.block_group
+        for block_id in block_ids:
+            if block_hash[block_id] is not None:
+                self._evict(block_id)
+            ref_cnt[block_id] = 1
+            block_group[block_id] = group_id
+        for listener in self.listeners:
+            listener.on_blocks_allocated(block_ids)
+        return block_ids
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        assert block_hash is not None
+        if self.evict_listener is not None:
+            self.evict_listener(block_id, block_hash)
+        group_id = self.block_group[block_id]
+        del self.cached[group_id][block_hash]
+        self.block_hash[block_id] = None
+        self.epoch += 1
+        if self.events is not None:
+            self.events.append(KVCacheEvent("evicted", block_hash, block_id, group_id))
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each (cached) block of a prefix hit; null blocks are skipped."""
+        ref_cnt = self.ref_cnt
+        revived: list[int] = []
+        for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:
+                continue
+            if ref_cnt[block_id] == 0:
+                if self.hold_cnt[block_id]:
+                    self.held_idle.discard(block_id)
+                else:
+                    revived.append(block_id)
+            ref_cnt[block_id] += 1
+        if revived:
+            self.free_queue.remove_cached(revived)
+            for listener in self.listeners:
+                listener.on_blocks_allocated(revived)
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block, in order: the first freed is evicted first."""
+        ref_cnt, hold_cnt, block_hash = self.ref_cnt, self.hold_cnt, self.block_hash
+        uncached: list[int] = []
+        cached: list[int] = []
+        for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:
+                continue
+            ref = ref_cnt[block_id] - 1
+            if ref < 0:
+                raise ValueError(f"block {block_id} freed more often than it was taken")
+            ref_cnt[block_id] = ref
+            if ref == 0:
+                if hold_cnt[block_id]:
+                    self.held_idle.add(block_id)
+                elif block_hash[block_id] is None:
+                    uncached.append(block_id)
+                else:
+                    cached.append(block_id)
+        if cached:
+            self.free_queue.push_cached(cached)
+        if uncached:
+            self.free_queue.push_free(uncached)
+            for listener in self.listeners:
+                listener.on_blocks_released(uncached)
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def cache_block(self, group_id: int, block_id: int, block_hash: BlockHash,
+                    parent_hash: BlockHash | None) -> bool:
+        """Make a full, used block findable by its hash. False if the hash is already cached
+        (another block holds the same content); the block then stays uncached."""
+        group_map = self.cached[group_id]
+        if block_hash in group_map:
+            return False
+        group_map[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        if self.events is not None:
+            self.events.append(KVCacheEvent("stored", block_hash, block_id, group_id,
+                                            parent_hash))
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash. Refused (False) while any block is used or held."""
+        if self.usage().used or self.held_idle:
+            return False
+        dropped = self.free_queue.cached_ids()
+        if not dropped:
+            return True
+        self.free_queue.remove_cached(dropped)
+        for block_id in dropped:
+            block_hash = self.block_hash[block_id]
+            assert block_hash is not None
+            group_id = self.block_group[block_id]
+            del self.cached[group_id][block_hash]
+            self.block_hash[block_id] = None
+            if self.events is not None:
+                self.events.append(KVCacheEvent("removed", block_hash, block_id, group_id))
+        self.epoch += 1
+        self.free_queue.push_free(dropped)
+        for listener in self.listeners:
+            listener.on_blocks_released(dropped)
+        return True
+
+    # -- transfer holds --------------------------------------------------------------------
+
+    def hold(self, block_ids: Iterable[int]) -> None:
+        """Keep blocks neither free nor evictable (e.g. while a transfer copies them).
+
+        Holds nest: a block stays held until released as often as it was held. Only blocks
+        with data (used or cached) can be held.
+        """
+        block_ids = list(block_ids)
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self.ref_cnt[block_id] == 0 and not self.hold_cnt[block_id] \
+                    and self.block_hash[block_id] is None:
+                raise ValueError(f"block {block_id} is free and holds no data; it cannot be held")
+        revived = []
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0 and not self.hold_cnt[block_id]:
+                revived.append(block_id)  # cached-free -> held
+                self.held_idle.add(block_id)
+            self.hold_cnt[block_id] += 1
+        if revived:
+            self.free_queue.remove_cached(revived)
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """End holds taken by ``hold``; an unused block goes back to the free queue."""
+        block_ids = list(block_ids)
+        for block_id, count in Counter(block_ids).items():
+            self._check_id(block_id)
+            if self.hold_cnt[block_id] < count:
+                raise ValueError(f"block {block_id} is released more often than it is held")
+        uncached, cached = [], []
+        for block_id in block_ids:
+            self.hold_cnt[block_id] -= 1
+            if self.hold_cnt[block_id] == 0 and self.ref_cnt[block_id] == 0:
+                self.held_idle.discard(block_id)
+                if self.block_hash[block_id] is None:
+                    uncached.append(block_id)
+                else:
+                    cached.append(block_id)
+        if cached:
+            self.free_queue.push_cached(cached)
+        if uncached:
+            self.free_queue.push_free(uncached)
+            for listener in self.listeners:
+                listener.on_blocks_released(uncached)
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 < block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} is outside 1..{self.num_blocks - 1}")
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,139 @@
+"""The coordinator: what spans all KV groups of a (possibly hybrid) model.
+
+- A prefix hit must be valid for every group at once. Each group's rule gives its longest
+  valid hit up to a limit; the coordinator lowers the limit to the shortest answer and
+  asks again until every group agrees (full attention's answer can simply be cut, a
+  sliding window's cannot: a shorter hit needs other blocks).
+- An allocation is all-or-nothing across groups: the blocks every group needs are counted
+  first (blocks that the request releases from a window count as coming back; cached-free
+  blocks that a prefix hit revives count as taken; held blocks are not free), and only
+  when all of it fits is anything changed.
+"""
+
+from __future__ import annotations
+
+from kvmem.cache.block_pool import BlockPool
+from kvmem.cache.hashing import BlockHash
+from kvmem.cache.managers import SingleTypeManager, make_manager
+from kvmem.cache.results import NULL_BLOCK_ID, NoCapacity
+from kvmem.spec.layout import KVGroup
+
+
+class KVCacheCoordinator:
+    def __init__(self, groups: list[KVGroup], pool: BlockPool, block_size: int) -> None:
+        pool.ensure_groups(len(groups))
+        self.pool = pool
+        self.block_size = block_size
+        self.managers: list[SingleTypeManager] = [
+            make_manager(group, i, block_size, pool.cached[i]) for i, group in enumerate(groups)]
+        self.num_groups = len(groups)
+        # cheap, cuttable answers first: they lower the limit for the others
+        self._search_order = sorted(self.managers, key=lambda m: not m.prefix_closed)
+        self._releasing = [m for m in self.managers if m.releases_blocks]
+
+    def find_longest_cache_hit(self, hashes: list[BlockHash],
+                               max_blocks: int) -> tuple[int, tuple[list[int], ...]]:
+        """Longest hit (in blocks, at most ``max_blocks``) valid for every group, and its
+        block table prefix per group."""
+        if self.num_groups == 1:
+            blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks)
+            return len(blocks), (blocks,)
+        limit = max_blocks
+        results: list[list[int] | None] = [None] * self.num_groups
+        while True:
+            stable = True
+            for manager in self._search_order:
+                found = results[manager.group_index]
+                if found is None or len(found) > limit:
+                    if found is not None and manager.prefix_closed:
+                        found = found[:limit]
+                    else:
+                        found = manager.find_longest_cache_hit(hashes, limit)
+                    results[manager.group_index] = found
+                if len(found) < limit:
+                    limit = len(found)
+                    stable = False
+            if stable:
+                return limit, tuple(results)  # type: ignore[arg-type]
+
+    def allocate(self, tables: list[list[int]], skipped: list[int], num_computed: int,
+                 num_tokens: int, hit: tuple[list[int], ...] | None
+                 ) -> tuple[list[int], ...] | NoCapacity:
+        """Make every group's table cover ``num_tokens`` tokens, or change nothing.
+
+        ``num_computed`` tokens are already computed (blocks wholly before their attention
+        span are released first); ``hit`` is a prefix hit to adopt into empty tables.
+        Returns the new block ids per group, or ``NoCapacity``.
+        """
+        pool = self.pool
+        ref_cnt, hold_cnt = pool.ref_cnt, pool.hold_cnt
+        num_required = -(-num_tokens // self.block_size)
+
+        # 1. count: new blocks, blocks released from windows, cached-free blocks revived
+        releases: list[tuple[SingleTypeManager, int]] = []
+        reclaimed = 0
+        for manager in self._releasing:
+            g = manager.group_index
+            end = min(manager.first_needed_block(num_computed), len(tables[g]))
+            if end > skipped[g]:
+                releases.append((manager, end))
+                table = tables[g]
+                for i in range(skipped[g], end):
+                    block_id = table[i]
+                    if block_id and ref_cnt[block_id] == 1 and not hold_cnt[block_id]:
+                        reclaimed += 1
+        new_counts = []
+        num_new = 0
+        kept = 0  # non-null blocks the request would hold afterwards
+        for manager in self.managers:
+            g = manager.group_index
+            have = len(tables[g]) + (len(hit[g]) if hit else 0)
+            n = num_required - have if num_required > have else 0
+            new_counts.append(n)
+            num_new += n
+            kept += max(have, num_required) - (
+                min(manager.first_needed_block(num_computed), num_required)
+                if manager.releases_blocks else 0)
+        revived = 0
+        if hit:
+            for blocks in hit:
+                for block_id in blocks:
+                    if block_id and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
+                        revived += 1
+
+        taken = num_new + revived
+        available = pool.num_free_blocks + reclaimed
+        if taken > available:
+            held = len(pool.held_idle)
+            note = f" ({held} held by transfers)" if held else ""
+            return NoCapacity(
+                f"needs {taken} free blocks, {available} available{note}",
+                needed_blocks=taken, available_blocks=available,
+                can_ever_fit=kept <= pool.num_usable)
+        net = taken - reclaimed
+        if net > 0 and pool.capacity_guard is not None and not pool.capacity_guard(net):
+            return NoCapacity(f"memory limit: {net} more blocks are not allowed",
+                              needed_blocks=taken, available_blocks=available,
+                              can_ever_fit=kept <= pool.num_usable)
+
+        # 2. commit: release, adopt the hit, take new blocks
+        for manager, end in releases:
+            g = manager.group_index
+            table = tables[g]
+            released = table[skipped[g]:end]
+            table[skipped[g]:end] = [NULL_BLOCK_ID] * (end - skipped[g])
+            skipped[g] = end
+            pool.free_blocks(released)
+        if hit:
+            for g, blocks in enumerate(hit):
+                pool.touch(blocks)
+                tables[g].extend(blocks)
+                manager = self.managers[g]
+                if manager.releases_blocks:
+                    skipped[g] = manager.first_needed_block(num_computed)
+        new_ids = []
+        for g, n in enumerate(new_counts):
+            ids = pool.take_new_blocks(n, g) if n else []
+            tables[g].extend(ids)
+            new_ids.append(ids)
+        return tuple(new_ids)

@@ -1,0 +1,265 @@
+"""KVCacheManager: the engine's interface to KV blocks.
+
+The scheduler asks it for a request's prefix hit, for slots (blocks) for the tokens it
+schedules, and frees a request's blocks when it finishes or is preempted. Running out of
+blocks is a normal outcome: ``allocate_slots`` returns ``NoCapacity`` and changes nothing.
+
+A request is any object with ``request_id: str``, ``all_token_ids`` (prompt + output so
+far), ``num_tokens`` and optionally ``lora_name`` / ``cache_salt`` (extra hash keys) and
+``block_hashes`` (a list the manager fills with the request's block hashes, so they are
+computed once per request and survive preemption; it may also be filled in advance).
+
+Blocks are cached (made findable by their hash) when ``allocate_slots`` schedules the
+tokens that fill them, like vLLM does: the model runner must write a step's new KV before
+attention reads it, so a request scheduled in the same step may already hit them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from kvmem.cache.block_pool import BlockPool
+from kvmem.cache.coordinator import KVCacheCoordinator
+from kvmem.cache.hashing import BlockHash, extend_block_hashes, request_extra_keys
+from kvmem.cache.results import (
+    NULL_BLOCK_ID,
+    Allocation,
+    CacheUsage,
+    KVCacheEvent,
+    NoCapacity,
+    PrefixHit,
+)
+from kvmem.errors import ConfigError
+from kvmem.spec.layout import AttentionKind, KVGroup
+
+
+class CacheRequest(Protocol):
+    request_id: str
+    all_token_ids: Sequence[int]
+    num_tokens: int
+
+
+class _RequestState:
+    """What the manager keeps per request: block tables, hashes, progress."""
+
+    __slots__ = ("tables", "skipped", "num_computed", "num_cached", "hashes", "extra_keys")
+
+    def __init__(self, num_groups: int, hashes: list[BlockHash], extra_keys: bytes) -> None:
+        self.tables: list[list[int]] = [[] for _ in range(num_groups)]
+        self.skipped = [0] * num_groups  # leading entries already replaced by the null block
+        self.num_cached = [0] * num_groups  # leading entries already offered to the cache
+        self.num_computed = 0
+        self.hashes = hashes
+        self.extra_keys = extra_keys
+
+
+class KVCacheManager:
+    """Block tables, prefix caching and capacity checks for every request, over one pool."""
+
+    def __init__(self, groups: list[KVGroup], num_blocks: int, block_size: int = 16, *,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 8192,
+                 pool: BlockPool | None = None, enable_events: bool = True) -> None:
+        groups = list(groups)
+        if not groups:
+            raise ConfigError("the KV cache needs at least one KV group of attention layers")
+        if [g.group_id for g in groups] != list(range(len(groups))):
+            raise ConfigError("KV groups must be numbered 0, 1, ... in order")
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        if pool is None:
+            if num_blocks < 2:
+                raise ConfigError(f"the KV cache needs at least 2 blocks (block 0 is reserved), "
+                                  f"got {num_blocks}")
+            pool = BlockPool(num_blocks, len(groups), enable_events=enable_events)
+        elif pool.num_blocks != num_blocks:
+            raise ConfigError(f"pool has {pool.num_blocks} blocks, manager was given {num_blocks}")
+        self.groups = groups
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pool = pool
+        self.coordinator = KVCacheCoordinator(groups, pool, block_size)
+        self._requests: dict[str, _RequestState] = {}
+
+    @classmethod
+    def from_plan(cls, groups: list[KVGroup], plan: object, **kwargs) -> KVCacheManager:
+        """Size the manager from a ``kvmem.plan`` result (``plan.engine.num_blocks`` and
+        ``plan.engine.block_size``), so the engine and the planner cannot disagree."""
+        engine = getattr(plan, "engine", plan)
+        return cls(groups, engine.num_blocks, engine.block_size, **kwargs)
+
+    # -- prefix hits -----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: CacheRequest) -> PrefixHit:
+        """The longest cached prefix of ``request`` valid for every group. Changes nothing."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return PrefixHit(0, tuple([] for _ in self.groups), [], self.pool.epoch)
+        hashes = self.request_block_hashes(request, max_blocks)
+        num_blocks, blocks = self.coordinator.find_longest_cache_hit(hashes, max_blocks)
+        return PrefixHit(num_blocks * self.block_size, blocks, hashes, self.pool.epoch)
+
+    def request_block_hashes(self, request: CacheRequest,
+                             num_blocks: int | None = None) -> list[BlockHash]:
+        """Hashes of the request's first ``num_blocks`` full blocks (default: all of them)."""
+        if num_blocks is None:
+            num_blocks = request.num_tokens // self.block_size
+        state = self._requests.get(request.request_id)
+        hashes = getattr(request, "block_hashes", None)
+        if hashes is None:
+            hashes = state.hashes if state is not None else []
+        if len(hashes) < num_blocks:
+            extra = state.extra_keys if state is not None else request_extra_keys(request)
+            extend_block_hashes(hashes, request.all_token_ids, num_blocks, self.block_size,
+                                extra)
+        return hashes
+
+    def lookup_hash(self, group_id: int, block_hash: BlockHash) -> int | None:
+        """The block holding ``block_hash`` in ``group_id``'s cache, or None."""
+        return self.pool.get_cached_block(group_id, block_hash)
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def allocate_slots(self, request: CacheRequest, num_new_tokens: int, *,
+                       prefix_hit: PrefixHit | None = None,
+                       num_lookahead_tokens: int = 0) -> Allocation | NoCapacity:
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens (plus lookahead slots).
+
+        On the first call, ``prefix_hit`` (from ``get_computed_blocks``) is adopted: its
+        tokens count as computed. All-or-nothing across groups; ``NoCapacity`` when the
+        blocks are not there, with nothing changed.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
+        state = self._requests.get(request.request_id)
+        hit = None
+        if state is None:
+            num_computed = 0
+            if prefix_hit is not None and prefix_hit.num_tokens:
+                if not self._hit_is_current(prefix_hit):
+                    return NoCapacity("prefix hit is stale (its blocks were evicted); "
+                                      "look it up again")
+                num_computed = prefix_hit.num_tokens
+                hit = prefix_hit.blocks
+            tables: list[list[int]] = [[] for _ in self.groups]
+            skipped = [0] * len(self.groups)
+        else:
+            if prefix_hit is not None and prefix_hit.num_tokens:
+                raise ValueError(f"request {request.request_id!r} already has blocks; a prefix "
+                                 "hit applies only to its first allocation")
+            num_computed = state.num_computed
+            tables, skipped = state.tables, state.skipped
+
+        result = self.coordinator.allocate(
+            tables, skipped, num_computed, num_computed + num_new_tokens + num_lookahead_tokens,
+            hit)
+        if isinstance(result, NoCapacity):
+            return result
+
+        if state is None:
+            hashes = getattr(request, "block_hashes", None)
+            if hashes is None:
+                hashes = prefix_hit.block_hashes if prefix_hit is not None else []
+            state = _RequestState(len(self.groups), hashes, request_extra_keys(request))
+            state.tables, state.skipped = tables, skipped
+            if hit:
+                state.num_cached = [len(blocks) for blocks in hit]
+            self._requests[request.request_id] = state
+        state.num_computed = num_computed + num_new_tokens
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(state, request, min(state.num_computed, request.num_tokens))
+        return Allocation(result, num_computed)
+
+    def _hit_is_current(self, hit: PrefixHit) -> bool:
+        """Whether every block of ``hit`` still holds the hash it was found by."""
+        pool = self.pool
+        if hit.epoch == pool.epoch:
+            return True  # no hash was dropped since the lookup
+        block_hash, block_group = pool.block_hash, pool.block_group
+        for g, blocks in enumerate(hit.blocks):
+            for i, block_id in enumerate(blocks):
+                if block_id != NULL_BLOCK_ID and (block_hash[block_id] != hit.block_hashes[i]
+                                                  or block_group[block_id] != g):
+                    return False
+        return True
+
+    def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
+        """Make the request's full blocks up to ``num_computed_tokens`` findable by hash."""
+        state = self._requests.get(request.request_id)
+        if state is not None and self.enable_prefix_caching:
+            self._cache_full_blocks(state, request, num_computed_tokens)
+
+    def _cache_full_blocks(self, state: _RequestState, request: CacheRequest,
+                           num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        hashes = state.hashes
+        if len(hashes) < num_full:
+            extend_block_hashes(hashes, request.all_token_ids, num_full, self.block_size,
+                                state.extra_keys)
+        pool = self.pool
+        block_hash = pool.block_hash
+        for g, table in enumerate(state.tables):
+            start = state.num_cached[g]
+            end = min(num_full, len(table))
+            if end <= start:
+                continue
+            for i in range(start, end):
+                block_id = table[i]
+                if block_id != NULL_BLOCK_ID and block_hash[block_id] is None:
+                    pool.cache_block(g, block_id, hashes[i], hashes[i - 1] if i else None)
+            state.num_cached[g] = end
+
+    def free(self, request: CacheRequest | str) -> None:
+        """Release a finished or preempted request's blocks, tail first (evicted first)."""
+        request_id = request if isinstance(request, str) else request.request_id
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        released: list[int] = []
+        for table in state.tables:
+            released.extend(reversed(table))
+        self.pool.free_blocks(released)
+
+    # -- views -----------------------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Block table per group (live lists: read them, do not modify them)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return tuple([] for _ in self.groups)
+        return tuple(state.tables)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        state = self._requests.get(request_id)
+        return state.num_computed if state is not None else 0
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def usage(self) -> CacheUsage:
+        return self.pool.usage()
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether one request of ``num_tokens`` tokens fits in the otherwise empty pool."""
+        need = sum(g.blocks_per_request(num_tokens, self.block_size, self.max_num_batched_tokens)
+                   if g.kind is not AttentionKind.LINEAR else 0 for g in self.groups)
+        return need <= self.pool.num_usable
+
+    # -- transfers, events, reset ----------------------------------------------------------
+
+    def hold(self, block_ids: Iterable[int]) -> None:
+        """Keep blocks neither free nor evictable until ``release`` (in-flight transfers)."""
+        self.pool.hold(block_ids)
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        self.pool.release(block_ids)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Stored / evicted / removed events since the last call."""
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while blocks are in use or held."""
+        return self.pool.reset_prefix_cache()
