@@ -1,0 +1,292 @@
+"""``plan()``: the one function that sizes KV memory, per rank and for the engine.
+
+For each rank: memory budget (ceil(total x gpu_memory_utilization)), weights, peak
+activation, CUDA graphs and non-torch overhead (measured via RankProfile, else estimated),
+what is left for KV, the KV budget the policy gives it, and the blocks and tokens that
+budget holds. The engine uses the minimum block count over ranks.
+
+KV budget policies:
+- ``uniform``: every rank uses all it has (or the same kv_cache_memory_bytes), as vLLM does;
+- ``proportional``: the ranks' total KV budget split across pipeline stages in proportion
+  to each stage's bytes per block, so every stage holds the same number of blocks;
+- ``optimal``: the layer partition (when not given) and per-rank budgets that maximise the
+  engine's blocks given each rank's real memory; each rank gets exactly what those blocks
+  need and the rest stays free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from math import ceil
+from pathlib import Path
+
+from kvmem.errors import ConfigError
+from kvmem.plan import estimates
+from kvmem.plan.geometry import KVGeometry, StageKV
+from kvmem.plan.partition import (
+    best_partition,
+    even_partition,
+    greedy_partition,
+    partition_fits,
+    stage_layers,
+    validate_partition,
+)
+from kvmem.plan.types import (
+    EnginePlan,
+    EngineSettings,
+    Layout,
+    Plan,
+    RankPlan,
+    RankProfile,
+)
+from kvmem.plan.validate import check_layout, check_settings, rank_memory, rank_profiles
+from kvmem.spec import ModelSpec, dtype_bytes
+from kvmem.spec.weights import weight_breakdown
+
+
+def plan(spec: ModelSpec, layout: Layout, settings: EngineSettings, policy: str = "uniform",
+         profile: list[RankProfile] | None = None,
+         checkpoint_dir: str | Path | None = None) -> Plan:
+    """Plan KV memory for ``spec`` on ``layout`` with ``settings`` (see the module doc)."""
+    return _Planner(spec, layout, settings, policy, profile, checkpoint_dir).run()
+
+
+@dataclass(frozen=True)
+class _NonKV:
+    weights: int
+    activation: int
+    cuda_graphs: int
+    non_torch: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activation + self.cuda_graphs + self.non_torch
+
+
+class _Planner:
+    def __init__(self, spec: ModelSpec, layout: Layout, settings: EngineSettings, policy: str,
+                 profile: list[RankProfile] | None, checkpoint_dir: str | Path | None) -> None:
+        check_layout(spec, layout)
+        self.kv_dtype, self.max_model_len = check_settings(spec, settings, policy)
+        self.spec, self.layout, self.settings, self.policy = spec, layout, settings, policy
+        self.tp, self.pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+        self.world = self.tp * self.pp
+        self.profiles = rank_profiles(profile, self.world)
+        self.memory = [p.total_bytes if p else m
+                       for p, m in zip(self.profiles, rank_memory(layout), strict=True)]
+        if settings.kv_cache_memory_bytes is None and None in self.memory:
+            raise ConfigError("give each rank's GPU (--gpu NAME), its memory (--gpu-memory GiB) "
+                              "or an explicit kv_cache_memory_bytes")
+        self.budget = [None if m is None else ceil(m * settings.gpu_memory_utilization)
+                       for m in self.memory]
+        self.geometry = KVGeometry(spec, self.tp, dtype_bytes(self.kv_dtype),
+                                   dtype_bytes(spec.dtype), settings.block_size,
+                                   settings.max_num_batched_tokens)
+        self.weights = weight_breakdown(spec, self.tp, checkpoint_dir)
+        self._weight_prefix = [0, *accumulate(self.weights.per_layer)]
+        explicit = settings.kv_cache_memory_bytes
+        self.pool = None if explicit is None else explicit * self.world  # total KV bytes
+        self.limit = max(self.max_model_len, spec.max_position_embeddings or 0)
+
+    # ------------------------------------------------------------------ per-rank memory
+    def non_kv(self, rank: int, stage: int, start: int, end: int) -> _NonKV:
+        prof = self.profiles[rank]
+        if prof is not None:
+            return _NonKV(prof.weights_bytes, prof.activation_bytes, prof.cuda_graph_bytes,
+                          prof.non_torch_bytes)
+        first, last = stage == 0, stage == self.pp - 1
+        w = self._weight_prefix[end] - self._weight_prefix[start]
+        if first:
+            w += self.weights.embedding + self.weights.other
+        if last:
+            w += self.weights.head + (self.weights.embedding
+                                      if self.weights.tied and not first else 0)
+        s = self.settings
+        graphs = (estimates.cuda_graph_bytes(end - start, self.tp, s.max_num_seqs)
+                  if s.cuda_graphs else 0)
+        return _NonKV(
+            weights=max(0, w - s.cpu_offload_bytes),
+            activation=estimates.activation_bytes(self.spec, self.tp, s.max_num_batched_tokens,
+                                                  last),
+            cuda_graphs=graphs,
+            non_torch=estimates.non_torch_bytes(self.tp, self.pp),
+        )
+
+    def capacity(self, rank: int, non_kv: _NonKV) -> int | None:
+        """KV bytes the rank can hold after everything else (None: memory not given)."""
+        budget = self.budget[rank]
+        return None if budget is None else budget - non_kv.total
+
+    def ranks_of(self, stage: int) -> range:
+        return range(stage * self.tp, (stage + 1) * self.tp)
+
+    def reserve(self, kv: StageKV) -> int:
+        return self.settings.max_num_seqs * kv.state_bytes_per_request
+
+    # ------------------------------------------------------------------ optimal partition
+    def _stage_holds(self, blocks: int, stage: int, start: int, end: int, kv: StageKV) -> bool:
+        need = self.reserve(kv) + blocks * kv.bytes_per_block
+        for rank in self.ranks_of(stage):
+            cap = self.capacity(rank, self.non_kv(rank, stage, start, end))
+            if cap is not None and need > cap:
+                return False
+        return True
+
+    def _search(self, blocks: int) -> list[int] | None:
+        geo = self.geometry
+
+        def fits(stage: int, start: int, end: int) -> bool:
+            return self._stage_holds(blocks, stage, start, end, geo.stage(range(start, end)))
+
+        def longest(stage: int, start: int, limit: int) -> int:
+            # grow the stage one layer at a time, updating its block geometry incrementally
+            slots: set[int] = set()
+            page = states = 0
+            end = start
+            for i in range(start, limit):
+                if i in geo.slots:
+                    slots.add(geo.slots[i])
+                    page = max(page, geo.block_size * geo.layer_bytes_per_token[i])
+                states += geo.layer_state_bytes[i]
+                kv = StageKV(len(slots), page, 0, states, 0)
+                if not self._stage_holds(blocks, stage, start, i + 1, kv):
+                    break
+                end = i + 1
+            return end
+
+        parts = greedy_partition(self.spec.num_layers, self.pp, longest, fits)
+        if parts is None or (self.pool is not None and blocks > self._pool_blocks(
+                [self.geometry.stage(r) for r in stage_layers(parts)])):
+            return None
+        return parts
+
+    def _pool_blocks(self, kvs: list[StageKV]) -> int:
+        """Blocks the shared total (kv_cache_memory_bytes x ranks) pays for on every rank."""
+        per_block = self.tp * sum(kv.bytes_per_block for kv in kvs)
+        left = (self.pool or 0) - self.tp * sum(self.reserve(kv) for kv in kvs)
+        return max(0, left) // per_block if per_block else 0
+
+    def optimal_partition(self, default: list[int]) -> list[int]:
+        if self.pp == 1 or all(m is None for m in self.memory):
+            return default
+        smallest = min((b for b in self.geometry.layer_bytes_per_token if b), default=0)
+        if not smallest:
+            return default
+        most = max([c for c in self.budget if c is not None] + [self.pool or 0])
+        found = best_partition(most // (smallest * self.settings.block_size) + 1, self._search)
+        if found is None:
+            return default
+        blocks, parts = found
+
+        def holds(stage: int, start: int, end: int) -> bool:
+            return self._stage_holds(blocks, stage, start, end,
+                                     self.geometry.stage(range(start, end)))
+
+        return default if partition_fits(default, holds) else parts
+
+    # ------------------------------------------------------------------ budgets and plan
+    def run(self) -> Plan:
+        default = even_partition(self.spec.num_layers, self.pp)
+        if self.layout.layer_partition is not None:
+            partition = validate_partition(self.layout.layer_partition, self.spec.num_layers,
+                                           self.pp)
+        elif self.policy == "optimal":
+            partition = self.optimal_partition(default)
+        else:
+            partition = default
+        stages = stage_layers(partition)
+        kvs = [self.geometry.stage(r) for r in stages]
+        non_kv, caps = [], []
+        for rank in range(self.world):
+            stage = rank // self.tp
+            nk = self.non_kv(rank, stage, stages[stage].start, stages[stage].stop)
+            non_kv.append(nk)
+            caps.append(self.capacity(rank, nk))
+        budgets = self._budgets(kvs, caps)
+        ranks = [self._rank_plan(r, stages, kvs, non_kv[r], caps[r], budgets[r])
+                 for r in range(self.world)]
+        engine = self._engine(ranks, partition)
+        notes = []
+        if self.policy == "optimal" and partition != default \
+                and self.layout.layer_partition is None:
+            notes.append(f"optimal layer partition {_fmt(partition)} (default "
+                         f"{_fmt(default)}); pass it to the engine")
+        if None in self.memory:
+            notes.append("GPU memory not given: only kv_cache_memory_bytes sizes the KV cache")
+        return Plan(self.spec.hf_id or self.spec.name, self.layout, self.settings, ranks,
+                    engine, notes)
+
+    def _budgets(self, kvs: list[StageKV], caps: list[int | None]) -> list[int]:
+        explicit = self.settings.kv_cache_memory_bytes
+        if self.policy == "uniform":
+            return [explicit if explicit is not None else max(0, c or 0) for c in caps]
+        stage_of = [r // self.tp for r in range(self.world)]
+        if self.policy == "proportional":
+            pool = self.pool if self.pool is not None else sum(max(0, c or 0) for c in caps)
+            reserves = [self.reserve(kv) for kv in kvs]
+            weights = [kv.bytes_per_block for kv in kvs]
+            per_column = max(0, pool // self.tp - sum(reserves))
+            total_weight = sum(weights) or 1
+            out = []
+            for r, cap in enumerate(caps):
+                s = stage_of[r]
+                share = reserves[s] + per_column * weights[s] // total_weight
+                out.append(share if cap is None else min(share, max(0, cap)))
+            return out
+        # optimal: the most blocks every rank can hold and the shared total can pay for
+        limits = [(max(0, cap) - self.reserve(kvs[s])) // kvs[s].bytes_per_block
+                  for cap, s in zip(caps, stage_of, strict=True)
+                  if cap is not None and kvs[s].bytes_per_block]
+        if self.pool is not None:
+            limits.append(self._pool_blocks(kvs))
+        blocks = max(0, min(limits)) if limits else 0
+        return [self.reserve(kvs[s]) + blocks * kvs[s].bytes_per_block for s in stage_of]
+
+    def _rank_plan(self, rank: int, stages: list[range], kvs: list[StageKV], nk: _NonKV,
+                   cap: int | None, kv_budget: int) -> RankPlan:
+        stage = rank // self.tp
+        kv = kvs[stage]
+        reserve = self.reserve(kv)
+        per_block = kv.bytes_per_block
+        blocks = max(0, kv_budget - reserve) // per_block if per_block else -1
+        need = self.geometry.blocks_per_request(self.max_model_len) * per_block + reserve
+        over = cap is not None and kv_budget > max(0, cap)
+        return RankPlan(
+            rank=rank, pp_stage=stage, tp_rank=rank % self.tp, layers=list(stages[stage]),
+            memory_bytes=self.memory[rank], budget_bytes=self.budget[rank],
+            weights_bytes=nk.weights, activation_bytes=nk.activation,
+            cuda_graph_bytes=nk.cuda_graphs, non_torch_bytes=nk.non_torch,
+            kv_capacity_bytes=cap, kv_budget_bytes=kv_budget,
+            kv_bytes_per_token=kv.kv_bytes_per_token, state_bytes_reserved=reserve,
+            num_slots=kv.num_slots, slot_page_bytes=kv.slot_page_bytes,
+            bytes_per_block=per_block, num_blocks=blocks,
+            tokens=self.geometry.tokens(blocks) if blocks >= 0 else 0,
+            kv_heads_on_rank=kv.kv_heads_on_rank, need_bytes_at_max_model_len=need,
+            max_model_len_that_fits=(self.geometry.longest_fitting(blocks, self.limit)
+                                     if blocks >= 0 and kv_budget >= reserve else
+                                     (self.limit if kv_budget >= reserve else 0)),
+            fits=need <= kv_budget and not over, over_committed=over,
+        )
+
+    def _engine(self, ranks: list[RankPlan], partition: list[int]) -> EnginePlan:
+        paged = [r.num_blocks for r in ranks if r.bytes_per_block]
+        blocks = min(paged) if paged else 0
+        for r in ranks:  # ranks without paged layers hold whatever the others hold
+            if not r.bytes_per_block:
+                r.num_blocks, r.tokens = blocks, self.geometry.tokens(blocks)
+        per_request = self.geometry.blocks_per_request(self.max_model_len)
+        return EnginePlan(
+            num_blocks=blocks, tokens=self.geometry.tokens(blocks),
+            max_concurrency=blocks / per_request if per_request else 0.0,
+            fits=all(r.fits for r in ranks), max_model_len=self.max_model_len,
+            max_model_len_that_fits=min(r.max_model_len_that_fits for r in ranks),
+            layer_partition=list(partition), policy=self.policy,
+            block_size=self.settings.block_size, kv_dtype=self.kv_dtype,
+            num_kv_groups=len(self.geometry.groups),
+        )
+
+
+def _fmt(parts: list[int]) -> str:
+    return ",".join(str(p) for p in parts)
+

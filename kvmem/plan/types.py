@@ -1,0 +1,151 @@
+"""The planner's inputs (Layout, EngineSettings, RankProfile) and outputs (Plan and its parts)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvmem.errors import KvmemError
+from kvmem.units import format_bytes
+
+POLICIES = ("uniform", "proportional", "optimal")
+
+
+class FitError(KvmemError):
+    """A rank cannot hold one request of max_model_len (or its KV budget exceeds its memory)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is spread over GPUs; ``gpus`` / ``gpu_memory_bytes`` give one entry per
+    rank (rank = pp_stage * tp + tp_rank) or a single entry for all ranks."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    layer_partition: list[int] | None = None
+    gpus: list[str] | None = None
+    gpu_memory_bytes: int | list[int] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine flags that decide KV memory (names as in vLLM)."""
+
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # per rank; skips the memory estimates
+    block_size: int = 16
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    cuda_graphs: bool = True
+    cpu_offload_bytes: int = 0  # weight bytes per GPU kept in CPU memory
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """Measured memory of one rank; replaces the planner's estimates for that rank."""
+
+    weights_bytes: int
+    activation_bytes: int
+    non_torch_bytes: int
+    cuda_graph_bytes: int
+    total_bytes: int  # the device's total memory
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    pp_stage: int
+    tp_rank: int
+    layers: list[int]
+    memory_bytes: int | None  # device total (None: not given, only kv_cache_memory_bytes)
+    budget_bytes: int | None  # ceil(memory_bytes * gpu_memory_utilization)
+    weights_bytes: int
+    activation_bytes: int
+    cuda_graph_bytes: int
+    non_torch_bytes: int
+    kv_capacity_bytes: int | None  # most KV this rank can hold: budget minus everything else
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    state_bytes_reserved: int  # linear-attention states for max_num_seqs requests
+    num_slots: int
+    slot_page_bytes: int  # one block of one slot tensor
+    bytes_per_block: int
+    num_blocks: int
+    tokens: int
+    kv_heads_on_rank: int
+    need_bytes_at_max_model_len: int
+    max_model_len_that_fits: int
+    fits: bool
+    over_committed: bool = False  # kv budget exceeds kv_capacity_bytes
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Budget left after weights, activations, graphs, overhead and KV."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes - self.non_kv_bytes - self.kv_budget_bytes
+
+    @property
+    def non_kv_bytes(self) -> int:
+        return (self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes
+                + self.non_torch_bytes)
+
+
+@dataclass
+class EnginePlan:
+    num_blocks: int  # minimum over ranks: every rank allocates this many
+    tokens: int
+    max_concurrency: float  # requests of max_model_len that fit at once
+    fits: bool
+    max_model_len: int
+    max_model_len_that_fits: int
+    layer_partition: list[int]
+    policy: str
+    block_size: int
+    kv_dtype: str
+    num_kv_groups: int
+
+
+@dataclass
+class Plan:
+    model: str
+    layout: Layout
+    settings: EngineSettings
+    ranks: list[RankPlan]
+    engine: EnginePlan
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        ranks = []
+        for r in self.ranks:
+            d = asdict(r)
+            d["free_bytes"] = r.free_bytes
+            ranks.append(d)
+        layout = asdict(self.layout)
+        return {"model": self.model, "layout": layout, "settings": asdict(self.settings),
+                "ranks": ranks, "engine": asdict(self.engine), "notes": list(self.notes)}
+
+    def check_fit(self) -> None:
+        """Raise FitError naming the worst rank when any rank cannot serve max_model_len."""
+        bad = [r for r in self.ranks if not r.fits]
+        if not bad:
+            return
+        worst = min(bad, key=lambda r: (not r.over_committed, r.max_model_len_that_fits, r.rank))
+        where = f"rank {worst.rank} (pp stage {worst.pp_stage}, tp rank {worst.tp_rank})"
+        memory = (f" of {format_bytes(worst.memory_bytes)} GPU memory"
+                  if worst.memory_bytes is not None else "")
+        if worst.over_committed:
+            raise FitError(
+                f"{where}: KV budget {format_bytes(worst.kv_budget_bytes)} exceeds the "
+                f"{format_bytes(worst.kv_capacity_bytes or 0)} left{memory} after weights, "
+                f"activations, CUDA graphs and overhead")
+        raise FitError(
+            f"{where} needs {format_bytes(worst.need_bytes_at_max_model_len)} of KV cache for "
+            f"max_model_len {self.engine.max_model_len:,} but has a KV budget of "
+            f"{format_bytes(worst.kv_budget_bytes)}{memory}; the longest max_model_len that "
+            f"fits is {worst.max_model_len_that_fits:,}")
