@@ -1,0 +1,56 @@
+"""``kvmem serve [MODEL]``: an OpenAI-compatible HTTP server (127.0.0.1:8000 by default)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from kvmem.errors import KvmemError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvmem.engine.config import add_engine_arguments
+
+    add_engine_arguments(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("KVMEM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $KVMEM_API_KEY)")
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise KvmemError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from kvmem.engine.async_engine import AsyncLLMEngine
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.llm_engine import LLMEngine
+    from kvmem.serve import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise KvmemError(f"--port must be in 0..65535, got {args.port}")
+    sock = _listen(args.host, args.port)  # fail before loading the model if the port is taken
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(EngineConfig.from_args(args))
+    app = create_app(AsyncLLMEngine(engine), api_key=args.api_key)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])  # handles SIGINT/SIGTERM: drains, then exits
+    return 0

@@ -1,0 +1,243 @@
+"""The FastAPI app: OpenAI-compatible completions and chat, models, health and metrics.
+
+Bad input never reaches the engine: bodies are validated by pydantic and SamplingParams,
+prompts are tokenized and checked against max_model_len before a request is queued, and
+every failure becomes a 4xx with an OpenAI-style ``{"error": {...}}`` body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvmem.engine.async_engine import AsyncLLMEngine, EngineError
+from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
+from kvmem.engine.outputs import RequestOutput
+from kvmem.engine.request import Request as EngineRequest
+from kvmem.errors import KvmemError
+from kvmem.serve.metrics import make_registry
+from kvmem.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    error_response,
+)
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
+               model_name: str | None = None) -> FastAPI:
+    """An app serving ``engine``; the engine thread starts and stops with the app."""
+    name = model_name or engine.engine.model_name
+    tokenizer = engine.engine.tokenizer
+    registry = make_registry(lambda: engine.snapshot, name)
+    created_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="kvmem", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise _HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                             code="invalid_api_key")
+
+    def check_model(requested: str) -> None:
+        if requested != name:
+            raise _HTTPError(404, f"the model {requested!r} does not exist; this server serves "
+                             f"{name!r}", param="model", code="model_not_found")
+        if not engine.is_ready:
+            raise _HTTPError(503, "the engine is not ready")
+
+    def make_request(prompt: str | list[int], body, max_tokens: int | None) -> EngineRequest:
+        try:
+            return engine.make_request(prompt, body.sampling_params(max_tokens))
+        except PromptTooLongError as e:
+            raise _HTTPError(400, str(e), e.param, "context_length_exceeded") from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_ready:
+            return JSONResponse({"status": "ok"})
+        return error_response("the engine is not ready", 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created_at, "owned_by": "kvmem",
+            "max_model_len": engine.engine.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest) -> Response:
+        check_model(body.model)
+        prompts = body.prompts()
+        if body.stream and len(prompts) > 1:
+            raise InvalidRequestError("streaming supports one prompt per request", "prompt")
+        requests = [make_request(p, body, body.max_tokens) for p in prompts]
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
+        if body.stream:
+            return _sse(_completion_chunks(engine, requests[0], meta, body.include_usage))
+        finals = await asyncio.gather(*(_final(engine, r) for r in requests))
+        choices = [{"index": i, "text": out.text, "logprobs": None,
+                    "finish_reason": out.outputs[0].finish_reason}
+                   for i, out in enumerate(finals)]
+        return JSONResponse({**meta, "object": "text_completion", "choices": choices,
+                             "usage": _usage(finals)})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        check_model(body.model)
+        messages = [m.as_template_message() for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # the template adds them
+        request = make_request(prompt_ids, body, body.effective_max_tokens)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
+        if body.stream:
+            return _sse(_chat_chunks(engine, request, meta, body.include_usage))
+        out = await _final(engine, request)
+        return JSONResponse({**meta, "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": out.text},
+            "logprobs": None, "finish_reason": out.outputs[0].finish_reason}],
+            "usage": _usage([out])})
+
+    return app
+
+
+async def _final(engine: AsyncLLMEngine, request: EngineRequest) -> RequestOutput:
+    out = None
+    async for out in engine.stream(request):  # noqa: B007 (only the last output matters)
+        pass
+    assert out is not None
+    if out.error:
+        raise _HTTPError(400, out.error, code="kv_cache_too_small")
+    return out
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dict,
+                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    last = None
+    try:
+        async for last in engine.stream(request):
+            delta = last.outputs[0]
+            if last.error:
+                yield error_body(last.error, 400, code="kv_cache_too_small")
+                return
+            if delta.delta_text or last.finished:
+                yield {**meta, "object": "text_completion", "choices": [{
+                    "index": 0, "text": delta.delta_text, "logprobs": None,
+                    "finish_reason": delta.finish_reason}]}
+    except KvmemError as e:
+        yield error_body(str(e), 500)
+        return
+    if include_usage and last is not None:
+        yield {**meta, "object": "text_completion", "choices": [], "usage": _usage([last])}
+
+
+async def _chat_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dict,
+                       include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {**meta, "object": "chat.completion.chunk", "choices": [{
+            "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    last = None
+    try:
+        async for last in engine.stream(request):
+            if last.error:
+                yield error_body(last.error, 400, code="kv_cache_too_small")
+                return
+            out = last.outputs[0]
+            if out.delta_text:
+                yield chunk({"content": out.delta_text}, None)
+            if last.finished:
+                yield chunk({}, out.finish_reason)
+    except KvmemError as e:
+        yield error_body(str(e), 500)
+        return
+    if include_usage and last is not None:
+        yield {**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage([last])}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(_HTTPError)
+    async def http_error(_: Request, e: _HTTPError) -> JSONResponse:
+        return error_response(str(e), e.status, e.param, e.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
+        return error_response(str(e), 400, e.param)
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, e: EngineError) -> JSONResponse:
+        return error_response(str(e), 503)
+
+    @app.exception_handler(KvmemError)
+    async def kvmem_error(_: Request, e: KvmemError) -> JSONResponse:
+        return error_response(str(e), 400)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(f"malformed JSON body: {first.get('msg', '')}", 400,
+                                  code="invalid_json")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "bad body"))
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(e.detail), e.status_code)
