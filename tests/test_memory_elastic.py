@@ -1,0 +1,241 @@
+"""Elastic KV storage: page geometry, placement, mapping hooks, budget and resident memory."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+
+import psutil
+import pytest
+import torch
+
+from kvmem.errors import ConfigError
+from kvmem.memory.backends import FakeBackend
+from kvmem.memory.elastic import ElasticKVStorage
+from kvmem.memory.ledger import Ledger
+from kvmem.memory.page_table import OverBudgetError, PageTable
+from kvmem.memory.pages import PageGeometry, blocks_per_page_for
+from kvmem.memory.storage import SlotShape
+
+SHAPE = SlotShape(num_kv=2, block_size=16, num_heads=2, head_dim=32)  # 4 KiB per block in fp32
+
+
+def fake_storage(max_blocks=64, blocks_per_page=4, **kw) -> ElasticKVStorage:
+    kw.setdefault("start", False)
+    return ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=max_blocks,
+                            backend=FakeBackend(4096), blocks_per_page=blocks_per_page, **kw)
+
+
+def test_blocks_per_page_fills_whole_granules():
+    assert blocks_per_page_for(24 * 1024, 4096) == 1
+    assert blocks_per_page_for(24 * 1024, 2 << 20) == 256  # lcm(24 KiB, 2 MiB) = 6 MiB
+    assert blocks_per_page_for(4096, 4096, min_page_bytes=64 * 1024) == 16
+    geo = PageGeometry.build(num_slots=3, block_slot_bytes=24 * 1024, max_blocks=1000,
+                             granularity=2 << 20)
+    assert geo.num_blocks % geo.blocks_per_page == 0 and geo.num_blocks >= 1000
+    regions = geo.regions(2)
+    assert [o % geo.slot_bytes for o, _ in regions] == [2 * geo.page_slot_bytes] * 3
+    with pytest.raises(ConfigError):
+        PageGeometry.build(num_slots=1, block_slot_bytes=3000, max_blocks=8, granularity=4096,
+                           blocks_per_page=1)
+
+
+def test_null_block_page_is_mapped_before_the_premap_thread_starts():
+    backend = FakeBackend(4096, max_delay=0.002)
+    storage = ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=64, backend=backend,
+                               blocks_per_page=4, reserve_pages=3)
+    try:
+        page0 = {o for o, _ in storage.geometry.regions(0)}
+        assert {off for _, off in backend.log[:3]} == page0  # first three maps: page 0, each slot
+        assert storage.free_queue().popleft() == 0  # the pool takes the null block first
+        storage.settle()
+        # Reserve: 3 pages' worth (12) of free blocks on mapped pages: 3 on page 0 + 3 pages.
+        assert storage.stats().mapped_pages == 1 + 3
+    finally:
+        storage.close()
+
+
+def test_no_premap_thread_until_start():
+    storage = fake_storage()
+    assert storage.stats().mapped_pages == 1
+    assert not any(t.name == "kvmem-premap" and t.is_alive() for t in threading.enumerate()
+                   if storage._premap is None)
+    storage.start()
+    assert storage._premap is not None and storage._premap.alive
+    storage.close()
+
+
+def test_rank_and_world_size_are_checked():
+    with pytest.raises(ConfigError):
+        fake_storage(rank=2, world_size=2)
+    follower = fake_storage(rank=1, world_size=2)
+    assert follower.stats().mapped_pages == 0  # followers map only what rank 0 decides
+
+
+def test_queue_prefers_mapped_pages_and_the_fullest_page():
+    storage = fake_storage(reserve_pages=0)
+    q = storage.free_queue()
+    assert q.popleft() == 0  # the null block comes first, on the mapped page 0
+    blocks = q.popleft_n(11)  # fills pages 0..2
+    storage.on_blocks_allocated(blocks)
+    assert blocks == list(range(1, 12))
+    # Free 3 blocks on page 1 and 1 block on page 2: page 2 (fewest free) is preferred.
+    for b in (4, 5, 6, 9):
+        storage.on_blocks_released([b])
+        q.append(b)
+    assert q.popleft() == 9
+    assert q.popleft() == 4  # then page 1, before any unmapped page
+    assert q.popleft_n(2) == [5, 6]
+    assert q.popleft() == 12  # only now a new page
+
+
+def _churn(storage, queue_pop, queue_push, steps=3000, seed=1):
+    rng = random.Random(seed)
+    live: list[int] = []
+    ratios = []
+    for step in range(steps):
+        if live and (len(live) > 120 or rng.random() < 0.5):
+            b = live.pop(rng.randrange(len(live)))
+            storage.on_blocks_released([b])
+            queue_push(b)
+        else:
+            n = rng.randint(1, 4)
+            got = [queue_pop() for _ in range(n)]
+            storage.on_blocks_allocated(got)
+            live.extend(got)
+        storage.settle()
+        if step > 500:
+            ratios.append(storage.stats().mapped_pages / max(1, len(live) / 4))
+    return sum(ratios) / len(ratios)
+
+
+def test_page_aware_placement_maps_fewer_pages_than_fifo():
+    aware = fake_storage(max_blocks=1024, reserve_pages=1)
+    q = aware.free_queue()
+    q.popleft()  # the null block
+    aware_ratio = _churn(aware, q.popleft, q.append)
+
+    fifo = fake_storage(max_blocks=1024, reserve_pages=1)
+    fq = fifo.free_queue()
+    fq.popleft()
+    order = deque(fq.popleft_n(len(fq)))  # take every block out: a plain FIFO decides order
+    fifo_ratio = _churn(fifo, order.popleft, order.append)
+    assert aware_ratio < 1.5
+    assert fifo_ratio > 2 * aware_ratio
+
+
+def test_pages_are_released_when_blocks_free_keeping_the_reserve():
+    storage = fake_storage(reserve_pages=2)
+    q = storage.free_queue()
+    q.popleft()
+    storage.settle()
+    assert storage.stats().mapped_pages == 3
+    blocks = q.popleft_n(40)
+    storage.on_blocks_allocated(blocks)
+    storage.settle()
+    assert storage.stats().mapped_pages == 11 + 2  # 41 live blocks -> 11 pages, plus reserve
+    storage.on_blocks_released(blocks)
+    q.append_n(blocks)
+    storage.settle()
+    stats = storage.stats()
+    assert stats.mapped_pages == 3 and stats.live_blocks == 1
+    assert stats.unmaps == 10
+
+
+def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
+    ledger = Ledger(tmp_path / "l.json")
+    page = 3 * 4 * 4096  # 3 slots x 4 blocks x 4 KiB
+    budget = ledger.register("a", limit_bytes=5 * page)
+    storage = fake_storage(budget=budget, reserve_pages=0)
+    q = storage.free_queue()
+    q.popleft()
+    taken = []
+    while storage.capacity_guard(3):
+        got = q.popleft_n(3)
+        storage.on_blocks_allocated(got)
+        taken += got
+    assert len(taken) + 1 <= 5 * 4 and storage.stats().held_bytes <= 5 * page
+    assert ledger.entries()[0].mapped_bytes <= 5 * page
+    # Freeing makes room again.
+    storage.on_blocks_released(taken[:8])
+    q.append_n(taken[:8])
+    assert storage.capacity_guard(3)
+    # Skipping the guard at the limit is an error with a clear message, not a crash.
+    more = [q.popleft() for _ in range(q.num_free_blocks)][-4:]
+    with pytest.raises(OverBudgetError, match="capacity guard"):
+        storage.on_blocks_allocated(more)
+
+
+def test_lowered_limit_trims_free_pages(tmp_path):
+    ledger = Ledger(tmp_path / "l.json")
+    page = 3 * 4 * 4096
+    storage = fake_storage(budget=ledger.register("eng"), reserve_pages=6, start=True)
+    storage.free_queue().popleft()
+    storage.settle()
+    assert storage.stats().mapped_pages == 7
+    ledger.set_limit("eng", 3 * page)
+    storage._heartbeat()
+    storage.settle()
+    assert storage.stats().held_bytes <= 3 * page
+
+
+def test_followers_replay_the_leaders_page_map():
+    leader = fake_storage(max_blocks=512, world_size=2, reserve_pages=1)
+    follower = fake_storage(max_blocks=512, rank=1, world_size=2, reserve_pages=1)
+    follower.apply_ops(leader.drain_ops())
+    q = leader.free_queue()
+    rng = random.Random(3)
+    live = [q.popleft()]
+    for _ in range(300):
+        if rng.random() < 0.55:
+            got = q.popleft_n(rng.randint(1, 3))
+            leader.on_blocks_allocated(got)
+            live += got
+        elif len(live) > 1:
+            b = live.pop(rng.randrange(1, len(live)))
+            leader.on_blocks_released([b])
+            q.append(b)
+        leader.settle()
+        follower.apply_ops(leader.drain_ops())
+        assert follower.backend.mapped == leader.backend.mapped
+    assert [op for op, _ in follower.backend.log] == [op for op, _ in leader.backend.log]
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_resident_memory_follows_live_blocks():
+    shape = SlotShape(2, 16, 8, 64)  # 32 KiB per block per slot in fp16
+    storage = ElasticKVStorage(4, shape, torch.float16, max_blocks=8192, reserve_pages=2,
+                               min_page_bytes=64 * 1024)
+    try:
+        q = storage.free_queue()
+        q.popleft()
+        storage.settle()
+        page = storage.stats().page_bytes
+        base = rss()
+        blocks = q.popleft_n(1600)  # 200 MiB of KV over 4 slots
+        assert storage.capacity_guard(0)
+        storage.on_blocks_allocated(blocks)
+        for s in range(4):
+            storage.slot_tensor(s)[blocks] = 1.0
+        grown = rss() - base
+        live_bytes = 1600 * 4 * 32 * 1024
+        assert 0.9 * live_bytes < grown < 1.1 * live_bytes + 8 * page
+        storage.on_blocks_released(blocks[:800])
+        q.append_n(blocks[:800])
+        storage.settle()
+        assert rss() - base < 0.55 * live_bytes + 8 * page
+        storage.on_blocks_released(blocks[800:])
+        q.append_n(blocks[800:])
+        storage.settle()
+        assert storage.stats().mapped_pages == 1 + 2
+        assert rss() - base < 4 * page + (4 << 20)  # the reserve, plus allocator noise
+        # A page mapped again reads as zeros.
+        again = q.popleft_n(2)
+        storage.on_blocks_allocated(again)
+        assert float(storage.slot_tensor(0)[again].abs().sum()) == 0.0 or again[0] < 3 * 2
+    finally:
+        storage.close()
