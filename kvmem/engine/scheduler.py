@@ -101,13 +101,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
+            while not (result := self.kv_cache_manager.allocate_slots(request, num_new)):
                 victim = self.running[-1]
-                if victim is request and i == 0:
-                    # Alone and still no room: it can never run in this pool.
-                    self._fail(request, out, "the KV cache is too small for this request "
-                               f"({request.num_tokens} tokens); raise the KV budget or "
-                               "lower max_model_len")
+                if not result.can_ever_fit or (victim is request and i == 0):
+                    # Even alone there is no room: it can never run in this pool.
+                    self._fail(request, out, _too_big(request))
                     break
                 self._preempt(victim, out)
                 if victim is request:
@@ -129,12 +127,12 @@ class Scheduler:
             hit = mgr.get_computed_blocks(request) if self.enable_prefix_caching else None
             num_cached = hit.num_tokens if hit is not None else 0
             num_new = min(request.num_tokens - num_cached, budget)
-            if not mgr.allocate_slots(request, num_new, prefix_hit=hit):
-                if not self.running and mgr.usage().held == 0:
+            result = mgr.allocate_slots(request, num_new, prefix_hit=hit)
+            if not result:
+                alone = not self.running and mgr.usage().held == 0
+                if not result.can_ever_fit or alone:
                     self.waiting.popleft()
-                    self._fail(request, out, "the KV cache is too small for this request "
-                               f"({request.num_tokens} tokens) even with nothing else running; "
-                               "raise the KV budget or lower max_model_len")
+                    self._fail(request, out, _too_big(request))
                     continue
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
@@ -165,3 +163,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ERROR
         request.error = message
         out.failed.append(request)
+
+
+def _too_big(request: Request) -> str:
+    return (f"the KV cache is too small for request {request.request_id!r} "
+            f"({request.num_tokens} tokens) even with nothing else running; raise the KV "
+            "budget (--kv-cache-memory-bytes) or lower max_model_len")
