@@ -1,0 +1,158 @@
+"""``kvmem plan MODEL``: what a deployment's KV cache holds, per rank and for the engine.
+
+Calls ``kvmem.plan.plan`` (the function the engine sizes itself with) and prints a table,
+JSON, the flags for an engine, or a stacked-bar plot. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvmem.errors import ConfigError
+
+_EPILOG = """\
+examples:
+  kvmem plan Qwen/Qwen3-32B --pp 2 --layer-partition 56,8 --kv-cache-dtype fp8 \\
+      --kv-cache-memory-bytes 5GiB --max-model-len 40960 --kv-budget proportional
+  kvmem plan qwen3-14b --pp 2 --gpu V100-16GB,V100-32GB --kv-budget optimal --engine vllm
+  kvmem plan ./my-model-dir --tp 2 --gpu H100 --json
+
+MODEL is a catalog name (see `kvmem models`), a config.json, or a model directory (with
+*.safetensors files there, weights are read exactly from their headers).
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = _EPILOG
+    p.add_argument("model", metavar="MODEL", help="catalog name, config.json or model directory")
+    g = p.add_argument_group("layout")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   metavar="N", help="tensor-parallel size (default 1)")
+    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                   metavar="N", help="pipeline-parallel size (default 1)")
+    g.add_argument("--layer-partition", metavar="N,N,...",
+                   help="layers per pipeline stage, e.g. 56,8 (default: even split as vLLM)")
+    g.add_argument("--gpu", action="append", metavar="NAME",
+                   help="GPU of each rank by name (repeat or comma list, one per rank or one "
+                        "for all), e.g. H100, A100-40GB, L40S, V100-16GB")
+    g.add_argument("--gpu-memory", metavar="GiB",
+                   help="total GPU memory in GiB (one, or a comma list per rank)")
+    e = p.add_argument_group("engine settings")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of total GPU memory the engine may use (default 0.9)")
+    e.add_argument("--kv-cache-memory-bytes", metavar="SIZE",
+                   help="KV bytes per rank, e.g. 5GiB, 512MiB or plain bytes; skips estimates")
+    e.add_argument("--kv-budget", default="uniform",
+                   choices=("uniform", "proportional", "optimal"),
+                   help="uniform: same budget on every rank (as vLLM); proportional: the total "
+                        "split by each stage's KV bytes; optimal: best partition and budgets "
+                        "for each GPU's memory (default uniform)")
+    e.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (model dtype), bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2")
+    e.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="tokens per KV block (default 16)")
+    e.add_argument("--max-model-len", type=int, metavar="N",
+                   help="longest request in tokens (default: the model's context length)")
+    e.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+                   help="most requests running at once (default 256)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
+                   help="tokens per scheduler step (default 8192)")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (their memory is then not reserved)")
+    e.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="GiB",
+                   help="weight GiB per GPU kept in CPU memory (default 0)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    o.add_argument("--engine", choices=("vllm", "sglang", "kvmem"),
+                   help="also print the exact command and environment for this engine")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="save each rank's memory as a stacked bar chart (needs matplotlib)")
+    o.add_argument("--check", action="store_true",
+                   help="exit 2 with the per-rank message when max_model_len does not fit")
+
+
+def _gib_list(text: str, what: str) -> list[int]:
+    from kvmem.units import GiB
+
+    out = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ConfigError(f"{what}: cannot read {item!r} as GiB") from None
+        if not value > 0:
+            raise ConfigError(f"{what} must be positive, got {item!r}")
+        out.append(round(value * GiB))
+    return out
+
+
+def _partition(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"layer partition {text!r}: give whole numbers such as 56,8") from None
+
+
+def _inputs(args: argparse.Namespace):
+    from kvmem.plan import EngineSettings, Layout
+    from kvmem.units import GiB, parse_size
+
+    gpus = [g.strip() for item in args.gpu for g in item.split(",") if g.strip()] \
+        if args.gpu else None
+    memory = _gib_list(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
+    if memory is not None and len(memory) == 1:
+        memory = memory[0]
+    if args.cpu_offload_gib < 0:
+        raise ConfigError(f"--cpu-offload-gib must not be negative, got {args.cpu_offload_gib}")
+    kv_bytes = (parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+                if args.kv_cache_memory_bytes is not None else None)
+    layout = Layout(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                    layer_partition=_partition(args.layer_partition), gpus=gpus,
+                    gpu_memory_bytes=memory)
+    settings = EngineSettings(
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        cuda_graphs=not args.enforce_eager, cpu_offload_bytes=round(args.cpu_offload_gib * GiB),
+        kv_cache_dtype=args.kv_cache_dtype)
+    return layout, settings
+
+
+def _checkpoint_dir(model: str) -> Path | None:
+    path = Path(model).expanduser()
+    return path if path.is_dir() and any(path.glob("*.safetensors")) else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmem.plan import plan
+    from kvmem.plan.flags import engine_command
+    from kvmem.spec import load_spec
+
+    spec = load_spec(args.model)
+    layout, settings = _inputs(args)
+    result = plan(spec, layout, settings, policy=args.kv_budget,
+                  checkpoint_dir=_checkpoint_dir(args.model))
+    model = spec.hf_id or args.model
+    command = engine_command(result, args.engine, model) if args.engine else None
+    if args.plot:
+        from kvmem.plan.plot import save_plot
+
+        save_plot(result, args.plot)
+    if args.json:
+        out = result.to_dict()
+        if command is not None:
+            out["engine_command"] = {"argv": command.argv, "env": command.env,
+                                     "notes": command.notes}
+        print(json.dumps(out, indent=1))
+    else:
+        from kvmem.plan.report import print_plan
+
+        print_plan(result, command, plot=args.plot)
+    if args.check:
+        result.check_fit()
+    return 0
