@@ -82,10 +82,15 @@ def hf_model(path):
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy output (it stops after an end-of-sequence token)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def until_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 def load(path, **kw):
@@ -106,7 +111,7 @@ def test_tiny_models_match_transformers(tmp_path, family):
     n_new = 12
     outputs, logits = PagedRun(model, files.config).generate(prompts, n_new)
     for prompt, out, got in zip(prompts, outputs, logits, strict=True):
-        assert out == hf_greedy(reference, prompt, n_new)
+        assert until_eos(out, files.config["eos_token_id"]) == hf_greedy(reference, prompt, n_new)
         full = torch.tensor([prompt + out[:-1]])
         with torch.no_grad():
             expected = reference(full).logits[0].float()
@@ -162,3 +167,27 @@ def test_unsupported_architecture_is_a_config_error(tmp_path):
     config["architectures"] = ["GPT2LMHeadModel"]
     with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
         build_model(config)
+
+
+def test_embedded_smollm2_matches_transformers():
+    """SmolLM2-135M-Instruct from the embedded GGUF: our converted checkpoint in the paged
+    model against transformers reading the same GGUF itself."""
+    from tiny_models import embedded_files, transformers_gguf_reference
+
+    files = embedded_files()
+    _, _, reference = transformers_gguf_reference()
+    model = build_model(files.config, dtype=torch.float32, attention_backend="reference")
+    model.load_weights(files.weights())
+    tok = files.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
+                          add_special_tokens=False)
+               for text in ("What is the capital of France?", "Write a haiku about rain.")]
+    n_new = 10
+    outputs, logits = PagedRun(model, files.config, block_size=16, chunk=24).generate(
+        prompts, n_new)
+    for prompt, out, got in zip(prompts, outputs, logits, strict=True):
+        assert until_eos(out, files.config["eos_token_id"]) == hf_greedy(reference, prompt, n_new)
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt + out[:-1]])).logits[0].float()
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+    assert "Paris" in tok.decode(outputs[0])

@@ -7,6 +7,7 @@ returns the directory. The same seed gives the same weights.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,33 @@ def make_tiny_checkpoint(tmp_path: Path, family: str = "llama", seed: int = 0,
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
     }))
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_files():
+    """The embedded SmolLM2 checkpoint (converted once into the kvmem cache directory)."""
+    from kvmem.engine.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_gguf_reference():
+    """(HF config, state dict, model) of the embedded GGUF, read by transformers' own GGUF
+    loader: an independent dequantisation and q/k un-permutation to compare against."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kvmem.engine.loader.gguf_convert import embedded_gguf
+
+    parsed = load_gguf_checkpoint(str(embedded_gguf()), return_tensors=False)
+    config = LlamaConfig(**parsed["config"])
+    model = LlamaForCausalLM(config).float().eval()
+    tensors = load_gguf_checkpoint(str(embedded_gguf()), return_tensors=True,
+                                   model_to_load=model)["tensors"]
+    tensors = {name: t.float() for name, t in tensors.items()}
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=False)
+        model.tie_weights()
+    return config, tensors, model
