@@ -1,0 +1,163 @@
+"""The shared budget: ledger bookkeeping, two engine processes sharing one limit, and the
+``kvmem top`` / ``kvmem limit`` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvmem.cli import main
+from kvmem.errors import ConfigError
+from kvmem.memory.ledger import Ledger, UnknownEngineError
+
+ENGINE = textwrap.dedent("""
+    import sys, torch
+    from kvmem.memory.elastic import ElasticKVStorage
+    from kvmem.memory.ledger import Ledger
+    from kvmem.memory.storage import SlotShape
+
+    name, ledger_dir, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    budget = Ledger.for_device("cpu", ledger_dir).register(name, total_limit=total)
+    storage = ElasticKVStorage(2, SlotShape(2, 16, 4, 64), torch.float16, max_blocks=4096,
+                               budget=budget, reserve_pages=1, min_page_bytes=64 * 1024)
+    queue = storage.free_queue()
+    queue.popleft()
+    live = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "grab":  # take blocks until the shared budget says no
+            while storage.capacity_guard(8):
+                got = queue.popleft_n(8)
+                storage.on_blocks_allocated(got)
+                storage.slot_tensor(0)[got] = 1.0
+                live += got
+        elif cmd == "release":
+            storage.on_blocks_released(live)
+            queue.append_n(live)
+            live = []
+            storage.settle()
+        elif cmd == "quit":
+            break
+        print(len(live), storage.stats().held_bytes, flush=True)
+    storage.close()
+""")
+
+
+def test_register_acquire_release_and_limits(tmp_path):
+    ledger = Ledger(tmp_path / "l.json")
+    a = ledger.register("a", limit_bytes=1000)
+    b = ledger.register("b", total_limit=1500)
+    assert a.try_acquire(800)
+    assert not a.try_acquire(300)  # own limit
+    assert b.try_acquire(700)
+    assert not b.try_acquire(1)  # device total: 800 + 700 already held
+    a.release(500)
+    assert b.try_acquire(400)
+    code = ("import sys, time; from kvmem.memory.ledger import Ledger; "
+            "Ledger(sys.argv[1]).register('c'); print('in', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "l.json")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "in"
+        with pytest.raises(ConfigError, match="already uses"):
+            ledger.register("c")  # a live engine of another process owns the name
+    finally:
+        other.kill()
+        other.wait()
+    with pytest.raises(UnknownEngineError):
+        ledger.set_limit("nope", 10)
+    held, allowed = a.report(123)
+    assert (held, allowed) == (300, 1000)
+    assert {e.name: e.used_bytes for e in ledger.entries()} == {"a": 123, "b": 0}  # c reaped
+
+
+def test_dead_engines_are_reaped(tmp_path):
+    code = ("import sys; from kvmem.memory.ledger import Ledger; "
+            "Ledger(sys.argv[1]).register('gone').try_acquire(10**9)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "l.json")], check=True,
+                   timeout=60)
+    ledger = Ledger(tmp_path / "l.json")
+    assert ledger.entries() == []  # its pid no longer exists
+    budget = ledger.register("gone", total_limit=2 * 10**9)  # the name is free again
+    assert budget.try_acquire(2 * 10**9)  # and its bytes were returned
+
+
+class Engine:
+    def __init__(self, name: str, tmp_path, total: int) -> None:
+        script = tmp_path / "engine.py"
+        script.write_text(ENGINE)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), name, str(tmp_path), str(total)], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def send(self, cmd: str) -> tuple[int, int]:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        blocks, held = self.proc.stdout.readline().split()
+        return int(blocks), int(held)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(30)
+        assert self.proc.returncode == 0
+
+
+def test_two_engines_share_one_budget(tmp_path):
+    total = 64 << 20
+    a, b = Engine("a", tmp_path, total), Engine("b", tmp_path, total)
+    ledger = Ledger.for_device("cpu", tmp_path)
+    try:
+        a_blocks, a_held = a.send("grab")  # a takes nearly everything
+        b_blocks, b_held = b.send("grab")  # b gets only what is left
+        assert a_held + b_held <= total
+        assert sum(e.mapped_bytes for e in ledger.entries()) <= total
+        assert b_blocks < a_blocks / 4
+        _, a_idle = a.send("release")  # a idles and gives its pages back
+        assert a_idle < total / 8
+        b_more, b_held = b.send("grab")  # now b can grow
+        assert b_more > 4 * b_blocks
+        assert a_idle + b_held <= total
+        a_again, a_held = a.send("grab")  # both busy: neither passes the shared limit
+        assert a_held + b_held <= total
+        assert sum(e.mapped_bytes for e in ledger.entries()) <= total
+        assert a_again < a_blocks
+    finally:
+        a.close()
+        b.close()
+
+
+def test_top_and_limit_commands(tmp_path, capsys):
+    ledger = Ledger.for_device("cuda:0", tmp_path)
+    budget = ledger.register("llama", limit_bytes=4 << 30)
+    budget.try_acquire(3 << 30)
+    budget.report(1 << 30)
+    assert main(["top", "--json", "--ledger-dir", str(tmp_path)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["mapped_bytes"], r["used_bytes"], r["limit_bytes"]) for r in rows] == \
+        [("llama", 3 << 30, 1 << 30, 4 << 30)]
+    assert main(["top", "--ledger-dir", str(tmp_path)]) == 0
+    assert "llama" in capsys.readouterr().out
+
+    assert main(["limit", "llama", "2GiB", "--ledger-dir", str(tmp_path)]) == 0
+    assert ledger.entries()[0].limit_bytes == 2 << 30
+    assert not budget.try_acquire(1)  # 3 GiB held is now above the limit
+    assert main(["limit", "--total", "8GiB", "--device", "cuda:0",
+                 "--ledger-dir", str(tmp_path)]) == 0
+    assert ledger.total_limit() == 8 << 30
+    capsys.readouterr()
+
+    assert main(["limit", "mistral", "2GiB", "--ledger-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmem: error:") and "mistral" in err and err.count("\n") == 1
+    assert main(["limit", "llama", "lots", "--ledger-dir", str(tmp_path)]) == 2
+    assert "cannot read 'lots'" in capsys.readouterr().err
