@@ -224,24 +224,29 @@ class _Planner:
         stage_of = [r // self.tp for r in range(self.world)]
         if self.policy == "proportional":
             pool = self.pool if self.pool is not None else sum(max(0, c or 0) for c in caps)
-            reserves = [self.reserve(kv) for kv in kvs]
-            weights = [kv.bytes_per_block for kv in kvs]
-            per_column = max(0, pool // self.tp - sum(reserves))
-            total_weight = sum(weights) or 1
-            out = []
-            for r, cap in enumerate(caps):
-                s = stage_of[r]
-                share = reserves[s] + per_column * weights[s] // total_weight
-                out.append(share if cap is None else min(share, max(0, cap)))
-            return out
-        # optimal: the most blocks every rank can hold and the shared total can pay for
-        limits = [(max(0, cap) - self.reserve(kvs[s])) // kvs[s].bytes_per_block
-                  for cap, s in zip(caps, stage_of, strict=True)
-                  if cap is not None and kvs[s].bytes_per_block]
-        if self.pool is not None:
-            limits.append(self._pool_blocks(kvs))
-        blocks = max(0, min(limits)) if limits else 0
-        return [self.reserve(kvs[s]) + blocks * kvs[s].bytes_per_block for s in stage_of]
+            shares = [self._proportional_share(pool // self.tp, kvs, s) for s in stage_of]
+        else:  # optimal: the most blocks every rank can hold and the shared total can pay for
+            limits = [(max(0, cap) - self.reserve(kvs[s])) // kvs[s].bytes_per_block
+                      for cap, s in zip(caps, stage_of, strict=True)
+                      if cap is not None and kvs[s].bytes_per_block]
+            if self.pool is not None:
+                limits.append(self._pool_blocks(kvs))
+            blocks = max(0, min(limits)) if limits else 0
+            shares = [self.reserve(kvs[s]) + blocks * kvs[s].bytes_per_block for s in stage_of]
+            if self.pool is not None and sum(shares) > self.pool:  # states alone overflow it
+                shares = [self._proportional_share(self.pool // self.tp, kvs, s)
+                          for s in stage_of]
+        return [share if cap is None else min(share, max(0, cap))
+                for share, cap in zip(shares, caps, strict=True)]
+
+    def _proportional_share(self, column: int, kvs: list[StageKV], stage: int) -> int:
+        """Stage's part of one pipeline column's KV bytes: its linear-attention states, then
+        the rest by bytes per block, so that every stage holds the same number of blocks."""
+        reserves = [self.reserve(kv) for kv in kvs]
+        if column < sum(reserves):  # not even the states fit: share what there is
+            return column * reserves[stage] // sum(reserves)
+        weights = [kv.bytes_per_block for kv in kvs]
+        return reserves[stage] + (column - sum(reserves)) * weights[stage] // (sum(weights) or 1)
 
     def _rank_plan(self, rank: int, stages: list[range], kvs: list[StageKV], nk: _NonKV,
                    cap: int | None, kv_budget: int) -> RankPlan:

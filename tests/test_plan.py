@@ -1,0 +1,293 @@
+"""kvmem.plan: the acceptance figures of MISSION.md and public vLLM logs, policies, fit check."""
+
+import pytest
+
+from kvmem.errors import ConfigError, KvmemError
+from kvmem.plan import EngineSettings, FitError, Layout, RankProfile, plan
+from kvmem.plan.partition import even_partition
+from kvmem.spec import load_spec, spec_from_config
+from kvmem.units import GiB
+
+QWEN3_32B_FP8 = dict(kv_cache_dtype="fp8", block_size=16, max_model_len=40960)
+
+
+def _qwen32_pp2(policy, kv_bytes):
+    return plan(load_spec("Qwen/Qwen3-32B"),
+                Layout(pipeline_parallel_size=2, layer_partition=[56, 8]),
+                EngineSettings(kv_cache_memory_bytes=kv_bytes, **QWEN3_32B_FP8), policy=policy)
+
+
+# ---------------------------------------------------------------- MISSION.md problem 2
+
+def test_problem2_uniform_budgets_waste_the_short_stage():
+    p = _qwen32_pp2("uniform", 5 * GiB)
+    assert [r.kv_bytes_per_token for r in p.ranks] == [56 * 2048, 8 * 2048]
+    assert [r.tokens for r in p.ranks] == [46_800, 327_680]
+    assert [round(r.tokens / 40_960, 2) for r in p.ranks] == [1.14, 8.00]
+    assert p.engine.tokens == 46_800
+    assert round(p.engine.max_concurrency, 2) == 1.14
+
+
+def test_problem2_proportional_splits_a_5gib_total_by_stage_kv_bytes():
+    p = _qwen32_pp2("proportional", 5 * GiB // 2)  # 2.5 GiB x 2 stages = 5 GiB in total
+    assert [r.kv_budget_bytes for r in p.ranks] == [int(4.375 * GiB), int(0.625 * GiB)]
+    assert [r.tokens for r in p.ranks] == [40_960, 40_960]
+    assert p.engine.max_concurrency == pytest.approx(1.0)
+    assert p.engine.fits
+
+
+def test_optimal_with_fixed_partition_matches_proportional_and_spends_no_more():
+    prop, opt = _qwen32_pp2("proportional", 5 * GiB // 2), _qwen32_pp2("optimal", 5 * GiB // 2)
+    assert opt.engine.num_blocks == prop.engine.num_blocks
+    assert sum(r.kv_budget_bytes for r in opt.ranks) <= 5 * GiB
+
+
+# ---------------------------------------------------------------- MISSION.md problem 1
+
+def _problem1_model():
+    # 56 layers x 8 KV heads x head_dim 134, bf16: 240,128 B/token, 223.64 GiB at 1M tokens
+    return spec_from_config({
+        "num_hidden_layers": 56, "hidden_size": 8576, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 134, "vocab_size": 32000,
+        "max_position_embeddings": 1_048_576, "torch_dtype": "bfloat16",
+    }, name="problem-1")
+
+
+def test_problem1_whole_model_need_is_about_223_68_gib():
+    spec = _problem1_model()
+    whole = spec.kv_bytes_per_token(dtype_bytes=2) * 1_000_000 / GiB
+    assert whole == pytest.approx(223.68, rel=1e-3)
+
+
+def test_problem1_per_rank_need_fits_in_15_57_gib():
+    p = plan(_problem1_model(), Layout(tensor_parallel_size=8, pipeline_parallel_size=2),
+             EngineSettings(kv_cache_memory_bytes=int(15.57 * GiB), max_model_len=1_000_000))
+    assert len(p.ranks) == 16
+    for r in p.ranks:
+        assert r.kv_heads_on_rank == 1 and len(r.layers) == 28
+        assert r.need_bytes_at_max_model_len / GiB == pytest.approx(13.98, abs=0.01)
+        assert r.fits
+    p.check_fit()  # does not raise
+    assert p.engine.fits
+
+
+def test_problem1_fails_at_13_gib_naming_rank_need_memory_and_longest_fit():
+    p = plan(_problem1_model(), Layout(tensor_parallel_size=8, pipeline_parallel_size=2),
+             EngineSettings(kv_cache_memory_bytes=13 * GiB, max_model_len=1_000_000))
+    assert not p.engine.fits
+    per_token = 28 * 2 * 1 * 134 * 2
+    longest = (13 * GiB // (16 * per_token)) * 16
+    assert p.engine.max_model_len_that_fits == longest
+    with pytest.raises(FitError) as err:
+        p.check_fit()
+    msg = str(err.value)
+    assert "rank 0" in msg and "13.98 GiB" in msg and "13.00 GiB" in msg
+    assert f"{longest:,}" in msg and "\n" not in msg
+    assert isinstance(err.value, KvmemError)
+
+
+# ---------------------------------------------------------------- public vLLM logs
+
+@pytest.mark.parametrize("model, tp, gib, max_len, blocks, tokens, concurrency", [
+    ("meta-llama/Meta-Llama-3-8B", 1, 11.12, 8192, 5_691, None, 11.12),
+    ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", 2, 16.20, 8192, None, 212_352, 25.92),
+    ("Qwen/Qwen3-14B", 1, 6.51, 32768, None, 42_656, 1.30),
+])
+def test_public_vllm_logs_lie_within_the_rounding_interval(model, tp, gib, max_len, blocks,
+                                                           tokens, concurrency):
+    def run(g):
+        return plan(load_spec(model), Layout(tensor_parallel_size=tp),
+                    EngineSettings(kv_cache_memory_bytes=int(g * GiB), max_model_len=max_len))
+
+    low, high = run(gib - 0.005), run(gib + 0.005)
+    if blocks is not None:
+        assert low.engine.num_blocks <= blocks <= high.engine.num_blocks
+    if tokens is not None:
+        assert low.engine.tokens <= tokens <= high.engine.tokens
+    assert round(low.engine.max_concurrency, 2) <= concurrency <= \
+        round(high.engine.max_concurrency, 2)
+
+
+# ---------------------------------------------------------------- sharding rules
+
+def test_deepseek_v3_kv_bytes_per_rank_do_not_shrink_with_tp():
+    spec = load_spec("deepseek-ai/DeepSeek-V3")
+    per_tp = {tp: plan(spec, Layout(tensor_parallel_size=tp),
+                       EngineSettings(kv_cache_memory_bytes=GiB, max_model_len=4096))
+              for tp in (1, 8)}
+    assert per_tp[1].ranks[0].kv_bytes_per_token == per_tp[8].ranks[0].kv_bytes_per_token \
+        == 61 * 576 * 2
+    assert per_tp[1].engine.num_blocks == per_tp[8].engine.num_blocks
+
+
+def test_gqa_heads_replicate_when_tp_exceeds_kv_heads():
+    spec = load_spec("meta-llama/Llama-3.1-70B-Instruct")  # 8 KV heads, 64 query heads
+    by_tp = {tp: plan(spec, Layout(tensor_parallel_size=tp),
+                      EngineSettings(kv_cache_memory_bytes=GiB, max_model_len=4096)).ranks[0]
+             for tp in (4, 8, 16)}
+    assert by_tp[4].kv_heads_on_rank == 2 and by_tp[8].kv_heads_on_rank == 1
+    assert by_tp[16].kv_heads_on_rank == 1
+    assert by_tp[16].kv_bytes_per_token == by_tp[8].kv_bytes_per_token \
+        == by_tp[4].kv_bytes_per_token // 2
+
+
+def test_rank_order_is_stage_major():
+    p = plan(load_spec("qwen3-8b"), Layout(tensor_parallel_size=2, pipeline_parallel_size=2),
+             EngineSettings(kv_cache_memory_bytes=GiB))
+    assert [(r.rank, r.pp_stage, r.tp_rank) for r in p.ranks] == \
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert p.ranks[0].layers == p.ranks[1].layers == list(range(18))
+    assert p.ranks[2].layers == list(range(18, 36))
+
+
+def test_even_partition_follows_vllm_remainder_rule():
+    assert even_partition(61, 4) == [15, 15, 16, 15]
+    assert even_partition(22, 4) == [5, 6, 6, 5]
+    assert even_partition(61, 2) == [31, 30]
+    assert even_partition(64, 2) == [32, 32]
+
+
+# ---------------------------------------------------------------- hybrid and linear attention
+
+def test_hybrid_model_blocks_and_tokens_follow_slot_layout():
+    spec = load_spec("google/gemma-3-27b-it")  # 52 sliding + 10 full layers
+    p = plan(spec, Layout(), EngineSettings(kv_cache_memory_bytes=10 * GiB,
+                                            max_model_len=32768))
+    r, groups = p.ranks[0], spec.kv_groups()
+    slots = len({s for s in spec.layer_slots().values()})
+    assert r.num_slots == slots
+    assert r.slot_page_bytes == 16 * max(lay.bytes_per_token(1, 2) for lay in spec.layers)
+    assert r.num_blocks == 10 * GiB // (slots * r.slot_page_bytes)
+    assert r.tokens == r.num_blocks * 16 // len(groups)
+    per_request = sum(g.blocks_per_request(32768, 16, 8192) for g in groups)
+    assert p.engine.max_concurrency == pytest.approx(r.num_blocks / per_request)
+
+
+def test_linear_attention_states_are_reserved_per_running_request():
+    spec = load_spec("Qwen/Qwen3-Coder-Next")
+    few = plan(spec, Layout(), EngineSettings(kv_cache_memory_bytes=8 * GiB, max_num_seqs=1))
+    many = plan(spec, Layout(), EngineSettings(kv_cache_memory_bytes=8 * GiB, max_num_seqs=64))
+    state = sum(lay.state_bytes(1, 2) for lay in spec.layers)
+    assert state > 0
+    assert many.ranks[0].state_bytes_reserved == 64 * state
+    per_block = many.ranks[0].bytes_per_block
+    assert many.ranks[0].num_blocks == (8 * GiB - 64 * state) // per_block
+    assert few.ranks[0].num_blocks > many.ranks[0].num_blocks
+
+
+# ---------------------------------------------------------------- memory budget
+
+def test_budget_is_ceil_of_total_times_utilisation_and_kv_is_what_is_left():
+    p = plan(load_spec("meta-llama/Meta-Llama-3-8B"), Layout(gpu_memory_bytes=40 * GiB + 1),
+             EngineSettings(gpu_memory_utilization=0.9, max_model_len=8192))
+    r = p.ranks[0]
+    assert r.budget_bytes == -(-(40 * GiB + 1) * 9 // 10)
+    assert r.kv_budget_bytes == r.budget_bytes - r.non_kv_bytes
+    assert r.free_bytes == 0
+
+
+def test_profile_replaces_estimates_for_its_rank():
+    prof = RankProfile(weights_bytes=15 * GiB, activation_bytes=2 * GiB, non_torch_bytes=0,
+                       cuda_graph_bytes=GiB, total_bytes=40 * GiB)
+    p = plan(load_spec("meta-llama/Meta-Llama-3-8B"), Layout(), EngineSettings(),
+             profile=[prof])
+    r = p.ranks[0]
+    assert (r.weights_bytes, r.activation_bytes, r.cuda_graph_bytes) == (15 * GiB, 2 * GiB, GiB)
+    assert r.kv_budget_bytes == 36 * GiB - 18 * GiB
+
+
+def test_disabling_cuda_graphs_frees_their_estimate_for_kv():
+    spec, layout = load_spec("qwen3-8b"), Layout(gpus=["L40S"])
+    on = plan(spec, layout, EngineSettings(cuda_graphs=True)).ranks[0]
+    off = plan(spec, layout, EngineSettings(cuda_graphs=False)).ranks[0]
+    assert on.cuda_graph_bytes > 0 and off.cuda_graph_bytes == 0
+    assert off.kv_budget_bytes - on.kv_budget_bytes == on.cuda_graph_bytes
+
+
+def test_cpu_offload_moves_weight_bytes_off_the_gpu():
+    spec, layout = load_spec("qwen3-8b"), Layout(gpus=["L40S"])
+    base = plan(spec, layout, EngineSettings()).ranks[0]
+    off = plan(spec, layout, EngineSettings(cpu_offload_bytes=4 * GiB)).ranks[0]
+    assert base.weights_bytes - off.weights_bytes == 4 * GiB
+    assert off.kv_budget_bytes - base.kv_budget_bytes == 4 * GiB
+
+
+def test_explicit_budget_larger_than_memory_is_reported_not_hidden():
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]),
+             EngineSettings(kv_cache_memory_bytes=20 * GiB, max_model_len=4096))
+    assert p.ranks[0].over_committed and not p.engine.fits
+    with pytest.raises(FitError, match="exceeds"):
+        p.check_fit()
+
+
+def test_optimal_picks_a_partition_for_unequal_gpus():
+    spec = load_spec("Qwen/Qwen3-14B")
+    layout = Layout(pipeline_parallel_size=2, gpus=["V100-16GB", "V100-32GB"])
+    settings = EngineSettings(max_model_len=32768)
+    uniform = plan(spec, layout, settings, policy="uniform")
+    best = plan(spec, layout, settings, policy="optimal")
+    assert not uniform.engine.fits  # the even 20,20 split leaves the 16 GB card no KV room
+    assert best.engine.fits and best.engine.num_blocks > uniform.engine.num_blocks
+    first, second = best.engine.layer_partition
+    assert first < second and first + second == 40
+    assert any("optimal layer partition" in n for n in best.notes)
+    # every rank holds exactly the engine's blocks: nothing is wasted on the larger card
+    assert {r.num_blocks for r in best.ranks} == {best.engine.num_blocks}
+
+
+def test_optimal_unloads_the_last_stage_which_also_holds_lm_head_and_logits():
+    spec, layout = load_spec("Qwen/Qwen3-32B"), Layout(pipeline_parallel_size=2, gpus=["H100"])
+    settings = EngineSettings(max_model_len=8192)
+    even = plan(spec, layout, settings, policy="uniform")
+    best = plan(spec, layout, settings, policy="optimal")
+    first, last = best.engine.layer_partition
+    assert first > last and best.engine.num_blocks > even.engine.num_blocks
+
+
+def test_optimal_keeps_the_even_partition_when_it_is_already_best():
+    # the shared kv_cache_memory_bytes total, not any GPU, limits the blocks here
+    p = plan(load_spec("Qwen/Qwen3-32B"), Layout(pipeline_parallel_size=2, gpus=["H200"]),
+             EngineSettings(kv_cache_memory_bytes=GiB, max_model_len=8192), policy="optimal")
+    assert p.engine.layer_partition == [32, 32] and not p.notes
+
+
+def test_to_dict_has_the_documented_keys():
+    d = _qwen32_pp2("uniform", 5 * GiB).to_dict()
+    for key in ("rank", "pp_stage", "tp_rank", "layers", "kv_budget_bytes",
+                "kv_bytes_per_token", "num_blocks", "tokens"):
+        assert key in d["ranks"][0]
+    for key in ("num_blocks", "tokens", "max_concurrency", "fits", "max_model_len_that_fits",
+                "layer_partition"):
+        assert key in d["engine"]
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("layout, settings, policy, match", [
+    (Layout(tensor_parallel_size=3), EngineSettings(kv_cache_memory_bytes=GiB), "uniform",
+     "does not divide"),
+    (Layout(pipeline_parallel_size=2, layer_partition=[30, 30]),
+     EngineSettings(kv_cache_memory_bytes=GiB), "uniform", "sums to 60"),
+    (Layout(pipeline_parallel_size=2, layer_partition=[64, 0]),
+     EngineSettings(kv_cache_memory_bytes=GiB), "uniform", "empty"),
+    (Layout(pipeline_parallel_size=2, layer_partition=[64]),
+     EngineSettings(kv_cache_memory_bytes=GiB), "uniform", "1 stages"),
+    (Layout(tensor_parallel_size=0), EngineSettings(kv_cache_memory_bytes=GiB), "uniform",
+     "positive"),
+    (Layout(gpus=["H1000"]), EngineSettings(), "uniform", "unknown GPU"),
+    (Layout(gpu_memory_bytes=-5), EngineSettings(), "uniform", "positive"),
+    (Layout(gpus=["H100"]), EngineSettings(gpu_memory_utilization=1.2), "uniform", r"\(0, 1\]"),
+    (Layout(gpus=["H100"]), EngineSettings(gpu_memory_utilization=0), "uniform", r"\(0, 1\]"),
+    (Layout(gpus=["H100"]), EngineSettings(kv_cache_dtype="fp4"), "uniform", "unknown dtype"),
+    (Layout(gpus=["H100"]), EngineSettings(block_size=0), "uniform", "block_size"),
+    (Layout(gpus=["H100"]), EngineSettings(max_model_len=-1), "uniform", "max_model_len"),
+    (Layout(gpus=["H100"]), EngineSettings(kv_cache_memory_bytes=0), "uniform", "positive"),
+    (Layout(gpus=["H100"]), EngineSettings(), "greedy", "unknown KV budget policy"),
+    (Layout(), EngineSettings(), "uniform", "give each rank's GPU"),
+    (Layout(pipeline_parallel_size=2, gpus=["H100", "H100", "H100"]), EngineSettings(),
+     "uniform", "3 given for 2 ranks"),
+])
+def test_bad_input_is_one_config_error_line(layout, settings, policy, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        plan(load_spec("Qwen/Qwen3-32B"), layout, settings, policy=policy)
+    assert "\n" not in str(err.value)
