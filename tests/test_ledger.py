@@ -26,20 +26,19 @@ ENGINE = textwrap.dedent("""
     storage = ElasticKVStorage(2, SlotShape(2, 16, 4, 64), torch.float16, max_blocks=4096,
                                budget=budget, reserve_pages=1, min_page_bytes=64 * 1024)
     queue = storage.free_queue()
-    queue.popleft()
     live = []
     print("ready", flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "grab":  # take blocks until the shared budget says no
             while storage.capacity_guard(8):
-                got = queue.popleft_n(8)
+                got = queue.pop_n(8)
                 storage.on_blocks_allocated(got)
                 storage.slot_tensor(0)[got] = 1.0
                 live += got
         elif cmd == "release":
             storage.on_blocks_released(live)
-            queue.append_n(live)
+            queue.push_free(live)
             live = []
             storage.settle()
         elif cmd == "quit":

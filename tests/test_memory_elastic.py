@@ -47,7 +47,7 @@ def test_null_block_page_is_mapped_before_the_premap_thread_starts():
     try:
         page0 = {o for o, _ in storage.geometry.regions(0)}
         assert {off for _, off in backend.log[:3]} == page0  # first three maps: page 0, each slot
-        assert storage.free_queue().popleft() == 0  # the pool takes the null block first
+        assert 0 not in storage.free_queue().free_ids()  # the pool never hands out block 0
         storage.settle()
         # Reserve: 3 pages' worth (12) of free blocks on mapped pages: 3 on page 0 + 3 pages.
         assert storage.stats().mapped_pages == 1 + 3
@@ -74,18 +74,17 @@ def test_rank_and_world_size_are_checked():
 def test_queue_prefers_mapped_pages_and_the_fullest_page():
     storage = fake_storage(reserve_pages=0)
     q = storage.free_queue()
-    assert q.popleft() == 0  # the null block comes first, on the mapped page 0
-    blocks = q.popleft_n(11)  # fills pages 0..2
+    blocks = q.pop_n(11)  # page 0 (after the null block) first, then pages 1 and 2
     storage.on_blocks_allocated(blocks)
     assert blocks == list(range(1, 12))
     # Free 3 blocks on page 1 and 1 block on page 2: page 2 (fewest free) is preferred.
     for b in (4, 5, 6, 9):
         storage.on_blocks_released([b])
-        q.append(b)
-    assert q.popleft() == 9
-    assert q.popleft() == 4  # then page 1, before any unmapped page
-    assert q.popleft_n(2) == [5, 6]
-    assert q.popleft() == 12  # only now a new page
+        q.push_free([b])
+    assert q.pop_n(1) == [9]
+    assert q.pop_n(1) == [4]  # then page 1, before any unmapped page
+    assert q.pop_n(2) == [5, 6]
+    assert q.pop_n(1) == [12]  # only now a new page
 
 
 def _churn(storage, queue_pop, queue_push, steps=3000, seed=1):
@@ -111,13 +110,11 @@ def _churn(storage, queue_pop, queue_push, steps=3000, seed=1):
 def test_page_aware_placement_maps_fewer_pages_than_fifo():
     aware = fake_storage(max_blocks=1024, reserve_pages=1)
     q = aware.free_queue()
-    q.popleft()  # the null block
-    aware_ratio = _churn(aware, q.popleft, q.append)
+    aware_ratio = _churn(aware, lambda: q.pop_n(1)[0], lambda b: q.push_free([b]))
 
     fifo = fake_storage(max_blocks=1024, reserve_pages=1)
     fq = fifo.free_queue()
-    fq.popleft()
-    order = deque(fq.popleft_n(len(fq)))  # take every block out: a plain FIFO decides order
+    order = deque(fq.pop_n(len(fq)))  # take every block out: a plain FIFO decides order
     fifo_ratio = _churn(fifo, order.popleft, order.append)
     assert aware_ratio < 1.5
     assert fifo_ratio > 2 * aware_ratio
@@ -126,15 +123,14 @@ def test_page_aware_placement_maps_fewer_pages_than_fifo():
 def test_pages_are_released_when_blocks_free_keeping_the_reserve():
     storage = fake_storage(reserve_pages=2)
     q = storage.free_queue()
-    q.popleft()
     storage.settle()
     assert storage.stats().mapped_pages == 3
-    blocks = q.popleft_n(40)
+    blocks = q.pop_n(40)
     storage.on_blocks_allocated(blocks)
     storage.settle()
     assert storage.stats().mapped_pages == 11 + 2  # 41 live blocks -> 11 pages, plus reserve
     storage.on_blocks_released(blocks)
-    q.append_n(blocks)
+    q.push_free(blocks)
     storage.settle()
     stats = storage.stats()
     assert stats.mapped_pages == 3 and stats.live_blocks == 1
@@ -147,20 +143,19 @@ def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
     budget = ledger.register("a", limit_bytes=5 * page)
     storage = fake_storage(budget=budget, reserve_pages=0)
     q = storage.free_queue()
-    q.popleft()
     taken = []
     while storage.capacity_guard(3):
-        got = q.popleft_n(3)
+        got = q.pop_n(3)
         storage.on_blocks_allocated(got)
         taken += got
     assert len(taken) + 1 <= 5 * 4 and storage.stats().held_bytes <= 5 * page
     assert ledger.entries()[0].mapped_bytes <= 5 * page
     # Freeing makes room again.
     storage.on_blocks_released(taken[:8])
-    q.append_n(taken[:8])
+    q.push_free(taken[:8])
     assert storage.capacity_guard(3)
     # Skipping the guard at the limit is an error with a clear message, not a crash.
-    more = [q.popleft() for _ in range(q.num_free_blocks)][-4:]
+    more = q.pop_n(len(q))[-4:]
     with pytest.raises(OverBudgetError, match="capacity guard"):
         storage.on_blocks_allocated(more)
 
@@ -169,7 +164,6 @@ def test_lowered_limit_trims_free_pages(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
     page = 3 * 4 * 4096
     storage = fake_storage(budget=ledger.register("eng"), reserve_pages=6, start=True)
-    storage.free_queue().popleft()
     storage.settle()
     assert storage.stats().mapped_pages == 7
     ledger.set_limit("eng", 3 * page)
@@ -184,16 +178,16 @@ def test_followers_replay_the_leaders_page_map():
     follower.apply_ops(leader.drain_ops())
     q = leader.free_queue()
     rng = random.Random(3)
-    live = [q.popleft()]
+    live = [0]
     for _ in range(300):
         if rng.random() < 0.55:
-            got = q.popleft_n(rng.randint(1, 3))
+            got = q.pop_n(rng.randint(1, 3))
             leader.on_blocks_allocated(got)
             live += got
         elif len(live) > 1:
             b = live.pop(rng.randrange(1, len(live)))
             leader.on_blocks_released([b])
-            q.append(b)
+            q.push_free([b])
         leader.settle()
         follower.apply_ops(leader.drain_ops())
         assert follower.backend.mapped == leader.backend.mapped
@@ -210,11 +204,10 @@ def test_resident_memory_follows_live_blocks():
                                min_page_bytes=64 * 1024)
     try:
         q = storage.free_queue()
-        q.popleft()
         storage.settle()
         page = storage.stats().page_bytes
         base = rss()
-        blocks = q.popleft_n(1600)  # 200 MiB of KV over 4 slots
+        blocks = q.pop_n(1600)  # 200 MiB of KV over 4 slots
         assert storage.capacity_guard(0)
         storage.on_blocks_allocated(blocks)
         for s in range(4):
@@ -223,11 +216,11 @@ def test_resident_memory_follows_live_blocks():
         live_bytes = 1600 * 4 * 32 * 1024
         assert 0.9 * live_bytes < grown < 1.1 * live_bytes + 8 * page
         storage.on_blocks_released(blocks[:800])
-        q.append_n(blocks[:800])
+        q.push_free(blocks[:800])
         storage.settle()
         assert rss() - base < 0.55 * live_bytes + 8 * page
         storage.on_blocks_released(blocks[800:])
-        q.append_n(blocks[800:])
+        q.push_free(blocks[800:])
         storage.settle()
         assert storage.stats().mapped_pages == 1 + 2
         assert rss() - base < 4 * page + (4 << 20)  # the reserve, plus allocator noise

@@ -18,7 +18,6 @@ def test_premap_thread_races_allocating_threads():
     storage = ElasticKVStorage(2, SlotShape(2, 16, 2, 32), torch.float32, max_blocks=2048,
                                backend=backend, blocks_per_page=4, reserve_pages=4)
     q = storage.free_queue()
-    q.popleft()  # the null block
     geo, table = storage.geometry, storage.table
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -33,10 +32,10 @@ def test_premap_thread_races_allocating_threads():
                     n = rng.randint(1, len(live))
                     gone, live = live[:n], live[n:]
                     storage.on_blocks_released(gone)
-                    q.append_n(gone)
+                    q.push_free(gone)
                 else:
                     try:
-                        got = q.popleft_n(rng.randint(1, 6))
+                        got = q.pop_n(rng.randint(1, 6))
                     except ValueError:
                         continue
                     storage.on_blocks_allocated(got)
@@ -48,7 +47,7 @@ def test_premap_thread_races_allocating_threads():
             with lock:
                 held_total[0] += len(live)
             storage.on_blocks_released(live)
-            q.append_n(live)
+            q.push_free(live)
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 

@@ -7,8 +7,11 @@ be live at once (``capacity_guard``). Wiring into a block pool takes three lines
 
     storage = ElasticKVStorage(num_slots, shape, dtype, max_blocks=n, device="cuda:0",
                                budget=Ledger.for_device("cuda:0").register("llama"))
-    pool = BlockPool(storage.num_blocks, free_queue=storage.free_queue())
+    pool = BlockPool(storage.num_blocks, num_groups, free_queue=storage.free_queue())
     storage.attach(pool)
+
+``kvmem.cache.KVCacheManager`` builds its pool itself; pass the queue and attach the
+storage to ``manager.pool`` the same way.
 
 Startup order: the null block's page is mapped in the constructor, synchronously; the
 pre-mapping thread starts only in ``start()``. With tensor parallelism, rank 0 decides
@@ -82,6 +85,7 @@ class ElasticKVStorage:
             # Before any background work exists: the null block's page, synchronously.
             self.table.map_now(self.geometry.page_of(NULL_BLOCK))
             self.table.pin(NULL_BLOCK)
+            self.table.remove_free(NULL_BLOCK)  # the pool keeps the null block out of its queue
         self._slots: list[torch.Tensor] | None = None
         self._premap: PremapThread | None = None
         if start and world_size == 1:

@@ -1,9 +1,10 @@
-"""A page-aware free-block queue for the block pool.
+"""A page-aware free-block queue for ``kvmem.cache.BlockPool``.
 
-It has the methods of the pool's default queue, but the order it hands blocks out in is
-decided by page: blocks on mapped pages first, and among those the page with the fewest
-free blocks, so a few live blocks do not keep many pages mapped. Within a page, blocks
-leave in the order they were freed (least recently freed first).
+Same methods as the pool's default ``FreeBlockQueue``, different order: uncached free
+blocks on mapped pages first, the page with the fewest free blocks first, so live blocks
+pack densely and sparse pages drain; then blocks of new pages the budget has paid for;
+then cached-free blocks, least recently used first (evicting prefix-cache data instead
+of growing past the budget). Within a page, blocks leave in the order they were freed.
 """
 
 from __future__ import annotations
@@ -18,32 +19,34 @@ class PageAwareFreeQueue:
         self.table = table
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_free(self) -> int:
+        """Free blocks with no cached data."""
         return self.table.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.table.cached)
 
     def __len__(self) -> int:
-        return self.table.num_free
+        return self.table.num_free + len(self.table.cached)
 
-    def popleft(self) -> int:
-        return self.table.pop_free()
+    def pop_n(self, n: int) -> list[int]:
+        return self.table.pop_n(n)
 
-    def popleft_n(self, n: int) -> list[int]:
-        if n > self.table.num_free:
-            raise ValueError(f"asked for {n} free blocks, {self.table.num_free} are free")
-        return [self.table.pop_free() for _ in range(n)]
+    def push_free(self, block_ids: Iterable[int]) -> None:
+        self.table.push_free(block_ids)
 
-    def append(self, block: int) -> None:
-        self.table.push_free(block)
+    def push_cached(self, block_ids: Iterable[int]) -> None:
+        self.table.push_cached(block_ids)
 
-    def append_n(self, blocks: Iterable[int]) -> None:
-        for block in blocks:
-            self.table.push_free(block)
+    def remove_cached(self, block_ids: Iterable[int]) -> None:
+        self.table.remove_cached(block_ids)
 
-    def remove(self, block: int) -> None:
-        self.table.remove_free(block)
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self.table.cached
 
-    def __contains__(self, block: int) -> bool:
-        return self.table.is_free(block)
+    def free_ids(self) -> list[int]:
+        return self.table.free_ids()
 
-    def get_all_free_blocks(self) -> list[int]:
-        return self.table.free_blocks()
+    def cached_ids(self) -> list[int]:
+        return self.table.cached_ids()

@@ -73,6 +73,9 @@ class PageTable:
             OrderedDict.fromkeys(geometry.blocks_of(p)) for p in range(n_pages)]
         self.num_free = geometry.num_blocks
         self.free_on_mapped = 0  # free blocks on MAPPED or MAPPING pages
+        # Cached-free blocks (evictable prefix-cache data): their pages stay mapped.
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        self._taken_unmapped = 0  # blocks handed out from pages not yet being mapped
         # Mapped pages with free blocks, bucketed by how many are free (fewest first wins).
         self._buckets: list[set[int]] = [set() for _ in range(k + 1)]
         self._min_bucket = k + 1
@@ -102,16 +105,22 @@ class PageTable:
         return self.budget is None or self.budget.try_acquire(self.geo.page_bytes)
 
     def can_allocate(self, n: int) -> bool:
-        """Whether ``n`` more blocks may be taken; the pages they need are paid for now."""
+        """Whether ``n`` more blocks may be taken; the pages they need are paid for now.
+
+        When the budget cannot pay for new pages, evicting cached-free blocks (which sit on
+        mapped pages) may still cover the request.
+        """
         k = self.geo.blocks_per_page
         with self.cond:
-            covered = self.free_on_mapped + self.credit_pages * k
+            covered = self.free_on_mapped + self.credit_pages * k - self._taken_unmapped
             if n > covered:
                 need = ceil((n - covered) / k)
-                if self.budget is not None and not self.budget.try_acquire(need * self.page_bytes):
+                if self.budget is None or self.budget.try_acquire(need * self.page_bytes):
+                    self.credit_pages += need
+                elif n > covered + len(self.cached):
                     return False
-                self.credit_pages += need
             self.promised_blocks = n
+            self.cond.notify_all()
             return True
 
     # ---- free-block queue -----------------------------------------------------------------
@@ -125,40 +134,69 @@ class PageTable:
             self._buckets[new].add(page)
             self._min_bucket = min(self._min_bucket, new)
 
-    def _pick_page(self) -> int | None:
-        k = self.geo.blocks_per_page
-        while self._min_bucket <= k and not self._buckets[self._min_bucket]:
-            self._min_bucket += 1
-        if self._min_bucket <= k:
-            return min(self._buckets[self._min_bucket])  # lowest index: deterministic
+    def _lowest_unmapped(self) -> int | None:
         while self._unmapped_heap:
             page = self._unmapped_heap[0]
             if self.state[page] is PageState.UNMAPPED and self._free[page]:
                 return page
             heapq.heappop(self._unmapped_heap)
+        return None
+
+    def _pick_page(self) -> int | None:
+        """Page of the next uncached free block to hand out, or None to use a cached one."""
+        k = self.geo.blocks_per_page
+        while self._min_bucket <= k and not self._buckets[self._min_bucket]:
+            self._min_bucket += 1
+        if self._min_bucket <= k:
+            return min(self._buckets[self._min_bucket])  # lowest index: deterministic
+        page = self._lowest_unmapped()
+        paid = self.budget is None or self._taken_unmapped < self.credit_pages * k
+        if page is not None and (paid or not self.cached):
+            return page
+        if self.cached:
+            return None  # evict cached data rather than map a page the budget has not paid for
         # Pages being unmapped are the last resort; their blocks get remapped on allocation.
         return next((p for p, s in enumerate(self.state)
                      if s is PageState.UNMAPPING and self._free[p]), None)
 
-    def pop_free(self) -> int:
+    def pop_n(self, n: int) -> list[int]:
         with self.cond:
-            page = self._pick_page()
-            if page is None:
-                raise IndexError("no free blocks")
-            block, _ = self._free[page].popitem(last=False)
-            self._on_free_count_change(page, -1)
-            return block
+            if n > self.num_free + len(self.cached):
+                raise ValueError(f"asked for {n} blocks, only "
+                                 f"{self.num_free + len(self.cached)} are free")
+            taken = []
+            for _ in range(n):
+                page = self._pick_page()
+                if page is None:
+                    taken.append(self.cached.popitem(last=False)[0])
+                    continue
+                block, _ = self._free[page].popitem(last=False)
+                self._on_free_count_change(page, -1)
+                taken.append(block)
+            return taken
 
-    def push_free(self, block: int) -> None:
-        page = self.geo.page_of(block)
+    def push_free(self, blocks: Iterable[int]) -> None:
         with self.cond:
-            if block in self._free[page]:
-                raise ValueError(f"block {block} is already free")
-            self._free[page][block] = None
-            self._on_free_count_change(page, +1)
+            for block in blocks:
+                page = self.geo.page_of(block)
+                if block in self._free[page] or block in self.cached:
+                    raise ValueError(f"block {block} is already free")
+                self._free[page][block] = None
+                self._on_free_count_change(page, +1)
             self.cond.notify_all()
 
+    def push_cached(self, blocks: Iterable[int]) -> None:
+        with self.cond:
+            for block in blocks:
+                self.cached[block] = None
+
+    def remove_cached(self, blocks: Iterable[int]) -> None:
+        with self.cond:
+            for block in blocks:
+                del self.cached[block]
+
     def remove_free(self, block: int) -> None:
+        """Take one uncached free block out of the queue (the null block at startup)."""
         page = self.geo.page_of(block)
         with self.cond:
             del self._free[page][block]
@@ -167,9 +205,13 @@ class PageTable:
     def is_free(self, block: int) -> bool:
         return block in self._free[self.geo.page_of(block)]
 
-    def free_blocks(self) -> list[int]:
+    def free_ids(self) -> list[int]:
         with self.cond:
             return [b for page in self._free for b in page]
+
+    def cached_ids(self) -> list[int]:
+        with self.cond:
+            return list(self.cached)
 
     def _on_free_count_change(self, page: int, delta: int) -> None:
         now = len(self._free[page])
@@ -177,8 +219,10 @@ class PageTable:
         if self.state[page] in (PageState.MAPPED, PageState.MAPPING):
             self.free_on_mapped += delta
             self._bucket_move(page, now - delta, now)
-        elif self.state[page] is PageState.UNMAPPED and delta > 0 and now == 1:
-            heapq.heappush(self._unmapped_heap, page)
+        elif self.state[page] is PageState.UNMAPPED:
+            self._taken_unmapped -= delta
+            if delta > 0 and now == 1:
+                heapq.heappush(self._unmapped_heap, page)
 
     # ---- block manager hooks ----------------------------------------------------------------
 
@@ -236,6 +280,7 @@ class PageTable:
         self.state[page] = PageState.MAPPING
         self.mapped_pages += 1
         free = len(self._free[page])
+        self._taken_unmapped -= self.geo.blocks_per_page - free
         self.free_on_mapped += free
         self._bucket_move(page, 0, free)
         if self._ops is not None:
@@ -260,6 +305,7 @@ class PageTable:
         self._bucket_move(page, free, 0)
         self.free_on_mapped -= free
         self.state[page] = PageState.UNMAPPED
+        self._taken_unmapped += self.geo.blocks_per_page - free
         self.mapped_pages -= 1
         heapq.heappush(self._unmapped_heap, page)
         if self.budget is not None:
@@ -315,8 +361,9 @@ class PageTable:
         return None
 
     def _surplus_credit(self) -> int:
-        needed = ceil(max(0, self.promised_blocks - self.free_on_mapped) / self.geo.blocks_per_page)
-        return self.credit_pages - needed
+        k = self.geo.blocks_per_page
+        needed = ceil(max(0, self.promised_blocks - self.free_on_mapped) / k)
+        return self.credit_pages - max(needed, ceil(self._taken_unmapped / k))
 
     def maintain_once(self) -> bool:
         """Do one step of background work (return spare credit, pre-map or trim one page).
@@ -358,6 +405,7 @@ class PageTable:
         finally:
             with self.cond:
                 self.state[page] = PageState.UNMAPPED
+                self._taken_unmapped += self.geo.blocks_per_page - len(self._free[page])
                 self.mapped_pages -= 1
                 self.unmaps += 1
                 if self._free[page]:
