@@ -1,0 +1,188 @@
+"""Offloading in the real engine (embedded SmolLM2-135M, fp32, greedy): MISSION.md problem 3
+end to end, a fault-injection soak, and a disk tier reused across processes."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.llm_engine import LLMEngine
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.tiers import Faults, OffloadConfig
+from kvmem.tiers.integration import attach_offload
+
+BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp32
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def make_engine(num_blocks: int, max_model_len: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=512,
+                                  kv_cache_memory_bytes=num_blocks * 16 * BYTES_PER_TOKEN))
+
+
+def run_one(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int = 6):
+    request = engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens,
+                                                                     **GREEDY))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    return request, final
+
+
+def kvmem_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvmem-")]
+
+
+def test_mission3_repeated_long_prompt_comes_back_from_cpu_tier():
+    """A pool that one long prompt mostly fills, slow stores holding the first prompt's blocks
+    while the second arrives, then the first prompt again: no crash, exact tokens, CPU hit."""
+    rng = random.Random(3)
+    first = [rng.randrange(100, 40000) for _ in range(300)]
+    second = [rng.randrange(100, 40000) for _ in range(300)]
+    prompts = [("a", first), ("b", second), ("a-again", first)]
+
+    reference = make_engine(num_blocks=25, max_model_len=400)
+    expected = [run_one(reference, rid, p)[1].outputs[0].token_ids for rid, p in prompts]
+
+    engine = make_engine(num_blocks=25, max_model_len=400)
+    connector = attach_offload(engine, OffloadConfig(cpu_bytes=64 << 20),
+                               faults=Faults(store_delay_s=0.5))
+    try:
+        results = [run_one(engine, rid, p) for rid, p in prompts]
+        for (_, out), tokens in zip(results, expected, strict=True):
+            assert out.error is None and out.outputs[0].finish_reason == "length"
+            assert out.outputs[0].token_ids == tokens
+        third = results[2][0]
+        cpu = connector.offload.stats()["cpu"]
+        # 299 tokens may be skipped: 18 full blocks, all of them loaded from the CPU tier.
+        assert third.num_cached_tokens == 18 * 16
+        assert cpu.hits >= 18 and cpu.failed_loads == 0 and cpu.bytes_loaded >= 18 * 16 * \
+            BYTES_PER_TOKEN
+        assert engine.kv_usage().held == 0 and engine.kv_usage().used == 0
+    finally:
+        connector.shutdown()
+    assert not kvmem_threads()
+
+
+def test_soak_random_requests_with_faults(tmp_path):
+    """1,000 random requests with shared prefixes and random aborts against a 40-block pool,
+    both tiers on, slow stores, failed reads, corrupted files and a disk that fills up."""
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(rng.randrange(32, 97))]
+                for _ in range(6)]
+    requests = []
+    for i in range(1000):
+        prefix = rng.choice(prefixes)
+        prompt = prefix[:rng.randrange(16, len(prefix) + 1)] + \
+            [rng.randrange(100, 40000) for _ in range(rng.randrange(0, 41))]
+        requests.append((f"r{i}", prompt, rng.randrange(1, 5)))
+
+    reference = make_engine(num_blocks=40, max_model_len=160)
+    unique = {tuple(p) for _, p, _ in requests}
+    expected: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(sorted(unique)):
+        reference.add_request(f"ref{i}", list(prompt), SamplingParams(max_tokens=4, **GREEDY))
+    while reference.has_unfinished_requests():
+        for out in reference.step():
+            if out.finished:
+                expected[tuple(out.prompt_token_ids)] = out.outputs[0].token_ids
+    del reference
+
+    engine = make_engine(num_blocks=40, max_model_len=160)
+    block_bytes = 16 * BYTES_PER_TOKEN
+    faults = Faults(store_delay_s=0.002, read_error_rate=0.03, corrupt_rate=0.05, seed=1)
+    connector = attach_offload(engine, OffloadConfig(
+        cpu_bytes=30 * block_bytes, disk_dir=str(tmp_path / "tier"),
+        disk_bytes=200 * (block_bytes + 200)), faults=faults)
+    finals: dict[str, object] = {}
+    aborted: set[str] = set()
+    pending = list(reversed(requests))
+    try:
+        while pending or engine.has_unfinished_requests():
+            for _ in range(rng.randrange(0, 4)):
+                if pending:
+                    rid, prompt, max_tokens = pending.pop()
+                    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens,
+                                                                   **GREEDY))
+            faults.disk_full = 300 <= len(finals) < 500
+            if engine.requests and rng.random() < 0.05:
+                rid = rng.choice(sorted(engine.requests))
+                aborted.add(rid)
+                for out in engine.abort_request(rid):
+                    finals[out.request_id] = out
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        assert len(finals) == len(requests)
+        completed = errors = 0
+        for rid, prompt, max_tokens in requests:
+            out = finals[rid]
+            if rid in aborted:
+                continue
+            if out.error is not None:
+                errors += 1
+                assert "\n" not in out.error and out.error
+                continue
+            completed += 1
+            assert out.outputs[0].token_ids == expected[tuple(prompt)][:max_tokens], rid
+        assert completed > 800
+        usage = engine.kv_usage()
+        assert usage.used == 0 and usage.held == 0 and usage.free + usage.cached == usage.total
+        stats = connector.offload.stats()
+        assert stats["cpu"].hits > 0 and stats["disk"].hits > 0
+        assert stats["cpu"].failed_loads + stats["disk"].failed_loads > 0
+        assert stats["disk"].skipped_stores > 0
+    finally:
+        connector.shutdown()
+    assert not kvmem_threads()
+
+
+_RESTART_SCRIPT = """
+import json, sys
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.llm_engine import LLMEngine
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.tiers import OffloadConfig
+from kvmem.tiers.integration import attach_offload
+
+disk_dir, block_size, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+engine = LLMEngine(EngineConfig(max_model_len=256, block_size=block_size,
+                                kv_cache_memory_bytes=32 * 16 * BYTES_PER_TOKEN))
+connector = attach_offload(engine, OffloadConfig(disk_dir=disk_dir, disk_bytes=64 << 20))
+request = engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0,
+                                                         ignore_eos=True))
+while engine.has_unfinished_requests():
+    outs = engine.step()
+connector.shutdown(flush=True)
+print(json.dumps({"tokens": outs[-1].outputs[0].token_ids, "cached": request.num_cached_tokens,
+                  "disk_hits": connector.offload.stats()["disk"].hits}))
+""".replace("BYTES_PER_TOKEN", str(BYTES_PER_TOKEN))
+
+
+def _run_process(disk_dir, block_size: int, prompt: list[int]) -> dict:
+    done = subprocess.run([sys.executable, "-c", _RESTART_SCRIPT, str(disk_dir), str(block_size),
+                           json.dumps(prompt)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_disk_tier_survives_restart_only_for_the_same_layout(tmp_path):
+    rng = random.Random(11)
+    prompt = [rng.randrange(100, 40000) for _ in range(100)]
+    first = _run_process(tmp_path, 16, prompt)
+    assert first["cached"] == 0 and first["disk_hits"] == 0
+    second = _run_process(tmp_path, 16, prompt)
+    assert second["cached"] == 6 * 16 and second["disk_hits"] == 6
+    assert second["tokens"] == first["tokens"]
+    other = _run_process(tmp_path, 32, prompt)  # another block size: another namespace
+    assert other["cached"] == 0 and other["disk_hits"] == 0
+    assert other["tokens"] == first["tokens"]
