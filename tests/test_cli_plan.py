@@ -1,0 +1,173 @@
+"""The ``kvmem plan`` command: output formats, engine flags, plots and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvmem.cli import main
+
+PROBLEM2 = ["plan", "Qwen/Qwen3-32B", "--pp", "2", "--layer-partition", "56,8",
+            "--kv-cache-dtype", "fp8", "--kv-cache-memory-bytes", "5GiB", "--max-model-len",
+            "40960"]
+
+
+def _json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_has_the_documented_object(capsys):
+    d = _json(capsys, PROBLEM2)
+    assert [r["tokens"] for r in d["ranks"]] == [46_800, 327_680]
+    assert [r["layers"][0] for r in d["ranks"]] == [0, 56]
+    assert [(r["rank"], r["pp_stage"], r["tp_rank"]) for r in d["ranks"]] == [(0, 0, 0),
+                                                                             (1, 1, 0)]
+    e = d["engine"]
+    assert e["num_blocks"] == 2925 and e["tokens"] == 46_800 and e["fits"]
+    assert e["layer_partition"] == [56, 8] and e["max_model_len_that_fits"] == 40_960
+    assert round(e["max_concurrency"], 2) == 1.14
+
+
+@pytest.mark.parametrize("size, expected", [("5GiB", 5 << 30), ("512MiB", 512 << 20),
+                                            ("1073741824", 1 << 30)])
+def test_kv_cache_memory_bytes_accepts_units(capsys, size, expected):
+    d = _json(capsys, ["plan", "qwen3-8b", "--kv-cache-memory-bytes", size])
+    assert d["ranks"][0]["kv_budget_bytes"] == expected
+
+
+def test_proportional_from_the_command_line(capsys):
+    argv = PROBLEM2[:]
+    argv[argv.index("5GiB")] = "2.5GiB"
+    d = _json(capsys, argv + ["--kv-budget", "proportional"])
+    assert [r["tokens"] for r in d["ranks"]] == [40_960, 40_960]
+
+
+def test_table_shows_ranks_and_engine_summary(capsys):
+    assert main(PROBLEM2) == 0
+    out = capsys.readouterr().out
+    for text in ("46,800", "327,680", "engine blocks", "2,925", "1.14x", "56,8", "uniform"):
+        assert text in out
+
+
+def test_gpus_by_name_repeated_or_comma_list(capsys):
+    a = _json(capsys, ["plan", "qwen3-14b", "--pp", "2", "--gpu", "V100-16GB", "--gpu",
+                       "V100-32GB"])
+    b = _json(capsys, ["plan", "qwen3-14b", "--pp", "2", "--gpu", "v100-16gb,V100-32GB"])
+    assert a["ranks"] == b["ranks"]
+    assert a["ranks"][0]["memory_bytes"] < a["ranks"][1]["memory_bytes"]
+
+
+def test_engine_vllm_prints_flags_and_partition_env(capsys):
+    assert main(PROBLEM2 + ["--engine", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "VLLM_PP_LAYER_PARTITION=56,8 vllm serve Qwen/Qwen3-32B" in out
+    for flag in ("--tensor-parallel-size 1", "--pipeline-parallel-size 2",
+                 "--kv-cache-memory-bytes 5368709120", "--kv-cache-dtype fp8",
+                 "--max-model-len 40960", "--block-size 16"):
+        assert flag in out
+
+
+def test_engine_sglang_and_kvmem(capsys):
+    argv = ["plan", "qwen3-14b", "--pp", "2", "--gpu", "V100-16GB,V100-32GB", "--kv-budget",
+            "optimal", "--max-model-len", "32768"]
+    d = _json(capsys, argv + ["--engine", "sglang"])
+    cmd = d["engine_command"]
+    assert cmd["env"]["SGLANG_PP_LAYER_PARTITION"] == ",".join(
+        map(str, d["engine"]["layer_partition"]))
+    for flag in ("--tp-size", "--pp-size", "--mem-fraction-static", "--context-length",
+                 "--page-size", "--max-running-requests", "--chunked-prefill-size"):
+        assert flag in cmd["argv"]
+    assert cmd["argv"][cmd["argv"].index("--max-total-tokens") + 1] == str(d["engine"]["tokens"])
+    k = _json(capsys, argv + ["--engine", "kvmem"])["engine_command"]["argv"]
+    assert k[:3] == ["kvmem", "serve", "Qwen/Qwen3-14B"]
+    assert k[k.index("--kv-budget") + 1] == "optimal"
+    assert k[k.index("--layer-partition") + 1] == ",".join(
+        map(str, d["engine"]["layer_partition"]))
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    out = tmp_path / "plan.png"
+    assert main(["plan", "qwen3-14b", "--tp", "2", "--gpu", "L40S", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_check_fails_with_the_per_rank_message(capsys):
+    assert main(["plan", "qwen3-8b", "--kv-cache-memory-bytes", "1GiB", "--max-model-len",
+                 "40960", "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvmem: error: rank 0") and "longest max_model_len" in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["plan", "qwen3-32", "--gpu", "H100"], "did you mean"),
+    (["plan", "qwen3-32b", "--tp", "3", "--gpu", "H100"], "does not divide"),
+    (["plan", "qwen3-32b", "--pp", "2", "--layer-partition", "60,8", "--gpu", "H100"],
+     "sums to 68"),
+    (["plan", "qwen3-32b", "--pp", "2", "--layer-partition", "64,0", "--gpu", "H100"], "empty"),
+    (["plan", "qwen3-32b", "--pp", "2", "--layer-partition", "a,b", "--gpu", "H100"],
+     "whole numbers"),
+    (["plan", "qwen3-32b", "--gpu", "H1000"], "unknown GPU"),
+    (["plan", "qwen3-32b", "--gpu-memory", "0"], "positive"),
+    (["plan", "qwen3-32b", "--gpu-memory", "-4"], "positive"),
+    (["plan", "qwen3-32b", "--kv-cache-memory-bytes", "0"], "positive"),
+    (["plan", "qwen3-32b", "--kv-cache-memory-bytes", "5 parsecs"], "cannot read"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--kv-cache-dtype", "int3"], "unknown dtype"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--gpu-memory-utilization", "1.5"], r"\(0, 1\]"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--block-size", "-16"], "block_size"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["plan", "qwen3-32b"], "give each rank's GPU"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--cpu-offload-gib", "-1"], "negative"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--tp", "x"], "invalid int"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
+    import re
+
+    try:
+        code = main(argv)
+    except SystemExit as done:  # argparse's own errors (same one-line format)
+        code = done.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("kvmem: error:") and re.search(match, err), err
+
+
+def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 64}))
+    for path, match in ((broken, "not valid JSON"), (partial, "missing")):
+        assert main(["plan", str(path), "--kv-cache-memory-bytes", "1GiB"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert match in err and "\n" not in err
+
+
+def test_plot_to_an_unwritable_path_is_a_clean_error(tmp_path, capsys):
+    assert main(["plan", "qwen3-8b", "--gpu", "L4", "--plot",
+                 str(tmp_path / "missing" / "x.png")]) == 2
+    assert "cannot write plot" in capsys.readouterr().err
+
+
+def test_plan_command_does_not_import_torch():
+    code = ("import sys; from kvmem.cli import main; "
+            "main(['plan', 'qwen3-8b', '--gpu', 'H100', '--json', '--engine', 'vllm']); "
+            "sys.exit(3 if 'torch' in sys.modules else 0)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--tp", "--pp", "--layer-partition", "--gpu", "--gpu-memory",
+                "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-budget",
+                "--kv-cache-dtype", "--block-size", "--max-model-len", "--max-num-seqs",
+                "--max-num-batched-tokens", "--cpu-offload-gib", "--json", "--engine",
+                "--plot"):
+        assert opt in out
