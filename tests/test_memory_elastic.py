@@ -17,7 +17,7 @@ from kvmem.memory.page_table import OverBudgetError, PageTable
 from kvmem.memory.pages import PageGeometry, blocks_per_page_for
 from kvmem.memory.storage import SlotShape
 
-SHAPE = SlotShape(num_kv=2, block_size=16, num_heads=2, head_dim=32)  # 4 KiB per block in fp32
+SHAPE = SlotShape(num_kv=2, block_size=16, num_heads=2, head_dim=32)  # 8 KiB per block in fp32
 
 
 def fake_storage(max_blocks=64, blocks_per_page=4, **kw) -> ElasticKVStorage:
@@ -139,9 +139,10 @@ def test_pages_are_released_when_blocks_free_keeping_the_reserve():
 
 def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
-    page = 3 * 4 * 4096  # 3 slots x 4 blocks x 4 KiB
+    page = 3 * 4 * 8192  # 3 slots x 4 blocks x 8 KiB
     budget = ledger.register("a", limit_bytes=5 * page)
     storage = fake_storage(budget=budget, reserve_pages=0)
+    assert storage.stats().page_bytes == page
     q = storage.free_queue()
     taken = []
     while storage.capacity_guard(3):
@@ -162,7 +163,7 @@ def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
 
 def test_lowered_limit_trims_free_pages(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
-    page = 3 * 4 * 4096
+    page = 3 * 4 * 8192
     storage = fake_storage(budget=ledger.register("eng"), reserve_pages=6, start=True)
     storage.settle()
     assert storage.stats().mapped_pages == 7
