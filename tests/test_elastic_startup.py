@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import timedelta
 
 import pytest
 import torch

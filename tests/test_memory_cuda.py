@@ -16,14 +16,6 @@ needs_cuda = pytest.mark.skipif(
     reason="needs a CUDA device and cuda-bindings")
 
 
-def test_importing_kvmem_memory_needs_no_driver():
-    import sys
-
-    import kvmem.memory  # noqa: F401
-
-    assert "kvmem.memory.cuda_vmm" not in sys.modules or torch.cuda.is_available()
-
-
 @needs_cuda
 def test_cuda_pages_map_on_demand_and_hold_data():
     from kvmem.memory.elastic import ElasticKVStorage

@@ -13,7 +13,7 @@ from kvmem.errors import ConfigError
 from kvmem.memory.backends import FakeBackend
 from kvmem.memory.elastic import ElasticKVStorage
 from kvmem.memory.ledger import Ledger
-from kvmem.memory.page_table import OverBudgetError, PageTable
+from kvmem.memory.page_table import OverBudgetError
 from kvmem.memory.pages import PageGeometry, blocks_per_page_for
 from kvmem.memory.storage import SlotShape
 
@@ -231,3 +231,13 @@ def test_resident_memory_follows_live_blocks():
         assert float(storage.slot_tensor(0)[last].abs().sum()) == 0.0
     finally:
         storage.close()
+
+
+def test_importing_kvmem_memory_loads_neither_torch_nor_a_driver():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvmem.memory, kvmem.memory.elastic, kvmem.memory.coordinator; "
+            "bad = [m for m in ('torch', 'cuda.bindings', 'kvmem.memory.cuda_vmm') "
+            "if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
