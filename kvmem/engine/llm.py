@@ -63,7 +63,8 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
              **kwargs: Any) -> RequestOutput:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
         return self.generate([prompt], sampling_params, **kwargs)[0]
 
 
