@@ -3,6 +3,13 @@
 Imports no torch at package import time; backends import it when constructed.
 """
 
+from kvmem.memory.coordinator import PageMapCoordinator
+from kvmem.memory.elastic import ElasticKVStorage, ElasticStats
+from kvmem.memory.ledger import EngineBudget, Ledger
 from kvmem.memory.storage import KVStorage, SlotShape
+from kvmem.memory.wait import WaitTimeout, wait_for
 
-__all__ = ["KVStorage", "SlotShape"]
+__all__ = [
+    "ElasticKVStorage", "ElasticStats", "EngineBudget", "KVStorage", "Ledger",
+    "PageMapCoordinator", "SlotShape", "WaitTimeout", "wait_for",
+]
