@@ -1,0 +1,142 @@
+"""Triton paged attention: one kernel stores new K/V at their slots, one attends.
+
+The attention kernel serves prefill chunks and decode alike: a program takes up to
+``BLOCK_M`` query tokens of one sequence for one query head, walks that sequence's
+block table (only the blocks its causal range and sliding window can see) and keeps an
+online softmax. Block sizes must be powers of two of at least 16 (the matmul tile); for
+other sizes the backend falls back to the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvmem.engine.attention.metadata import AttentionMetadata
+from kvmem.engine.attention.reference import ReferenceBackend
+
+BLOCK_M = 16
+_MASKED = -1.0e30  # finite so that a block with no visible key yields no NaNs
+
+
+@triton.jit
+def _store_kv_kernel(K, V, Cache, Slots, s_kt, s_kh, s_vt, s_vh, s_cb, s_ckv, s_ct, s_ch,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(Slots + t)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HEAD_DIM
+        dst = Cache + block * s_cb + offset * s_ct + h * s_ch + d
+        k = tl.load(K + t * s_kt + h * s_kh + d, mask=dm)
+        v = tl.load(V + t * s_vt + h * s_vh + d, mask=dm)
+        tl.store(dst, k.to(Cache.dtype.element_ty), mask=dm)
+        tl.store(dst + s_ckv, v.to(Cache.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, Out, Cache, BlockTables, QueryStart, SeqLens, scale,
+    s_qt, s_qh, s_ot, s_oh, s_cb, s_ckv, s_ct, s_ch, s_bt,
+    window,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(QueryStart + b)
+    q_len = tl.load(QueryStart + b + 1) - q_start
+    seq_len = tl.load(SeqLens + b)
+    if tile * BLOCK_M < q_len:
+        kv_h = h // QUERIES_PER_KV
+        context = seq_len - q_len  # tokens cached before this step
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < q_len
+        pos = context + m
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(Q + (q_start + m)[:, None] * s_qt + h * s_qh + d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+        last = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)  # one past the last key
+        first = 0
+        if HAS_WINDOW:
+            first = tl.maximum(0, context + tile * BLOCK_M - window + 1)
+        m_i = tl.full([BLOCK_M], _MASKED, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        n_local = tl.arange(0, BLOCK_SIZE)
+        for j in range(first // BLOCK_SIZE, tl.cdiv(last, BLOCK_SIZE)):
+            block = tl.load(BlockTables + b * s_bt + j).to(tl.int64)
+            n = j * BLOCK_SIZE + n_local
+            base = Cache + block * s_cb + n_local[:, None] * s_ct + kv_h * s_ch + d[None, :]
+            k = tl.load(base, mask=d_ok[None, :], other=0.0)
+            v = tl.load(base + s_ckv, mask=d_ok[None, :], other=0.0)
+            if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q.to(k.dtype), tl.trans(k))
+            s = s * scale
+            visible = (n[None, :] <= pos[:, None]) & (n[None, :] < seq_len)
+            if HAS_WINDOW:
+                visible = visible & (n[None, :] > pos[:, None] - window)
+            s = tl.where(visible, s, _MASKED)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(Out + (q_start + m)[:, None] * s_ot + h * s_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _supported_block_size(block_size: int) -> bool:
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._reference = ReferenceBackend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, group_id: int, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        block_size = kv_cache.shape[2]
+        if not _supported_block_size(block_size):
+            return self._reference.forward(q, k, v, kv_cache, metadata, group_id, scale,
+                                           sliding_window)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        block_d = triton.next_power_of_2(max(head_dim, 16))
+        slots = metadata.slot_mappings[group_id]
+        if num_tokens:
+            _store_kv_kernel[(num_tokens, num_kv_heads)](
+                k, v, kv_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size)
+        out = torch.empty_like(q)
+        block_table = metadata.block_tables[group_id]
+        grid = (metadata.num_seqs, num_heads, triton.cdiv(max(metadata.max_query_len, 1), BLOCK_M))
+        _paged_attention_kernel[grid](
+            q, out, kv_cache, block_table, metadata.query_start_loc, metadata.seq_lens, scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            block_table.stride(0), sliding_window or 0,
+            QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, HAS_WINDOW=sliding_window is not None,
+            IEEE=q.dtype == torch.float32)
+        return out
