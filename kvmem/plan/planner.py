@@ -17,7 +17,6 @@ KV budget policies:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 from math import ceil
 from pathlib import Path
 
@@ -84,7 +83,6 @@ class _Planner:
                                    dtype_bytes(spec.dtype), settings.block_size,
                                    settings.max_num_batched_tokens)
         self.weights = weight_breakdown(spec, self.tp, checkpoint_dir)
-        self._weight_prefix = [0, *accumulate(self.weights.per_layer)]
         explicit = settings.kv_cache_memory_bytes
         self.pool = None if explicit is None else explicit * self.world  # total KV bytes
         self.limit = max(self.max_model_len, spec.max_position_embeddings or 0)
@@ -95,13 +93,8 @@ class _Planner:
         if prof is not None:
             return _NonKV(prof.weights_bytes, prof.activation_bytes, prof.cuda_graph_bytes,
                           prof.non_torch_bytes)
-        first, last = stage == 0, stage == self.pp - 1
-        w = self._weight_prefix[end] - self._weight_prefix[start]
-        if first:
-            w += self.weights.embedding + self.weights.other
-        if last:
-            w += self.weights.head + (self.weights.embedding
-                                      if self.weights.tied and not first else 0)
+        last = stage == self.pp - 1
+        w = self.weights.stage_bytes(range(start, end), stage == 0, last)
         s = self.settings
         graphs = (estimates.cuda_graph_bytes(end - start, self.tp, s.max_num_seqs)
                   if s.cuda_graphs else 0)
@@ -254,7 +247,12 @@ class _Planner:
         kv = kvs[stage]
         reserve = self.reserve(kv)
         per_block = kv.bytes_per_block
-        blocks = max(0, kv_budget - reserve) // per_block if per_block else -1
+        states_fit = kv_budget >= reserve
+        if per_block:
+            blocks = (kv_budget - reserve) // per_block if states_fit else 0
+            longest = self.geometry.longest_fitting(blocks, self.limit) if states_fit else 0
+        else:  # no paged layers here: this rank never limits the blocks (set by _engine)
+            blocks, longest = 0, self.limit if states_fit else 0
         need = self.geometry.blocks_per_request(self.max_model_len) * per_block + reserve
         over = cap is not None and kv_budget > max(0, cap)
         return RankPlan(
@@ -265,13 +263,10 @@ class _Planner:
             kv_capacity_bytes=cap, kv_budget_bytes=kv_budget,
             kv_bytes_per_token=kv.kv_bytes_per_token, state_bytes_reserved=reserve,
             num_slots=kv.num_slots, slot_page_bytes=kv.slot_page_bytes,
-            bytes_per_block=per_block, num_blocks=blocks,
-            tokens=self.geometry.tokens(blocks) if blocks >= 0 else 0,
+            bytes_per_block=per_block, num_blocks=blocks, tokens=self.geometry.tokens(blocks),
             kv_heads_on_rank=kv.kv_heads_on_rank, need_bytes_at_max_model_len=need,
-            max_model_len_that_fits=(self.geometry.longest_fitting(blocks, self.limit)
-                                     if blocks >= 0 and kv_budget >= reserve else
-                                     (self.limit if kv_budget >= reserve else 0)),
-            fits=need <= kv_budget and not over, over_committed=over,
+            max_model_len_that_fits=longest, fits=need <= kv_budget and not over,
+            over_committed=over,
         )
 
     def _engine(self, ranks: list[RankPlan], partition: list[int]) -> EnginePlan:

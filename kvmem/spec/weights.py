@@ -18,7 +18,8 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,16 @@ class WeightBreakdown:
     other: int = 0  # checkpoint tensors outside the decoder (vision tower...): first stage
     exact: bool = False  # read from safetensors headers
 
+    @cached_property
+    def _prefix(self) -> list[int]:
+        return [0, *accumulate(self.per_layer)]
+
     def stage_bytes(self, layers: range | list[int], is_first_stage: bool,
                     is_last_stage: bool) -> int:
-        total = sum(self.per_layer[i] for i in layers)
+        if isinstance(layers, range) and layers.step == 1:  # a stage: O(1) for the search
+            total = self._prefix[layers.stop] - self._prefix[layers.start] if layers else 0
+        else:
+            total = sum(self.per_layer[i] for i in layers)
         if is_first_stage:
             total += self.embedding + self.other
         if is_last_stage:
