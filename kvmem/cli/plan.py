@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uniform: same budget on every rank (as vLLM); proportional: the total "
                         "split by each stage's KV bytes; optimal: best partition and budgets "
                         "for each GPU's memory (default uniform)")
-    e.add_argument("--kv-cache-dtype", default="auto",
+    e.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="auto (model dtype), bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2")
     e.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV block (default 16)")
