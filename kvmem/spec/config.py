@@ -85,8 +85,8 @@ def _moe(cfg: dict[str, Any]) -> MoE | None:
     if not experts:
         return None
     per_tok = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 1
-    inter = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size_mlp") \
-        or cfg.get("intermediate_size") or 0
+    # Llama 4 calls its expert size intermediate_size (intermediate_size_mlp is the dense MLP)
+    inter = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0
     return MoE(
         num_experts=int(experts), experts_per_token=int(per_tok),
         moe_intermediate_size=int(inter),

@@ -203,9 +203,7 @@ def layer_params(spec: ModelSpec, i: int) -> LayerParams:
     mlp = experts = 0
     moe = spec.moe
     if moe is not None and _is_moe_layer(spec, i):
-        # Llama 4 names its expert size intermediate_size and its dense one intermediate_size_mlp
-        expert_i = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
-                       or moe.moe_intermediate_size)
+        expert_i = moe.moe_intermediate_size
         shared_i = int(cfg.get("shared_expert_intermediate_size") or 0) or \
             expert_i * moe.num_shared_experts
         experts = moe.num_experts * 3 * h * expert_i
