@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 
 from kvmem.errors import KvmemError
@@ -52,5 +53,13 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig.from_args(args))
     app = create_app(AsyncLLMEngine(engine), api_key=args.api_key)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])  # handles SIGINT/SIGTERM: drains, then exits
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("kvmem.serve").info("serving %s on http://%s:%d", engine.model_name,
+                                          host, port)
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal to
+    # the handlers that were installed before it started: make those a no-op so that a
+    # requested shutdown exits 0 instead of dying by the signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
