@@ -1,0 +1,69 @@
+"""``kvmem generate`` / ``kvmem chat`` / ``kvmem serve`` as a user runs them: output, and
+one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("cli"), "llama")
+
+
+def kvmem(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "kvmem", *args], input=stdin, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+ENGINE_FLAGS = ["--max-model-len", "64", "--kv-cache-memory-bytes", "1MiB"]
+
+
+def test_generate_prints_the_completion(model_dir):
+    from kvmem.engine.llm import LLM
+    from kvmem.engine.sampling_params import SamplingParams
+
+    res = kvmem("generate", "Hello", "--model", str(model_dir), "--max-tokens", "6",
+                "--ignore-eos", *ENGINE_FLAGS)
+    assert res.returncode == 0, res.stderr
+    llm = LLM(str(model_dir), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    expected = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True))[0].text
+    assert res.stdout == expected + "\n"
+
+
+def test_chat_reads_turns_from_stdin(model_dir):
+    res = kvmem("chat", str(model_dir), "--max-tokens", "3", *ENGINE_FLAGS,
+                stdin="hi\n\n/reset\nhello again\n/exit\n")
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.splitlines()) == 2  # one reply line per turn
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["generate", "x", "--model", "/no/such/model"], "not found"),
+    (["generate", "x", "--temperature", "-2"], "temperature"),
+    (["generate", "x", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["generate", "x", "--kv-cache-memory-bytes", "lots"], "cannot read 'lots'"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    res = kvmem(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvmem: error:") and message in lines[0]
+
+
+def test_serve_on_a_busy_port_fails_fast(model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = kvmem("serve", str(model_dir), "--port", str(port))
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("kvmem: error: cannot listen on 127.0.0.1:")
