@@ -43,11 +43,8 @@ class TensorKVStorage:
 
         self.num_blocks = num_blocks
         self.shape = shape
-        self._slots = [
-            torch.zeros((num_blocks, shape.num_kv, shape.block_size, shape.num_heads, shape.head_dim),
-                        dtype=dtype, device=device)
-            for _ in range(num_slots)
-        ]
+        dims = (num_blocks, shape.num_kv, shape.block_size, shape.num_heads, shape.head_dim)
+        self._slots = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(num_slots)]
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         return self._slots[slot]
