@@ -82,14 +82,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvmem.cache import KVCacheManager
-        from kvmem.engine.kv_cache_setup import (
-            allocate_kv_cache,
-            measure_gpu_profile,
-            plan_kv_cache,
-        )
+        from kvmem.engine.cuda_graphs import capture_sizes
+        from kvmem.engine.kv_cache_setup import allocate_kv_cache, plan_kv_cache
         from kvmem.engine.loader import resolve_model
         from kvmem.engine.model_runner import ModelRunner
         from kvmem.engine.models import build_model
+        from kvmem.engine.profiler import (
+            LoadedModel,
+            cuda_graphs_enabled,
+            measure_loaded,
+            meter_for,
+        )
         from kvmem.spec import spec_from_config
 
         self.config = config
@@ -104,25 +107,27 @@ class LLMEngine:
         self.model_name = config.served_model_name or config.model or "smollm2"
         self.tokenizer = files.tokenizer
         self.spec = spec_from_config(files.config, files.name)
-        self.max_model_len = self._max_model_len(config)
+        self.max_model_len = self.max_model_len_for(self.spec, config)
 
+        # a GPU without an explicit KV budget is profiled: snapshot it before the weights
+        meter = None
+        if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
+            meter = meter_for(self.device)
+            meter.start()
         model = build_model(files.config, dtype=self.dtype, device=self.device,
                             attention_backend=config.attention_backend)
         model.load_weights(files.weights())
         self.model = model
 
-        profile = None
-        if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
-            weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            scratch = allocate_kv_cache(self.spec, _one_block_plan(self.spec), block_size=
-                                        config.block_size, dtype=self.dtype, device=self.device)
-            probe = ModelRunner(model, scratch.kv_caches, None,
-                                num_kv_groups=len(self.spec.kv_groups()),
-                                block_size=config.block_size, device=self.device,
-                                sampler=Sampler(config.seed))
-            profile = measure_gpu_profile(self.device, weights_bytes, lambda: probe.profile_run(
-                config.max_num_batched_tokens, self.max_model_len))
-            del scratch, probe
+        # weights, peak activation, non-torch and CUDA-graph memory, measured before the KV
+        # cache is sized so that the budget leaves room for all of them
+        self.memory_profile = None
+        if meter is not None:
+            self.memory_profile = measure_loaded(
+                LoadedModel(model, self.spec, self.device, self.dtype, self.max_model_len,
+                            self.model_name, str(files.path)), config, meter)
+            logger.info("%s", self.memory_profile.summary())
+        profile = self.memory_profile.to_rank_profile() if self.memory_profile else None
         self.kv_plan = plan_kv_cache(self.spec, config, device=self.device, kv_dtype=dtype_name,
                                      max_model_len=self.max_model_len, profile=profile)
         kv = allocate_kv_cache(self.spec, self.kv_plan, block_size=config.block_size,
@@ -133,6 +138,12 @@ class LLMEngine:
             self.spec.kv_groups(), kv.num_blocks, config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_batched_tokens=config.max_num_batched_tokens)
+        if not self.kv_cache_manager.can_fit(self.max_model_len):
+            # the planner counts the reserved null block as usable; the block manager does not
+            raise ConfigError(
+                f"the KV cache ({kv.num_blocks} blocks incl. the reserved null block) cannot "
+                f"hold one request of max_model_len {self.max_model_len}; raise the KV budget "
+                "or lower max_model_len")
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
@@ -140,6 +151,9 @@ class LLMEngine:
                                         num_kv_groups=len(self.spec.kv_groups()),
                                         block_size=config.block_size, device=self.device,
                                         sampler=Sampler(config.seed))
+        if self.device.type == "cuda" and cuda_graphs_enabled(config, model):
+            self.model_runner.capture_cuda_graphs(capture_sizes(config.max_num_seqs),
+                                                  self.max_model_len)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict = {}  # request id -> incremental detokenizer
@@ -149,8 +163,10 @@ class LLMEngine:
                     self.num_blocks, config.block_size, self.num_blocks * config.block_size,
                     self.max_model_len)
 
-    def _max_model_len(self, config: EngineConfig) -> int:
-        limit = self.spec.max_position_embeddings
+    @staticmethod
+    def max_model_len_for(spec, config: EngineConfig) -> int:
+        """config.max_model_len checked against the model's limit, or that limit."""
+        limit = spec.max_position_embeddings
         if config.max_model_len is None:
             return limit or 2048
         if limit and config.max_model_len > limit:
@@ -336,13 +352,3 @@ class LLMEngine:
             prefix_queried_tokens=sched.prefix_queried_tokens,
             prefix_hit_tokens=sched.prefix_hit_tokens)
 
-
-def _one_block_plan(spec):
-    """A stand-in plan for the profiling forward: a 2-block scratch cache."""
-    from types import SimpleNamespace
-
-    groups = spec.kv_groups()
-    first = next(layer for layer in spec.layers if layer.kind.uses_blocks)
-    rank = SimpleNamespace(num_slots=max(len(g.layers) for g in groups),
-                           kv_heads_on_rank=first.num_kv_heads)
-    return SimpleNamespace(ranks=[rank], engine=SimpleNamespace(num_blocks=2))
