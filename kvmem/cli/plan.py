@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs (their memory is then not reserved)")
     e.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="GiB",
                    help="weight GiB per GPU kept in CPU memory (default 0)")
+    e.add_argument("--profile", metavar="FILE.json",
+                   help="measured memory from `kvmem profile --output`: its weights, activation, "
+                        "non-torch, CUDA-graph and total memory replace the estimates")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     o.add_argument("--engine", choices=("vllm", "sglang", "kvmem"),
@@ -135,8 +138,17 @@ def run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.model)
     layout, settings = _inputs(args)
+    measured = None
+    if args.profile:
+        from kvmem.engine.profiler import MemoryProfile  # reads JSON; imports no torch
+
+        measured = MemoryProfile.load(args.profile)
     result = plan(spec, layout, settings, policy=args.kv_budget,
+                  profile=[measured.to_rank_profile()] if measured else None,
                   checkpoint_dir=_checkpoint_dir(args.model))
+    if measured is not None:
+        result.notes.append(f"measured memory of {measured.model} on {measured.device} "
+                            f"({args.profile}) replaces the estimates on every rank")
     model = spec.hf_id or args.model
     command = engine_command(result, args.engine, model) if args.engine else None
     if args.plot:

@@ -36,6 +36,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_memory_bytes: int | None = None
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU only)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,4 +110,6 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
                    help="fraction of GPU memory the engine may use (weights + activations + KV)")
     g.add_argument("--cpu-kv-memory", dest="cpu_kv_memory_bytes", default=None, metavar="SIZE",
                    help="KV budget on CPU (default: 1GiB or a quarter of free RAM)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="capture no CUDA graphs for decode steps (GPU; saves their memory)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded requests' sampling")

@@ -7,7 +7,6 @@ dummy forward at ``max_num_batched_tokens``) and takes ``num_blocks`` from the p
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,25 +26,6 @@ class KVCacheSetup:
     @property
     def num_gpu_blocks(self) -> int:  # vLLM's name, used in logs
         return self.num_blocks
-
-
-def measure_gpu_profile(device: torch.device, weights_bytes: int,
-                        dummy_forward: Callable[[], None]):
-    """Weights, peak activations and non-torch memory of one GPU, as a planner RankProfile."""
-    from kvmem.plan import RankProfile
-
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    dummy_forward()
-    torch.cuda.synchronize(device)
-    activation = max(0, torch.cuda.max_memory_allocated(device) - before)
-    free, total = torch.cuda.mem_get_info(device)
-    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    torch.cuda.empty_cache()
-    return RankProfile(weights_bytes=weights_bytes, activation_bytes=activation,
-                       non_torch_bytes=non_torch, cuda_graph_bytes=0, total_bytes=total)
 
 
 def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device,

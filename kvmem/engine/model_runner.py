@@ -24,6 +24,17 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.cuda_graphs = None  # a CUDAGraphRunner once capture_cuda_graphs has run
+
+    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
+        """Capture the decode forward for ``batch_sizes`` over this runner's KV cache (GPU)."""
+        from kvmem.engine.cuda_graphs import CUDAGraphRunner
+
+        graphs = CUDAGraphRunner(self.model, self.kv_caches, num_kv_groups=self.num_kv_groups,
+                                 block_size=self.block_size, max_model_len=max_model_len,
+                                 batch_sizes=batch_sizes, device=self.device)
+        graphs.capture()
+        self.cuda_graphs = graphs
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]]
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -54,7 +65,10 @@ class ModelRunner:
         chunks only fill the cache.
         """
         input_ids, positions, metadata = self.prepare_inputs(scheduled)
-        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+            hidden = self.cuda_graphs.run(input_ids, positions, metadata)
+        else:
+            hidden = self.model(input_ids, positions, metadata, self.kv_caches)
         samplers: list[Request] = []
         last_indices: list[int] = []
         end = 0
