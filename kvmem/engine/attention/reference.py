@@ -15,14 +15,18 @@ from kvmem.engine.attention.metadata import AttentionMetadata
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store each token's k/v at its slot; slots of -1 are skipped."""
+    """Store each token's k/v at its slot; slots of -1 are skipped.
+
+    Skipped tokens rewrite slot 0's current value onto itself instead of being filtered
+    out, so that no step reads a device value back to the host (CUDA-graph safe).
+    """
     block_size = kv_cache.shape[2]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+    keep = (slot_mapping >= 0).view(-1, 1, 1)
+    slots = slot_mapping.clamp(min=0)
+    blocks, offsets = slots // block_size, slots % block_size
+    for i, new in ((0, k), (1, v)):
+        old = kv_cache[blocks, i, offsets]
+        kv_cache[blocks, i, offsets] = torch.where(keep, new.to(kv_cache.dtype), old)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
@@ -84,12 +88,19 @@ class ReferenceBackend:
         return out.squeeze(2)
 
 
+# SDPA shares K/V heads between query heads itself since torch 2.5 (no copies)
+_NATIVE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
           scale: float) -> torch.Tensor:
     """SDPA with grouped-query heads: q ``[..., Hq, q, D]``, k/v ``[..., Hkv, L, D]``."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     groups = q.shape[-3] // k.shape[-3]
+    if groups > 1 and _NATIVE_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                          scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
