@@ -14,6 +14,7 @@ from kvmem.units import GiB, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+KV_BUDGET_POLICIES = ("uniform", "proportional", "optimal")  # as in kvmem.plan
 
 
 @dataclass
@@ -38,6 +39,13 @@ class EngineConfig:
     cpu_kv_memory_bytes: int | None = None
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU only)
     seed: int = 0
+    # parallelism (kvmem.engine.distributed): per-rank KV budgets come from kvmem.plan's
+    # kv_budget policy; kv_cache_memory_bytes is then each rank's share
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    layer_partition: list[int] | None = None  # layers per pipeline stage, e.g. [3, 1]
+    kv_budget: str = "uniform"  # uniform | proportional | optimal
+    distributed_timeout_s: float = 60.0  # bound of every wait between ranks in a step
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -58,6 +66,36 @@ class EngineConfig:
                                                     "kv_cache_memory_bytes")
         if self.cpu_kv_memory_bytes is not None:
             self.cpu_kv_memory_bytes = parse_size(self.cpu_kv_memory_bytes, "cpu_kv_memory_bytes")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_budget not in KV_BUDGET_POLICIES:
+            raise ConfigError(f"unknown kv_budget {self.kv_budget!r} "
+                              f"(choose from {', '.join(KV_BUDGET_POLICIES)})")
+        if self.layer_partition is not None:
+            parts = self.layer_partition
+            if isinstance(parts, str):
+                try:
+                    parts = [int(p) for p in parts.split(",")]
+                except ValueError:
+                    raise ConfigError(f"layer_partition {parts!r}: give layer counts per "
+                                      "stage, e.g. 3,1") from None
+            self.layer_partition = list(parts)
+            if len(parts) != self.pipeline_parallel_size:
+                raise ConfigError(f"layer_partition {parts} has {len(parts)} stages but "
+                                  f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+        if not self.distributed_timeout_s > 0:
+            raise ConfigError("distributed_timeout_s must be positive, "
+                              f"got {self.distributed_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def model_name(self) -> str:
@@ -113,3 +151,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--enforce-eager", action="store_true",
                    help="capture no CUDA graphs for decode steps (GPU; saves their memory)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of unseeded requests' sampling")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                     help="ranks that split every layer (heads, MLP, vocabulary)")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                     default=d.pipeline_parallel_size, help="pipeline stages (layer ranges)")
+    par.add_argument("--layer-partition", default=None, metavar="N,N,...",
+                     help="layers per pipeline stage, e.g. 20,10 (default: the KV budget "
+                          "policy's partition, even unless --kv-budget optimal)")
+    par.add_argument("--kv-budget", default=d.kv_budget, choices=KV_BUDGET_POLICIES,
+                     help="how ranks' KV budgets are set (kvmem plan's policies)")
+    par.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
+                     default=d.distributed_timeout_s, metavar="SECONDS",
+                     help="longest wait between ranks during a step")

@@ -29,8 +29,15 @@ class KVCacheSetup:
 
 
 def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device,
-                  kv_dtype: str, max_model_len: int, profile=None):
-    """The planner's answer for this engine (one rank, no parallelism yet)."""
+                  kv_dtype: str, max_model_len: int, profile=None,
+                  memory_bytes: int | list[int] | None = None,
+                  layer_partition: list[int] | None = None):
+    """The planner's answer for this engine's layout (config's tp x pp and KV budget policy).
+
+    ``profile`` is one RankProfile (or one per rank); ``memory_bytes`` each rank's device
+    memory (default: this device's). A single-rank plan is fit-checked here; the ranks of a
+    parallel engine each check their own RankPlan (kvmem.engine.distributed).
+    """
     from kvmem.plan import EngineSettings, Layout, plan
 
     kv_bytes = config.kv_cache_memory_bytes
@@ -43,27 +50,36 @@ def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device
         if kv_bytes is None:
             kv_bytes = config.cpu_kv_memory_bytes or default_cpu_kv_memory_bytes()
         profile = None  # on CPU the budget is explicit
-    layout = Layout(tensor_parallel_size=1, pipeline_parallel_size=1, layer_partition=None,
-                    gpus=None, gpu_memory_bytes=memory)
+    layout = Layout(tensor_parallel_size=config.tensor_parallel_size,
+                    pipeline_parallel_size=config.pipeline_parallel_size,
+                    layer_partition=layer_partition or config.layer_partition,
+                    gpus=None, gpu_memory_bytes=memory_bytes or memory)
     settings = EngineSettings(
         gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
         block_size=config.block_size, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         cuda_graphs=False, cpu_offload_bytes=0, kv_cache_dtype=kv_dtype)
-    result = plan(spec, layout, settings, policy="uniform",
-                  profile=[profile] if profile is not None else None)
-    result.check_fit()
+    profiles = profile if isinstance(profile, list) else [profile] if profile else None
+    result = plan(spec, layout, settings, policy=config.kv_budget, profile=profiles)
+    if layout.world_size == 1:
+        result.check_fit()
     return result
 
 
 def allocate_kv_cache(spec: ModelSpec, kv_plan, *, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> KVCacheSetup:
-    rank = kv_plan.ranks[0]
+                      device: torch.device, rank: int = 0) -> KVCacheSetup:
+    """``rank``'s KV storage: its RankPlan's slots and heads, the engine's block count.
+
+    ``kv_caches`` lists the slot tensor of each layer the rank holds (its pipeline stage).
+    """
+    rank_plan = kv_plan.ranks[rank]
     num_blocks = kv_plan.engine.num_blocks
     head_dim = next((layer.head_dim for layer in spec.layers if layer.kind.uses_blocks), 0)
-    storage = TensorKVStorage(num_blocks, rank.num_slots,
-                              SlotShape(2, block_size, rank.kv_heads_on_rank, head_dim),
+    storage = TensorKVStorage(num_blocks, rank_plan.num_slots,
+                              SlotShape(2, block_size, rank_plan.kv_heads_on_rank, head_dim),
                               dtype, device)
     slots = spec.layer_slots()
-    kv_caches = [storage.slot_tensor(slots[i]) for i in range(spec.num_layers)]
+    layers = rank_plan.layers if rank_plan.layers else range(spec.num_layers)
+    local = {slot: i for i, slot in enumerate(sorted({slots[i] for i in layers if i in slots}))}
+    kv_caches = [storage.slot_tensor(local[slots[i]]) for i in layers]
     return KVCacheSetup(plan=kv_plan, storage=storage, kv_caches=kv_caches, num_blocks=num_blocks)
