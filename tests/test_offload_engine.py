@@ -72,9 +72,15 @@ def test_mission3_repeated_long_prompt_comes_back_from_cpu_tier():
     assert not kvmem_threads()
 
 
+@pytest.mark.slow
 def test_soak_random_requests_with_faults(tmp_path):
     """1,000 random requests with shared prefixes and random aborts against a 40-block pool,
-    both tiers on, slow stores, failed reads, corrupted files and a disk that fills up."""
+    both tiers on, slow stores, failed reads, corrupted files and a disk that fills up.
+
+    The reference is the engine without offloading, run batched. fp32 sums in a different
+    batch shape can flip a near-tied greedy choice, so an output that differs from the
+    batched reference must equal the prompt computed alone (no batch, no cache), and such
+    flips must stay rare."""
     rng = random.Random(7)
     prefixes = [[rng.randrange(100, 40000) for _ in range(rng.randrange(32, 97))]
                 for _ in range(6)]
@@ -122,7 +128,9 @@ def test_soak_random_requests_with_faults(tmp_path):
                 if out.finished:
                     finals[out.request_id] = out
         assert len(finals) == len(requests)
-        completed = errors = 0
+        alone = LLMEngine(EngineConfig(max_model_len=160, enable_prefix_caching=False,
+                                       kv_cache_memory_bytes=40 * 16 * BYTES_PER_TOKEN))
+        completed = errors = flips = 0
         for rid, prompt, max_tokens in requests:
             out = finals[rid]
             if rid in aborted:
@@ -132,8 +140,11 @@ def test_soak_random_requests_with_faults(tmp_path):
                 assert "\n" not in out.error and out.error
                 continue
             completed += 1
-            assert out.outputs[0].token_ids == expected[tuple(prompt)][:max_tokens], rid
-        assert completed > 800
+            if out.outputs[0].token_ids != expected[tuple(prompt)][:max_tokens]:
+                flips += 1
+                _, solo = run_one(alone, f"alone-{rid}", prompt, max_tokens)
+                assert out.outputs[0].token_ids == solo.outputs[0].token_ids, rid
+        assert completed > 800 and flips <= completed // 100
         usage = engine.kv_usage()
         assert usage.used == 0 and usage.held == 0 and usage.free + usage.cached == usage.total
         stats = connector.offload.stats()
