@@ -1,0 +1,328 @@
+"""Memory profiles: the report arithmetic (MISSION.md problem 5's example), the CPU
+measurements of the embedded model, `kvmem plan --profile`, and an engine started with
+the suggested kv_cache_memory_bytes allocating exactly the blocks the plan predicts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from tiny_models import make_tiny_checkpoint
+
+from kvmem.cli import main
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.cuda_graphs import capture_sizes
+from kvmem.engine.profiler import (
+    PROFILE_HEADROOM_BYTES,
+    CPUMeter,
+    MemoryProfile,
+    cuda_graphs_enabled,
+    profile_memory,
+)
+from kvmem.errors import ConfigError
+from kvmem.units import GiB, MiB
+
+# small enough for the shared 2-core test machine, large enough that every peak is visible
+SETTINGS = dict(max_model_len=512, max_num_batched_tokens=512, max_num_seqs=64)
+
+
+def gib(x: float) -> int:
+    return round(x * GiB)
+
+
+def mission_example(**overrides) -> MemoryProfile:
+    """gemma-3-4b-it on one GPU, as logged (MISSION.md problem 5); figures rounded to 0.01 GiB."""
+    values = dict(model="google/gemma-3-4b-it", device="cuda:0", total_bytes=gib(178.36),
+                  free_bytes_at_start=gib(177.66), gpu_memory_utilization=0.9,
+                  weights_bytes=gib(8.58), forward_peak_bytes=gib(9.96), sampler_peak_bytes=0,
+                  non_torch_bytes=gib(0.07), cuda_graph_bytes=gib(0.65),
+                  cuda_graph_sizes=[1, 2, 4, 8])
+    return MemoryProfile(**{**values, **overrides})
+
+
+# six inputs, each rounded to 0.01 GiB in the log: at most 6 x 0.005 GiB of difference
+ROUNDING = gib(0.03)
+
+
+def test_report_arithmetic_reproduces_the_mission_example():
+    p = mission_example()
+    assert abs(p.requested_bytes - gib(160.53)) <= gib(0.01)
+    assert abs(p.suggested_kv_bytes_fit - 151_519_866_880) <= ROUNDING
+    assert abs(p.suggested_kv_bytes_whole - 169_914_314_752) <= ROUNDING
+    # "whole GPU" starts from the memory free at start, not from the device total ...
+    from_total = p.total_bytes - p.non_kv_bytes - p.headroom_bytes
+    assert abs(from_total - 169_914_314_752) > gib(0.5)
+    # ... and both suggestions keep the 150 MiB headroom: without it they miss by 0.15 GiB
+    assert abs(p.suggested_kv_bytes_fit + PROFILE_HEADROOM_BYTES - 151_519_866_880) > ROUNDING
+    text = p.summary()
+    for part in ("free 177.66 of 178.36 GiB", "utilisation 0.9 requests 160.52 GiB",
+                 "weights 8.58 GiB", "peak activation 9.96 GiB", "non-torch 0.07 GiB",
+                 "CUDA graphs 0.65 GiB", f"{p.suggested_kv_bytes_fit:,} bytes to fit"):
+        assert part in text
+
+
+def test_activation_is_the_larger_of_forward_and_sampler_peaks():
+    assert mission_example(sampler_peak_bytes=gib(11)).activation_bytes == gib(11)
+    assert mission_example(sampler_peak_bytes=gib(1)).activation_bytes == gib(9.96)
+
+
+def test_suggestions_never_go_negative():
+    p = mission_example(weights_bytes=gib(200))
+    assert p.suggested_kv_bytes_fit == 0 and p.suggested_kv_bytes_whole == 0
+
+
+def test_json_round_trip_and_bad_files(tmp_path):
+    p = mission_example()
+    path = tmp_path / "p.json"
+    p.save(path)
+    data = json.loads(path.read_text())
+    assert data["derived"]["suggested_kv_bytes_fit"] == p.suggested_kv_bytes_fit
+    assert MemoryProfile.load(path) == p
+    for bad, why in (({"format": "other"}, "not a kvmem memory profile"),
+                     ({**data, "weights_bytes": -1}, "weights_bytes must be a non-negative"),
+                     ({**data, "gpu_memory_utilization": 1.5}, "(0, 1]"),
+                     ({"format": data["format"], "model": "x"}, "incomplete")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=why.replace("(", r"\(").replace("]", r"\]")):
+            MemoryProfile.load(path)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read it as JSON"):
+        MemoryProfile.load(path)
+
+
+def test_to_rank_profile_carries_the_measured_figures():
+    r = mission_example(sampler_peak_bytes=gib(12)).to_rank_profile()
+    assert (r.weights_bytes, r.activation_bytes, r.non_torch_bytes, r.cuda_graph_bytes,
+            r.total_bytes) == (gib(8.58), gib(12), gib(0.07), gib(0.65), gib(178.36))
+
+
+# ------------------------------------------------------------------ CPU measurement
+def test_cpu_meter_sees_an_allocation_at_its_peak():
+    meter = CPUMeter(torch.device("cpu"))
+    meter.start()
+    size = 64 * MiB
+
+    def allocate() -> None:
+        torch.ones(size // 4, dtype=torch.float32)  # touched, then freed before returning
+
+    peak = meter.peak(allocate)
+    assert size <= peak < size + 32 * MiB
+
+
+def test_cpu_meter_falls_back_to_sampling(monkeypatch):
+    import kvmem.engine.profiler as profiler
+
+    monkeypatch.setattr(profiler, "_reset_high_water_mark", lambda: False)
+    meter = CPUMeter(torch.device("cpu"))
+    meter.start()
+    size = 64 * MiB
+
+    def allocate_and_hold() -> None:
+        x = torch.ones(size // 4, dtype=torch.float32)
+        time.sleep(0.05)  # long enough for the sampling thread to see it
+        del x
+
+    assert size * 0.9 <= meter.peak(allocate_and_hold) < size + 32 * MiB
+
+
+@pytest.fixture(scope="module")
+def embedded_profile() -> MemoryProfile:
+    return profile_memory(EngineConfig(model=None, device="cpu", **SETTINGS))
+
+
+def test_cpu_profile_of_the_embedded_model_measures_every_component(embedded_profile):
+    p = embedded_profile
+    params = 134_515_008  # SmolLM2-135M: 30 layers, hidden 576, vocab 49,152, tied embeddings
+    assert p.device == "cpu" and p.dtype == "float32"
+    assert p.weights_bytes >= 4 * params
+    # the parameters are really resident: loading them grew the process by about as much
+    assert 0.8 * p.weights_bytes <= p.weights_resident_bytes <= 1.5 * p.weights_bytes
+    # a forward of 512 tokens holds at least its 512 x 576 fp32 hidden states and
+    # 512 x 1,536 MLP intermediates; the sampler at least 64 x 49,152 fp32 logits
+    assert p.forward_peak_bytes > 512 * (576 + 1536) * 4
+    assert p.sampler_peak_bytes > 64 * 49_152 * 4
+    assert p.non_torch_bytes > 50 * MiB  # interpreter, torch, tokenizer
+    assert 0 < p.free_bytes_at_start <= p.total_bytes
+    # CUDA graphs are absent on CPU, not missing from the measurement
+    assert p.cuda_graph_bytes == 0 and p.cuda_graph_sizes == []
+    assert "not captured (CPU)" in p.summary()
+
+
+def test_cpu_profile_arithmetic_holds(embedded_profile):
+    p = embedded_profile
+    left = (p.requested_bytes - p.weights_bytes - p.activation_bytes - p.non_torch_bytes
+            - p.cuda_graph_bytes - p.headroom_bytes)
+    assert p.suggested_kv_bytes_fit == left
+    assert p.suggested_kv_bytes_whole == (p.free_bytes_at_start - p.non_kv_bytes
+                                          - p.headroom_bytes)
+
+
+def _plan_json(capsys, argv) -> dict:
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_engine_with_the_suggested_budget_allocates_the_planned_blocks(
+        embedded_profile, tmp_path, capsys):
+    from kvmem.engine.llm_engine import LLMEngine
+
+    # a utilisation that leaves a small KV budget (about 48 MiB) on this machine
+    p = embedded_profile
+    util = (p.non_kv_bytes + p.headroom_bytes + 48 * MiB) / p.total_bytes
+    p = p.with_utilization(util)
+    fit = p.suggested_kv_bytes_fit
+    assert 40 * MiB < fit < 56 * MiB
+    path = tmp_path / "profile.json"
+    p.save(path)
+    common = ["plan", p.checkpoint, "--profile", str(path), "--kv-cache-dtype", p.dtype,
+              "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens",
+              "512", "--gpu-memory-utilization", repr(util)]
+    # the plan with the measured figures leaves exactly the fit value plus the headroom
+    measured = _plan_json(capsys, common)
+    rank = measured["ranks"][0]
+    assert rank["weights_bytes"] == p.weights_bytes
+    assert rank["activation_bytes"] == p.activation_bytes
+    assert rank["non_torch_bytes"] == p.non_torch_bytes and rank["cuda_graph_bytes"] == 0
+    assert rank["kv_budget_bytes"] == fit + p.headroom_bytes
+    explicit = _plan_json(capsys, common + ["--kv-cache-memory-bytes", str(fit)])
+    predicted = explicit["engine"]["num_blocks"]
+    assert predicted > 0
+
+    engine = LLMEngine(EngineConfig(model=None, device="cpu", kv_cache_memory_bytes=fit,
+                                    **SETTINGS))
+    assert engine.num_blocks == predicted
+    assert engine.memory_profile is None  # an explicit budget skips profiling
+    assert engine.kv_storage.num_blocks * explicit["ranks"][0]["bytes_per_block"] <= fit
+
+
+# ------------------------------------------------------------------ the command
+def test_profile_command_json_and_report(tmp_path, capsys):
+    model = make_tiny_checkpoint(tmp_path)
+    out = tmp_path / "tiny.json"
+    argv = ["profile", str(model), "--device", "cpu", "--max-num-batched-tokens", "128",
+            "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5"]
+    assert main(argv + ["--json", "--output", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = MemoryProfile.load(out)
+    assert printed["derived"]["suggested_kv_bytes_fit"] == saved.suggested_kv_bytes_fit
+    assert saved.weights_bytes == sum(
+        t.numel() * 4 for t in _safetensors(model / "model.safetensors").values())
+    assert saved.gpu_memory_utilization == 0.5 and saved.max_num_seqs == 8
+
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "not captured (CPU)" in text and "--kv-cache-memory-bytes" in text
+    assert "KV budget: fit" in text and "KV budget: whole" in text
+
+
+def _safetensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_profile_command_errors_are_one_line(tmp_path, capsys):
+    assert main(["profile", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmem: error:") and err.count("\n") == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert main(["plan", "qwen3-8b", "--gpu", "H100", "--profile", str(bad)]) == 2
+    assert "not a kvmem memory profile" in capsys.readouterr().err
+
+
+def test_plan_profile_replaces_the_estimates(tmp_path, capsys):
+    path = tmp_path / "gemma.json"
+    mission_example(cuda_graph_bytes=gib(1.3)).save(path)
+    argv = ["plan", "qwen3-8b", "--max-model-len", "8192"]
+    estimated = _plan_json(capsys, argv + ["--gpu-memory", "178.36"])["ranks"][0]
+    measured = _plan_json(capsys, argv + ["--profile", str(path)])["ranks"][0]
+    assert measured["cuda_graph_bytes"] == gib(1.3) != estimated["cuda_graph_bytes"]
+    assert measured["weights_bytes"] == gib(8.58) != estimated["weights_bytes"]
+    assert measured["memory_bytes"] == gib(178.36)
+    assert measured["kv_budget_bytes"] == (measured["budget_bytes"] - gib(8.58) - gib(9.96)
+                                           - gib(0.07) - gib(1.3))
+
+
+# ------------------------------------------------------------------ CUDA graphs (settings)
+def test_capture_sizes_cover_max_num_seqs():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 8]
+    assert capture_sizes(256)[-1] == 256 and len(capture_sizes(256)) == 35
+    assert capture_sizes(300)[-1] == 304
+    assert capture_sizes(4096)[-1] == 512  # larger decode batches run eagerly
+
+
+def test_cuda_graphs_need_triton_and_no_enforce_eager(tmp_path):
+    from kvmem.cli import build_parser
+    from kvmem.engine.loader import resolve_model
+    from kvmem.engine.models import build_model
+
+    config = resolve_model(str(make_tiny_checkpoint(tmp_path))).config
+    triton_model = build_model(config, attention_backend="triton")
+    reference_model = build_model(config, attention_backend="reference")
+    assert cuda_graphs_enabled(EngineConfig(), triton_model)
+    assert not cuda_graphs_enabled(EngineConfig(enforce_eager=True), triton_model)
+    assert not cuda_graphs_enabled(EngineConfig(), reference_model)
+    parser, _ = build_parser(["profile"])
+    args = parser.parse_args(["profile", "--enforce-eager"])
+    assert EngineConfig.from_args(args).enforce_eager
+
+
+# ------------------------------------------------------------------ on a CUDA device
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_profile_captures_graphs_and_measures_them():
+    p = profile_memory(EngineConfig(model=None, device="cuda", max_num_seqs=64))
+    assert p.cuda_graph_sizes == capture_sizes(64)
+    for value in (p.weights_bytes, p.forward_peak_bytes, p.sampler_peak_bytes,
+                  p.cuda_graph_bytes, p.total_bytes):
+        assert value > 0
+    assert p.suggested_kv_bytes_fit == (p.requested_bytes - p.non_kv_bytes - p.headroom_bytes)
+    eager = profile_memory(EngineConfig(model=None, device="cuda", max_num_seqs=64,
+                                        enforce_eager=True))
+    assert eager.cuda_graph_bytes == 0 and eager.cuda_graph_sizes == []
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_graph_decode_matches_eager():
+    from kvmem.engine.llm import LLM
+    from kvmem.engine.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(None, device="cuda", dtype="float32", kv_cache_memory_bytes=256 * MiB,
+                  enforce_eager=eager)
+        assert (llm.engine.model_runner.cuda_graphs is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_serving_at_095_survives_a_burst_of_max_length_requests():
+    from kvmem.engine.llm import LLM
+    from kvmem.engine.sampling_params import SamplingParams
+
+    max_model_len = 2048
+    llm = LLM(None, device="cuda", gpu_memory_utilization=0.95, max_model_len=max_model_len,
+              max_num_seqs=128)
+    profile = llm.engine.memory_profile
+    assert profile is not None and profile.cuda_graph_bytes > 0
+    prompt = list(range(1000, 1000 + max_model_len - 64))
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    outputs = llm.generate([prompt] * 256, params)
+    assert all(len(o.outputs[0].token_ids) == 64 and o.error is None for o in outputs)
+    used = torch.cuda.max_memory_reserved()
+    total = torch.cuda.mem_get_info()[1]
+    assert used <= 0.95 * total
