@@ -101,9 +101,16 @@ def load(path, **kw):
     return files, model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_match_transformers(tmp_path, family):
-    path = make_tiny_checkpoint(tmp_path, family)
+LLAMA3_ROPE = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}}
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}), ("llama", LLAMA3_ROPE), ("qwen2", {}), ("qwen3", {}), ("mistral", {}),
+], ids=["llama", "llama3-rope", "qwen2", "qwen3", "mistral"])
+def test_tiny_models_match_transformers(tmp_path, family, overrides):
+    path = make_tiny_checkpoint(tmp_path, family, **overrides)
     files, model = load(path)
     reference = hf_model(path)
     gen = torch.Generator().manual_seed(1)
@@ -129,6 +136,25 @@ def test_sliding_window_is_applied(tmp_path):
     _, full = PagedRun(model, files.config).generate([prompt], 1)
     assert torch.allclose(windowed[0][:8], full[0][:8], atol=1e-6)  # inside the window
     assert not torch.allclose(windowed[0][8:], full[0][8:], atol=1e-3)
+
+
+def test_checkpoint_style_rope_config_equals_the_new_style():
+    """Checkpoints spell RoPE as rope_theta + rope_scaling; newer configs as rope_parameters."""
+    from kvmem.engine.models.rope import inverse_frequencies, rope_parameters
+
+    new = rope_parameters(LLAMA3_ROPE)
+    old_params = {k: v for k, v in LLAMA3_ROPE["rope_parameters"].items() if k != "rope_theta"}
+    old = rope_parameters({"rope_theta": 500000.0, "rope_scaling": old_params})
+    assert torch.equal(inverse_frequencies(16, new, None), inverse_frequencies(16, old, None))
+    default = inverse_frequencies(16, rope_parameters({"rope_theta": 500000.0}), None)
+    assert not torch.equal(default, inverse_frequencies(16, new, None))
+
+
+def test_unsupported_rope_scaling_is_a_config_error(tmp_path):
+    config = dict(resolve_model(str(make_tiny_checkpoint(tmp_path, "llama"))).config)
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+        build_model(config)
 
 
 def test_pipeline_stages_compose(tmp_path):

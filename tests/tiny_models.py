@@ -29,6 +29,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
               "max_window_layers": 1, "tie_word_embeddings": False},
     # explicit head_dim larger than hidden/heads, q/k norm, tied embeddings
     "qwen3": {"rope_theta": 1000000.0, "head_dim": 32, "tie_word_embeddings": True},
+    # every layer slides over 8 tokens
+    "mistral": {"rope_theta": 10000.0, "sliding_window": 8, "tie_word_embeddings": False},
 }
 
 
@@ -48,7 +50,7 @@ def byte_level_tokenizer_json() -> dict[str, Any]:
 
 def make_tiny_checkpoint(tmp_path: Path, family: str = "llama", seed: int = 0,
                          **overrides: Any) -> Path:
-    """Write a random tiny ``family`` ("llama", "qwen2", "qwen3") checkpoint under tmp_path."""
+    """Write a random tiny ``family`` ("llama", "qwen2", "qwen3", "mistral") checkpoint."""
     import torch
     import transformers
 
@@ -56,6 +58,7 @@ def make_tiny_checkpoint(tmp_path: Path, family: str = "llama", seed: int = 0,
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[family]
     config = config_cls(**{**_BASE, **FAMILIES[family], **overrides})
     torch.manual_seed(seed)
