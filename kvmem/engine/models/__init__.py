@@ -16,7 +16,7 @@ from torch import nn
 from kvmem.engine.attention import get_attention_backend
 from kvmem.errors import ConfigError
 
-# architecture name -> implementing class (all share the Llama decoder today)
+# all share the Llama decoder (kvmem/engine/models/llama.py), differing by LlamaVariant
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )

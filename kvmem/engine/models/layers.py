@@ -3,7 +3,8 @@
 Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies its
 rank's shard out of the full HuggingFace tensor, so that a checkpoint loads unchanged for
 any ``tp_size``. Column-parallel layers split output features, row-parallel layers split
-input features and all-reduce their output.
+input features and all-reduce their output over the rank's tensor-parallel group
+(``kvmem.engine.distributed``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     if tp_size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(x)
+        from kvmem.engine.distributed.state import tp_group
+
+        dist.all_reduce(x, group=tp_group())
     return x
 
 
@@ -169,7 +172,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1:
             import torch.distributed as dist
 
+            from kvmem.engine.distributed.state import tp_group
+
             parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-            dist.all_gather(parts, local)
+            dist.all_gather(parts, local.contiguous(), group=tp_group())
             local = torch.cat(parts, dim=-1)
         return local[..., :self.vocab_size]

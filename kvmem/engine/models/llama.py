@@ -26,6 +26,7 @@ from kvmem.engine.models.layers import (
     VocabParallelEmbedding,
 )
 from kvmem.engine.models.rope import RotaryEmbedding
+from kvmem.errors import ConfigError
 from kvmem.spec import AttentionKind, spec_from_config
 
 
@@ -99,8 +100,6 @@ class LlamaMLP(nn.Module):
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         act = config.get("hidden_act", "silu")
         if act != "silu":
-            from kvmem.errors import ConfigError
-
             raise ConfigError(f"activation {act!r} is not supported (silu)")
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias,
                                                        **parallel.kw)
