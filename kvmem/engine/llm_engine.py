@@ -80,7 +80,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel=None) -> None:
+        """``parallel``: a kvmem.engine.distributed.ParallelConfig for rank 0 of a launch
+        started outside (torchrun); by default a tp x pp config spawns local workers."""
         from kvmem.cache import KVCacheManager
         from kvmem.engine.cuda_graphs import capture_sizes
         from kvmem.engine.kv_cache_setup import allocate_kv_cache, plan_kv_cache
@@ -109,29 +111,40 @@ class LLMEngine:
         self.spec = spec_from_config(files.config, files.name)
         self.max_model_len = self.max_model_len_for(self.spec, config)
 
-        # a GPU without an explicit KV budget is profiled: snapshot it before the weights
-        meter = None
-        if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
-            meter = meter_for(self.device)
-            meter.start()
-        model = build_model(files.config, dtype=self.dtype, device=self.device,
-                            attention_backend=config.attention_backend)
-        model.load_weights(files.weights())
-        self.model = model
+        self.parallel = None  # the ParallelDriver (rank 0) of a tp x pp engine
+        if config.world_size > 1 or parallel is not None:
+            from kvmem.engine.distributed import start_parallel
 
-        # weights, peak activation, non-torch and CUDA-graph memory, measured before the KV
-        # cache is sized so that the budget leaves room for all of them
-        self.memory_profile = None
-        if meter is not None:
-            self.memory_profile = measure_loaded(
-                LoadedModel(model, self.spec, self.device, self.dtype, self.max_model_len,
-                            self.model_name, str(files.path)), config, meter)
-            logger.info("%s", self.memory_profile.summary())
-        profile = self.memory_profile.to_rank_profile() if self.memory_profile else None
-        self.kv_plan = plan_kv_cache(self.spec, config, device=self.device, kv_dtype=dtype_name,
-                                     max_model_len=self.max_model_len, profile=profile)
-        kv = allocate_kv_cache(self.spec, self.kv_plan, block_size=config.block_size,
-                               dtype=self.dtype, device=self.device)
+            self.parallel = start_parallel(config, parallel, max_model_len=self.max_model_len,
+                                           dtype=self.dtype, device=self.device)
+            state = self.parallel.state
+            model = self.model = state.model
+            self.kv_plan, kv = state.kv_plan, state.kv
+            self.memory_profile = None
+        else:
+            # a GPU without an explicit KV budget is profiled: snapshot it before the weights
+            meter = None
+            if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
+                meter = meter_for(self.device)
+                meter.start()
+            model = build_model(files.config, dtype=self.dtype, device=self.device,
+                                attention_backend=config.attention_backend)
+            model.load_weights(files.weights())
+            self.model = model
+
+            # weights, peak activation, non-torch and CUDA-graph memory, measured before the KV
+            # cache is sized so that the budget leaves room for all of them
+            self.memory_profile = None
+            if meter is not None:
+                self.memory_profile = measure_loaded(
+                    LoadedModel(model, self.spec, self.device, self.dtype, self.max_model_len,
+                                self.model_name, str(files.path)), config, meter)
+                logger.info("%s", self.memory_profile.summary())
+            profile = self.memory_profile.to_rank_profile() if self.memory_profile else None
+            self.kv_plan = plan_kv_cache(self.spec, config, device=self.device, kv_dtype=dtype_name,
+                                         max_model_len=self.max_model_len, profile=profile)
+            kv = allocate_kv_cache(self.spec, self.kv_plan, block_size=config.block_size,
+                                   dtype=self.dtype, device=self.device)
         self.kv_storage = kv.storage
         self.num_blocks = kv.num_blocks
         self.kv_cache_manager = KVCacheManager(
@@ -147,11 +160,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
-        self.model_runner = ModelRunner(model, kv.kv_caches, self.kv_cache_manager,
-                                        num_kv_groups=len(self.spec.kv_groups()),
-                                        block_size=config.block_size, device=self.device,
-                                        sampler=Sampler(config.seed))
-        if self.device.type == "cuda" and cuda_graphs_enabled(config, model):
+        if self.parallel is not None:
+            from kvmem.engine.distributed import ParallelModelRunner
+
+            self.model_runner = ParallelModelRunner(self.parallel, self.kv_cache_manager,
+                                                    num_kv_groups=len(self.spec.kv_groups()))
+        else:
+            self.model_runner = ModelRunner(model, kv.kv_caches, self.kv_cache_manager,
+                                            num_kv_groups=len(self.spec.kv_groups()),
+                                            block_size=config.block_size, device=self.device,
+                                            sampler=Sampler(config.seed))
+        if self.parallel is None and self.device.type == "cuda" and \
+                cuda_graphs_enabled(config, model):
             self.model_runner.capture_cuda_graphs(capture_sizes(config.max_num_seqs),
                                                   self.max_model_len)
         self.stats = EngineStats()
@@ -162,6 +182,11 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
                     self.num_blocks, config.block_size, self.num_blocks * config.block_size,
                     self.max_model_len)
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks of a parallel engine (nothing to do for one process)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     @staticmethod
     def max_model_len_for(spec, config: EngineConfig) -> int:

@@ -1,0 +1,282 @@
+"""The driver: rank 0 of a parallel engine, which also runs the scheduler and the KV cache
+manager and is tp rank 0 of pipeline stage 0.
+
+``start_parallel`` spawns the local workers (or joins ranks torchrun started), sets rank 0
+up like every other rank, and watches the workers. ``ParallelModelRunner`` is the engine's
+model runner: each step it broadcasts the scheduled batch, runs stage 0's part here and
+returns the sampled tokens. A worker that dies, or a step that fails or times out, stops
+the engine with one error naming the rank; every later step raises the same error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.distributed.config import ParallelConfig
+from kvmem.engine.distributed.errors import ParallelError, StartupError, WorkerDiedError
+from kvmem.engine.distributed.rank_setup import RankContext, RankState, setup_rank
+from kvmem.engine.distributed.state import destroy_distributed, init_distributed
+from kvmem.engine.distributed.step import StepInput
+from kvmem.engine.distributed.worker import worker_main
+from kvmem.engine.request import Request
+from kvmem.errors import ConfigError
+
+logger = logging.getLogger("kvmem.engine.distributed")
+
+DEATH_NOTICE_S = 3.0  # how long a failed step waits for the watchdog to name a dead worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_parallel(config: EngineConfig, parallel: ParallelConfig | None, *,
+                   max_model_len: int, dtype: torch.dtype,
+                   device: torch.device) -> ParallelDriver:
+    """Start every rank of ``config``'s tp x pp layout and return the driver (rank 0)."""
+    if parallel is None:
+        parallel = ParallelConfig.from_engine_config(config, master_port=free_port())
+    if parallel.rank != 0:
+        raise ConfigError(f"{parallel.describe()} is a worker; only rank 0 runs the engine")
+    if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) != \
+            (config.tensor_parallel_size, config.pipeline_parallel_size):
+        raise ConfigError("the parallel layout differs from the engine config's")
+    ctx = RankContext(config=config, parallel=parallel, max_model_len=max_model_len,
+                      dtype=str(dtype).removeprefix("torch."), device_type=device.type,
+                      share_kv=device.type == "cpu" and parallel.launcher == "local")
+    driver = ParallelDriver(ctx)
+    try:
+        driver.start()
+    except BaseException:
+        driver.shutdown()
+        raise
+    return driver
+
+
+class ParallelDriver:
+    def __init__(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+        self.parallel = ctx.parallel
+        self.processes: dict[int, Any] = {}  # rank -> multiprocessing.Process (local launch)
+        self.state: RankState | None = None
+        self.shared_slots: list[torch.Tensor] | None = None  # every rank's KV, rank order
+        self.error: ParallelError | None = None
+        self._failure_callbacks: list[Callable[[ParallelError], None]] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self) -> None:
+        atexit.register(self.shutdown)
+        handoff = None
+        if self.parallel.launcher == "local":
+            import torch.multiprocessing as mp
+
+            spawn = mp.get_context("spawn")
+            handoff = spawn.Queue() if self.ctx.share_kv else None
+            for rank in range(1, self.parallel.world_size):
+                proc = spawn.Process(target=worker_main, args=(self.ctx.for_rank(rank), handoff),
+                                     name=f"kvmem-rank{rank}", daemon=True)
+                proc.start()
+                self.processes[rank] = proc
+                logger.info("%s: worker pid %d", self.parallel.describe(rank), proc.pid)
+        device = self.ctx.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.groups = self._bounded("joining the process group",
+                                    lambda: init_distributed(self.parallel, device))
+        self.state = self._bounded("starting", lambda: setup_rank(self.ctx, self.groups))
+        if handoff is not None:
+            self.shared_slots = self._collect_shared_slots(handoff)
+        threading.Thread(target=self._watch, name="kvmem-rank-watchdog", daemon=True).start()
+        for a in self.state.allocations:
+            logger.info("%s: layers %d-%d, %d KV heads, %d blocks, %d KV bytes allocated",
+                        self.parallel.describe(a.rank), a.layers[0], a.layers[-1],
+                        a.kv_heads_on_rank, a.num_blocks, a.allocated_bytes)
+
+    def _bounded(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run a startup phase, failing fast if a worker dies and at the startup timeout."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # handed to the caller's thread below
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name="kvmem-startup", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.parallel.startup_timeout_s
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = self._dead_worker()
+            if dead is not None and thread.is_alive():
+                thread.join(DEATH_NOTICE_S)  # let the phase report the worker's own error
+                if "error" in box and not isinstance(box["error"], RuntimeError):
+                    break
+                rank, code = dead
+                raise StartupError(f"{self.parallel.describe(rank)} exited with code {code} "
+                                   f"while {what}")
+            if time.monotonic() > deadline:
+                raise StartupError(f"timed out after {self.parallel.startup_timeout_s:.0f} s "
+                                   f"while {what}")
+        if "error" in box:
+            error = box["error"]
+            if isinstance(error, RuntimeError) and not isinstance(error, ParallelError):
+                raise StartupError(f"{what} failed: {str(error).splitlines()[0]}") from error
+            raise error
+        return box["result"]
+
+    def _collect_shared_slots(self, handoff) -> list[torch.Tensor] | None:
+        own = self.state.kv.storage
+        slots_by_rank = {0: [own.slot_tensor(s)
+                             for s in range(self.state.kv_plan.ranks[0].num_slots)]}
+        deadline = time.monotonic() + self.parallel.startup_timeout_s
+        while len(slots_by_rank) < self.parallel.world_size:
+            try:
+                rank, slots = handoff.get(timeout=0.2)
+            except queue.Empty:
+                if self._dead_worker() is not None or time.monotonic() > deadline:
+                    raise StartupError("a worker did not hand over its KV cache") from None
+                continue
+            slots_by_rank[rank] = slots
+        if any(s is None for s in slots_by_rank.values()):
+            return None
+        return [t for rank in sorted(slots_by_rank) for t in slots_by_rank[rank]]
+
+    # -- liveness ------------------------------------------------------------------------
+    def on_failure(self, callback: Callable[[ParallelError], None]) -> None:
+        """Call ``callback(error)`` (from any thread) when the engine stops on a failure."""
+        self._failure_callbacks.append(callback)
+
+    def _dead_worker(self) -> tuple[int, int | None] | None:
+        for rank, proc in self.processes.items():
+            if not proc.is_alive():
+                return rank, proc.exitcode
+        return None
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.2):
+            dead = self._dead_worker()
+            if dead is not None:
+                self._fail(self._death_error(*dead))
+                return
+
+    def _death_error(self, rank: int, code: int | None) -> WorkerDiedError:
+        pid = self.processes[rank].pid
+        return WorkerDiedError(f"{self.parallel.describe(rank)} (pid {pid}) died with exit "
+                               f"code {code}; the engine stopped", rank)
+
+    def _fail(self, error: ParallelError) -> ParallelError:
+        with self._lock:
+            if self.error is not None or self._stopping.is_set():
+                return self.error or error
+            self.error = error
+        logger.error("%s", error)
+        for callback in self._failure_callbacks:
+            try:
+                callback(error)
+            except Exception:  # a callback must not stop the others
+                logger.exception("failure callback raised")
+        return error
+
+    def step_failed(self, exc: BaseException) -> ParallelError:
+        """The error to raise for a step whose communication failed with ``exc``."""
+        if self.error is not None:
+            return self.error
+        deadline = time.monotonic() + (DEATH_NOTICE_S if self.processes else 0)
+        while time.monotonic() < deadline:
+            dead = self._dead_worker()
+            if dead is not None:
+                return self._fail(self._death_error(*dead))
+            time.sleep(0.05)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return self._fail(ParallelError(f"a distributed step failed (a rank stopped answering "
+                                        f"within {self.parallel.timeout_s:.0f} s or its "
+                                        f"connection closed): {first}"))
+
+    # -- stop ----------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every worker and leave the process group (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        healthy = self.error is None and self.state is not None
+        self._stopping.set()
+        if healthy:
+            with contextlib.suppress(Exception):  # a worker already gone is stopped below
+                dist.broadcast_object_list([None], src=0, group=self.groups.control)
+        deadline = time.monotonic() + timeout
+        for proc in self.processes.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.processes.values():
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        destroy_distributed()
+        atexit.unregister(self.shutdown)
+
+
+class ParallelModelRunner:
+    """The engine's model runner on the driver of a tp x pp engine (ModelRunner's API)."""
+
+    def __init__(self, driver: ParallelDriver, kv_cache_manager, *, num_kv_groups: int) -> None:
+        self.driver = driver
+        self.kv_cache_manager = kv_cache_manager
+        self.num_kv_groups = num_kv_groups
+        self.runner = driver.state.runner
+        self._seeded: dict[str, Request] = {}  # requests whose generator lives on the sampler
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
+        """Run one step on every rank; the sampled token of each request that samples."""
+        if self.driver.error is not None:
+            raise self.driver.error
+        step = StepInput.from_scheduled(scheduled, self.kv_cache_manager, self.num_kv_groups)
+        step.finished_request_ids = self._finished_seeded(scheduled)
+        try:
+            dist.broadcast_object_list([step], src=0, group=self.driver.groups.control)
+            tokens = self.runner.run(step)
+            if step.sample_rows and not self.runner.samples:
+                tokens = self.runner.receive_tokens(step)
+        except Exception as e:
+            raise self.driver.step_failed(e) from e
+        return dict(zip(step.sample_request_ids, tokens or [], strict=True))
+
+    def _finished_seeded(self, scheduled: list[tuple[Request, int]]) -> list[str]:
+        for request, _ in scheduled:
+            if request.sampling_params.seed is not None:
+                self._seeded[request.request_id] = request
+        done = [rid for rid, r in self._seeded.items() if r.is_finished]
+        for rid in done:
+            del self._seeded[rid]
+        return done
+
+    def shutdown(self) -> None:
+        self.driver.shutdown()

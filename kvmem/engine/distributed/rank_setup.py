@@ -1,0 +1,176 @@
+"""Bring one rank up, the same way on the driver and on every worker.
+
+1. read the model config and plan KV memory with ``kvmem.plan`` for the engine's real
+   layout (tp x pp, layer partition, KV budget policy, every rank's device memory);
+2. load this rank's shard: its pipeline stage's layers, its tensor-parallel slice;
+3. check this rank's own fit (its RankPlan: its layers, its KV heads, its budget);
+4. agree with the other ranks on one block count, the minimum over ranks;
+5. allocate this rank's KV cache (its RankPlan's slots and heads, the agreed blocks).
+
+Each phase ends with every rank telling the others whether it succeeded, so that one
+rank's failure becomes the same clear error on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.distributed.config import ParallelConfig
+from kvmem.engine.distributed.errors import StartupError
+from kvmem.engine.distributed.stage_runner import StageRunner
+from kvmem.engine.distributed.state import DistributedGroups
+from kvmem.engine.kv_cache_setup import KVCacheSetup, allocate_kv_cache, plan_kv_cache
+from kvmem.engine.sampler import Sampler
+from kvmem.errors import KvmemError
+
+logger = logging.getLogger("kvmem.engine.distributed")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Everything a rank needs to start, decided once by the driver and sent to each rank."""
+
+    config: EngineConfig
+    parallel: ParallelConfig
+    max_model_len: int
+    dtype: str  # torch dtype name, e.g. "float32"
+    device_type: str  # "cpu" or "cuda" (a CUDA rank uses device cuda:local_rank)
+    share_kv: bool = False  # KV tensors in shared memory, mapped by the driver (offload)
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", self.parallel.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def for_rank(self, rank: int) -> RankContext:
+        return replace(self, parallel=self.parallel.for_rank(rank))
+
+
+@dataclass(frozen=True)
+class RankAllocation:
+    """What one rank planned and allocated; the driver keeps every rank's."""
+
+    rank: int
+    pp_stage: int
+    tp_rank: int
+    layers: list[int]
+    kv_heads_on_rank: int
+    num_slots: int
+    num_blocks: int  # allocated: the engine's agreed block count
+    rank_plan_blocks: int  # what this rank's own budget holds
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    allocated_bytes: int
+
+
+@dataclass
+class RankState:
+    spec: Any  # kvmem.spec.ModelSpec
+    model: torch.nn.Module
+    kv_plan: Any  # kvmem.plan.Plan
+    kv: KVCacheSetup
+    allocations: list[RankAllocation]
+    runner: StageRunner
+
+
+def agree(groups: DistributedGroups, phase: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if any rank fails, every rank raises that rank's error."""
+    result, failure = None, None
+    try:
+        result = fn()
+    except Exception as e:  # reported to every rank below, then raised there
+        failure = (type(e).__name__, str(e) or repr(e), isinstance(e, KvmemError))
+        if not isinstance(e, KvmemError):
+            logger.exception("%s failed while %s", groups.parallel.describe(), phase)
+    failures: list[Any] = [None] * groups.parallel.world_size
+    dist.all_gather_object(failures, failure, group=groups.startup)
+    for rank, item in enumerate(failures):
+        if item is None:
+            continue
+        name, message, user_error = item
+        if name == "FitError":
+            from kvmem.plan import FitError
+
+            raise FitError(message)  # already names the rank
+        kind = "" if user_error else f"{name}: "
+        raise StartupError(f"{groups.parallel.describe(rank)} failed while {phase}: "
+                           f"{kind}{message}")
+    return result
+
+
+def check_rank_fit(kv_plan, rank: int) -> None:
+    """The fit check of one rank's own RankPlan (raises FitError naming the rank)."""
+    replace(kv_plan, ranks=[kv_plan.ranks[rank]]).check_fit()
+
+
+def setup_rank(ctx: RankContext, groups: DistributedGroups) -> RankState:
+    from kvmem.engine.loader import resolve_model
+    from kvmem.engine.models import build_model
+    from kvmem.spec import spec_from_config
+
+    config, parallel, device = ctx.config, ctx.parallel, ctx.device
+    rank = parallel.rank
+    files = agree(groups, "reading the model", lambda: resolve_model(config.model))
+    spec = spec_from_config(files.config, files.name)
+    memory = None
+    if device.type == "cuda":  # GPUs may differ: every rank's memory goes into the plan
+        memory = [None] * parallel.world_size
+        own = torch.cuda.get_device_properties(device).total_memory
+        dist.all_gather_object(memory, own, group=groups.startup)
+    kv_plan = agree(groups, "planning the KV cache", lambda: plan_kv_cache(
+        spec, config, device=device, kv_dtype=ctx.dtype, max_model_len=ctx.max_model_len,
+        memory_bytes=memory))
+    rank_plan = kv_plan.ranks[rank]
+
+    def load_shard() -> torch.nn.Module:
+        layers = range(rank_plan.layers[0], rank_plan.layers[-1] + 1)
+        model = build_model(files.config, dtype=ctx.torch_dtype, device=device,
+                            tp_rank=parallel.tp_rank, tp_size=parallel.tensor_parallel_size,
+                            layers=layers, attention_backend=config.attention_backend)
+        model.load_weights(files.weights())
+        return model
+
+    model = agree(groups, "loading its weights", load_shard)
+    agree(groups, "checking its KV cache fits", lambda: check_rank_fit(kv_plan, rank))
+    num_blocks = agree_num_blocks(groups, kv_plan)
+    kv = agree(groups, "allocating its KV cache", lambda: allocate_kv_cache(
+        spec, kv_plan, block_size=config.block_size, dtype=ctx.torch_dtype, device=device,
+        rank=rank))
+    mine = RankAllocation(
+        rank=rank, pp_stage=rank_plan.pp_stage, tp_rank=rank_plan.tp_rank,
+        layers=list(rank_plan.layers), kv_heads_on_rank=rank_plan.kv_heads_on_rank,
+        num_slots=rank_plan.num_slots, num_blocks=num_blocks,
+        rank_plan_blocks=rank_plan.num_blocks, kv_budget_bytes=rank_plan.kv_budget_bytes,
+        kv_bytes_per_token=rank_plan.kv_bytes_per_token, allocated_bytes=kv.storage.nbytes)
+    allocations: list[Any] = [None] * parallel.world_size
+    dist.all_gather_object(allocations, mine, group=groups.startup)
+    runner = StageRunner(model, kv.kv_caches, groups, block_size=config.block_size,
+                         device=device, dtype=ctx.torch_dtype, sampler=Sampler(config.seed))
+    return RankState(spec, model, kv_plan, kv, allocations, runner)
+
+
+def agree_num_blocks(groups: DistributedGroups, kv_plan) -> int:
+    """Every rank's own block count, exchanged; the engine uses the minimum."""
+    own = kv_plan.ranks[groups.parallel.rank]
+    counts: list[Any] = [None] * groups.parallel.world_size
+    dist.all_gather_object(counts, own.num_blocks if own.bytes_per_block else None,
+                           group=groups.startup)
+    paged = [c for c in counts if c is not None]
+    agreed = min(paged) if paged else 0
+    if agreed != kv_plan.engine.num_blocks:
+        raise StartupError(f"ranks disagree on the KV block count: their plans hold {counts} "
+                           f"blocks but the engine plan says {kv_plan.engine.num_blocks}")
+    return agreed

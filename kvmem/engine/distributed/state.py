@@ -1,0 +1,84 @@
+"""Process groups of one parallel engine, built by ``init_distributed`` from a ParallelConfig.
+
+Groups (every rank creates all of them, in the same order):
+
+- the default group (gloo on CPU, NCCL on GPU), bounded by ``startup_timeout_s``;
+- ``startup``: gloo, for the ranks' agreement on plans and allocations at start;
+- ``control``: gloo, for the driver's step broadcasts; a worker may wait on it for as
+  long as the engine stays idle, so its bound is long (a dead driver still closes it);
+- ``step``: stage-to-stage hidden states and sampled tokens, bounded by ``timeout_s``;
+- ``tp``: this rank's pipeline stage, for the row-parallel all-reduces and the LM head's
+  all-gather, bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvmem.engine.distributed.config import ParallelConfig
+
+IDLE_TIMEOUT = timedelta(days=7)
+
+_tp_group: dist.ProcessGroup | None = None
+
+
+def tp_group() -> dist.ProcessGroup | None:
+    """This rank's tensor-parallel group (None outside a parallel engine)."""
+    return _tp_group
+
+
+@dataclass
+class DistributedGroups:
+    parallel: ParallelConfig
+    backend: str
+    startup: dist.ProcessGroup
+    control: dist.ProcessGroup
+    step: dist.ProcessGroup
+    tp: dist.ProcessGroup | None
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The same tp rank in the previous pipeline stage (None on the first stage)."""
+        p = self.parallel
+        return None if p.pp_stage == 0 else p.rank - p.tensor_parallel_size
+
+    @property
+    def next_rank(self) -> int | None:
+        p = self.parallel
+        last = p.pp_stage == p.pipeline_parallel_size - 1
+        return None if last else p.rank + p.tensor_parallel_size
+
+
+def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistributedGroups:
+    """Join the engine's process group with the rank and world size given in ``parallel``."""
+    global _tp_group
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    step_timeout = timedelta(seconds=parallel.timeout_s)
+    startup_timeout = timedelta(seconds=parallel.startup_timeout_s)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}",
+        rank=parallel.rank, world_size=parallel.world_size, timeout=startup_timeout)
+    everyone = list(range(parallel.world_size))
+    startup = dist.new_group(everyone, timeout=startup_timeout, backend="gloo")
+    control = dist.new_group(everyone, timeout=IDLE_TIMEOUT, backend="gloo")
+    step = dist.new_group(everyone, timeout=step_timeout, backend=backend)
+    own_tp = None
+    if parallel.tensor_parallel_size > 1:
+        for stage in range(parallel.pipeline_parallel_size):
+            group = dist.new_group(parallel.stage_ranks(stage), timeout=step_timeout,
+                                   backend=backend)
+            if stage == parallel.pp_stage:
+                own_tp = group
+    _tp_group = own_tp
+    return DistributedGroups(parallel, backend, startup, control, step, own_tp)
+
+
+def destroy_distributed() -> None:
+    global _tp_group
+    _tp_group = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

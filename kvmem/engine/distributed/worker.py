@@ -1,0 +1,99 @@
+"""A worker rank: set itself up like the driver, then run every step the driver broadcasts.
+
+Local launch: ``worker_main`` is the entry of a spawned process (one per rank > 0); it
+exits as soon as its parent (the driver) is gone. torchrun launch: ``run_worker`` runs
+in the ranks > 0 that torchrun started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from kvmem.engine.distributed.rank_setup import RankContext, setup_rank
+from kvmem.engine.distributed.stage_runner import StageRunner
+from kvmem.engine.distributed.state import (
+    DistributedGroups,
+    destroy_distributed,
+    init_distributed,
+)
+from kvmem.errors import KvmemError
+
+logger = logging.getLogger("kvmem.engine.distributed")
+
+
+def worker_main(ctx: RankContext, handoff: Any) -> None:
+    """Process entry of a locally launched worker (multiprocessing spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops us
+    _exit_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(run_worker(ctx, handoff))
+
+
+def run_worker(ctx: RankContext, handoff: Any = None) -> int:
+    """Start this rank and serve steps until the driver says stop; returns an exit code."""
+    device = ctx.device
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    try:
+        groups = init_distributed(ctx.parallel, device)
+        state = setup_rank(ctx, groups)
+        if handoff is not None:
+            num_slots = state.kv_plan.ranks[ctx.parallel.rank].num_slots
+            handoff.put((ctx.parallel.rank, _shared_slots(state.kv.storage, num_slots, ctx)))
+        serve_steps(state.runner, groups)
+        return 0
+    except KvmemError as e:  # the driver reports the same error
+        logger.debug("%s: %s", ctx.parallel.describe(), e)
+        return 1
+    except Exception as e:
+        logger.error("%s stopped: %s", ctx.parallel.describe(), str(e).splitlines()[0])
+        return 1
+    finally:
+        destroy_distributed()
+
+
+def serve_steps(runner: StageRunner, groups: DistributedGroups) -> None:
+    """Run each StepInput the driver broadcasts; a ``None`` step means stop."""
+    box: list[Any] = [None]
+    while True:
+        dist.broadcast_object_list(box, src=0, group=groups.control)
+        if box[0] is None:
+            return
+        runner.run(box[0])
+
+
+def _shared_slots(storage, num_slots: int, ctx: RankContext) -> list | None:
+    """This rank's KV slot tensors moved to shared memory, for the driver's offload tiers."""
+    if not ctx.share_kv:
+        return None
+    slots = [storage.slot_tensor(s) for s in range(num_slots)]
+    try:
+        for tensor in slots:
+            tensor.share_memory_()
+    except (OSError, RuntimeError) as e:  # e.g. a small /dev/shm: offloading stays off
+        logger.warning("%s: cannot share its KV cache with the driver (%s); CPU offload "
+                       "is unavailable", ctx.parallel.describe(), e)
+        return None
+    return slots
+
+
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """Exit at once when the driver process is gone (however it ended)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            threading.Event().wait(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="kvmem-parent-watch", daemon=True).start()
