@@ -1,0 +1,571 @@
+"""kvmem.cache: hashing, block pool, per-type managers, coordinator and KVCacheManager."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import xxhash
+
+from kvmem.cache import (
+    NULL_BLOCK_ID,
+    BlockPool,
+    KVCacheManager,
+    NoCapacity,
+    PrefixHit,
+    hash_block_tokens,
+    hash_request_tokens,
+)
+from kvmem.cache.coordinator import KVCacheCoordinator
+from kvmem.cache.hashing import ROOT_PARENT_HASH, encode_extra_keys, extend_block_hashes
+from kvmem.errors import ConfigError
+from kvmem.spec import AttentionKind, KVGroup
+
+BS = 4  # small blocks keep the scenarios readable
+
+
+class Req:
+    """The request protocol the manager needs."""
+
+    def __init__(self, request_id: str, token_ids, cache_salt=None, lora_name=None):
+        self.request_id = request_id
+        self.all_token_ids = list(token_ids)
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def full(gid=0):
+    return KVGroup(gid, AttentionKind.FULL, None, (gid,))
+
+
+def sliding(gid, window):
+    return KVGroup(gid, AttentionKind.SLIDING, window, (gid,))
+
+
+def chunked(gid, chunk):
+    return KVGroup(gid, AttentionKind.CHUNKED, chunk, (gid,))
+
+
+def run_prompt(mgr, req, num_new=None):
+    hit = mgr.get_computed_blocks(req)
+    n = req.num_tokens - hit.num_tokens if num_new is None else num_new
+    return hit, mgr.allocate_slots(req, n, prefix_hit=hit)
+
+
+def pool_snapshot(pool: BlockPool):
+    q = pool.free_queue
+    return (list(pool.ref_cnt), list(pool.hold_cnt), list(pool.block_hash),
+            q.free_ids(), q.cached_ids(), sorted(pool.held_idle),
+            [dict(m) for m in pool.cached], pool.epoch, len(pool.events or []))
+
+
+# -- hashing -------------------------------------------------------------------------------
+
+def test_block_hash_is_xxh3_128_over_parent_le_uint32_tokens_and_extra_keys():
+    tokens = [1, 2, 70000, 2**32 - 1]
+    packed = b"".join(t.to_bytes(4, "little") for t in tokens)
+    assert hash_block_tokens(None, tokens) == xxhash.xxh3_128_digest(ROOT_PARENT_HASH + packed)
+    parent = b"p" * 16
+    extra = encode_extra_keys(cache_salt="tenant-a")
+    assert hash_block_tokens(parent, tokens, extra) == xxhash.xxh3_128_digest(
+        parent + packed + extra)
+    assert len(hash_block_tokens(None, tokens)) == 16
+
+
+def test_block_hashes_are_stable_across_processes():
+    code = ("from kvmem.cache import hash_request_tokens; "
+            "print(hash_request_tokens(list(range(100)), 16, b'x')[-1].hex())")
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                capture_output=True, text=True).stdout.strip())
+    assert outs == {hash_request_tokens(list(range(100)), 16, b"x")[-1].hex()}
+
+
+def test_hashes_chain_and_cover_only_full_blocks():
+    hashes = hash_request_tokens(list(range(40)), 16)
+    assert len(hashes) == 2  # the last 8 tokens are not a full block
+    assert hashes[1] == hash_block_tokens(hashes[0], range(16, 32))
+    # the same block content after a different prefix hashes differently
+    other = hash_request_tokens([99] * 16 + list(range(16, 32)), 16)
+    assert other[1] != hashes[1]
+
+
+def test_incremental_hashing_equals_one_shot():
+    tokens = list(range(1000, 1100))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens[:20], 1, 8)
+    extend_block_hashes(hashes, tokens, 12, 8)
+    assert hashes == hash_request_tokens(tokens, 8)
+
+
+def test_extra_keys_separate_tenants_and_adapters():
+    tokens = list(range(16))
+    plain = hash_block_tokens(None, tokens)
+    salt = hash_block_tokens(None, tokens, encode_extra_keys(cache_salt="x"))
+    lora = hash_block_tokens(None, tokens, encode_extra_keys(lora_name="x"))
+    assert len({plain, salt, lora}) == 3
+
+
+def test_bad_token_ids_are_rejected():
+    with pytest.raises(ValueError):
+        hash_block_tokens(None, [-1, 2])
+    with pytest.raises(ValueError):
+        hash_block_tokens(None, [2**32])
+    with pytest.raises(ValueError, match="need"):
+        extend_block_hashes([], [1, 2], 3, 2)  # not enough tokens for 3 blocks
+
+
+# -- block pool ----------------------------------------------------------------------------
+
+def test_null_block_is_never_handed_out():
+    pool = BlockPool(6)
+    ids = pool.take_new_blocks(5, 0)
+    assert sorted(ids) == [1, 2, 3, 4, 5] and NULL_BLOCK_ID not in ids
+    assert not pool.can_take(1)
+    pool.free_blocks([NULL_BLOCK_ID, *ids])  # the null block is ignored
+    assert pool.ref_cnt[NULL_BLOCK_ID] == 0 and pool.usage().free == 5
+
+
+def test_uncached_free_blocks_are_reused_before_cached_ones_and_cached_evict_lru():
+    pool = BlockPool(7)
+    ids = pool.take_new_blocks(6, 0)
+    for i, block_id in enumerate(ids[:4]):
+        pool.cache_block(0, block_id, bytes([i]) * 16, None)
+    pool.free_blocks([ids[0], ids[1], ids[4], ids[2], ids[3], ids[5]])
+    assert pool.usage().cached == 4 and pool.usage().free == 2
+    first = pool.take_new_blocks(2, 0)
+    assert sorted(first) == sorted([ids[4], ids[5]])  # no cached data lost yet
+    assert pool.usage().cached == 4
+    evicted = pool.take_new_blocks(2, 0)
+    assert evicted == [ids[0], ids[1]]  # freed first, evicted first
+    assert pool.get_cached_block(0, bytes([0]) * 16) is None
+    assert pool.get_cached_block(0, bytes([2]) * 16) == ids[2]
+
+
+def test_touch_takes_a_cached_free_block_out_of_the_queue():
+    pool = BlockPool(3)
+    a, b = pool.take_new_blocks(2, 0)
+    pool.cache_block(0, a, b"a" * 16, None)
+    pool.free_blocks([a])
+    assert pool.free_queue.is_cached(a)
+    pool.touch([a])
+    assert pool.ref_cnt[a] == 1 and not pool.free_queue.is_cached(a)
+    assert pool.usage().used == 2 and pool.usage().cached == 0
+
+
+def test_holds_keep_blocks_neither_free_nor_evictable():
+    pool = BlockPool(4)
+    a, b, c = pool.take_new_blocks(3, 0)
+    pool.cache_block(0, a, b"a" * 16, None)
+    pool.hold([a, b])
+    pool.hold([a])  # holds nest
+    pool.free_blocks([a, b, c])
+    u = pool.usage()
+    assert (u.used, u.held, u.free, u.cached) == (0, 2, 1, 0)
+    assert not pool.can_take(2)
+    pool.release([a, b])
+    u = pool.usage()
+    assert (u.held, u.free, u.cached) == (1, 2, 0)  # b free, a still held once
+    pool.release([a])
+    assert pool.usage().cached == 1 and pool.can_take(3)
+    with pytest.raises(ValueError, match="not held|more often"):
+        pool.release([a])
+    with pytest.raises(ValueError, match="free"):
+        pool.hold([b])  # free, no data
+    with pytest.raises(ValueError, match="outside"):
+        pool.hold([0])
+
+
+def test_hold_on_cached_free_block_removes_it_from_the_lru():
+    pool = BlockPool(3)
+    a, b = pool.take_new_blocks(2, 0)
+    pool.cache_block(0, a, b"a" * 16, None)
+    pool.free_blocks([a, b])
+    pool.hold([a])
+    assert pool.usage().held == 1 and pool.usage().cached == 0
+    assert pool.take_new_blocks(1, 0) == [b]
+    assert not pool.can_take(1)
+    assert pool.get_cached_block(0, b"a" * 16) == a  # still findable while held
+
+
+def test_listeners_guard_and_evict_listener():
+    pool = BlockPool(4)
+    calls = []
+    pool.add_listener(SimpleNamespace(
+        on_blocks_allocated=lambda ids: calls.append(("alloc", list(ids))),
+        on_blocks_released=lambda ids: calls.append(("release", list(ids)))))
+    a, b = pool.take_new_blocks(2, 0)
+    pool.cache_block(0, a, b"a" * 16, None)
+    pool.free_blocks([a, b])
+    assert calls == [("alloc", [a, b]), ("release", [b])]  # a is cached, not released
+    seen = []
+    pool.evict_listener = lambda block_id, h: seen.append(
+        (block_id, h, pool.get_cached_block(0, h)))
+    pool.take_new_blocks(3, 0)
+    assert seen == [(a, b"a" * 16, a)]  # called before the hash is dropped
+    pool.free_blocks([1, 2, 3])
+    pool.capacity_guard = lambda n: n <= 1
+    assert pool.can_take(1) and not pool.can_take(2)
+
+
+def test_events_and_reset_prefix_cache():
+    pool = BlockPool(3)
+    a, b = pool.take_new_blocks(2, 0)
+    pool.cache_block(0, a, b"a" * 16, None)
+    pool.cache_block(0, b, b"b" * 16, b"a" * 16)
+    assert not pool.cache_block(0, a, b"b" * 16, None)  # hash already cached elsewhere
+    assert not pool.reset_prefix_cache()  # blocks in use
+    pool.free_blocks([b, a])
+    assert pool.reset_prefix_cache()
+    events = pool.take_events()
+    assert [(e.kind, e.block_id) for e in events] == [
+        ("stored", a), ("stored", b), ("removed", b), ("removed", a)]
+    assert events[1].parent_hash == b"a" * 16
+    assert pool.usage().free == 2 and pool.get_cached_block(0, b"a" * 16) is None
+    assert pool.take_events() == []
+
+
+# -- per-type managers and the coordinator -------------------------------------------------
+
+def cached_pool(groups, cache_plan, num_blocks=64):
+    """A pool whose group ``g`` has cached-free blocks for the block indices in
+    ``cache_plan[g]`` of the token sequence 0..; returns (coordinator, hashes)."""
+    pool = BlockPool(num_blocks, len(groups))
+    coord = KVCacheCoordinator(groups, pool, BS)
+    hashes = hash_request_tokens(list(range(200)), BS)
+    for g, indices in enumerate(cache_plan):
+        for i in indices:
+            (block_id,) = pool.take_new_blocks(1, g)
+            pool.cache_block(g, block_id, hashes[i], None)
+            pool.free_blocks([block_id])
+    return coord, hashes
+
+
+def test_full_attention_hit_is_the_contiguous_prefix():
+    coord, hashes = cached_pool([full()], [[0, 1, 2, 4, 5]])
+    n, (blocks,) = coord.find_longest_cache_hit(hashes, 10)
+    assert n == 3 and len(blocks) == 3 and NULL_BLOCK_ID not in blocks
+    assert coord.find_longest_cache_hit(hashes, 2)[0] == 2
+
+
+def test_sliding_window_hit_needs_only_the_last_window():
+    # window 9: the next token needs the 8 tokens before it = the last 2 blocks
+    coord, hashes = cached_pool([sliding(0, 9)], [[3, 4, 7, 8]])
+    n, (blocks,) = coord.find_longest_cache_hit(hashes, 20)
+    assert n == 9
+    assert blocks[:7] == [NULL_BLOCK_ID] * 7 and NULL_BLOCK_ID not in blocks[7:]
+    assert coord.find_longest_cache_hit(hashes, 8)[0] == 5  # blocks 3, 4
+    assert coord.find_longest_cache_hit(hashes, 4)[0] == 0  # block 2 missing, 0..1 too
+
+
+def test_sliding_window_hit_from_the_start_when_shorter_than_the_window():
+    coord, hashes = cached_pool([sliding(0, 64)], [[0, 1, 2]])
+    n, (blocks,) = coord.find_longest_cache_hit(hashes, 10)
+    assert n == 3 and NULL_BLOCK_ID not in blocks
+
+
+def test_chunked_local_hit_needs_only_the_current_chunk():
+    # chunk 16 tokens = 4 blocks: a hit of L blocks needs blocks L//4*4 .. L-1
+    coord, hashes = cached_pool([chunked(0, 16)], [[8, 9]])
+    n, (blocks,) = coord.find_longest_cache_hit(hashes, 11)
+    assert n == 10 and blocks == [NULL_BLOCK_ID] * 8 + blocks[8:]
+    # with nothing cached a hit may still end on a chunk boundary
+    assert coord.find_longest_cache_hit(hashes, 7)[0] == 4
+
+
+def test_coordinator_finds_a_length_valid_for_every_group():
+    # full attention has blocks 0..9; the window (2 blocks) is cached only at 5..6
+    coord, hashes = cached_pool([full(0), sliding(1, 9)], [range(10), [5, 6]])
+    n, (f, s) = coord.find_longest_cache_hit(hashes, 12)
+    assert n == 7 and len(f) == len(s) == 7
+    assert s[:5] == [NULL_BLOCK_ID] * 5 and NULL_BLOCK_ID not in s[5:]
+    # the full group limits the sliding group too
+    coord, hashes = cached_pool([full(0), sliding(1, 9)], [range(4), [5, 6]])
+    assert coord.find_longest_cache_hit(hashes, 12)[0] == 0
+
+
+# -- KVCacheManager ------------------------------------------------------------------------
+
+def test_allocate_covers_tokens_and_decode_grows_one_block_at_a_time():
+    mgr = KVCacheManager([full()], 32, BS)
+    req = Req("a", range(10))
+    hit, res = run_prompt(mgr, req)
+    assert hit.num_tokens == 0 and res and len(res.new_block_ids[0]) == 3
+    for token in range(10, 20):
+        req.all_token_ids.append(token)
+        res = mgr.allocate_slots(req, 1)
+        assert res and len(mgr.get_block_ids("a")[0]) == -(-(token + 1) // BS)
+    assert mgr.num_computed_tokens("a") == 20
+    res = mgr.allocate_slots(req, 0, num_lookahead_tokens=5)
+    assert len(res.new_block_ids[0]) == 2 and mgr.num_computed_tokens("a") == 20
+
+
+def test_prefix_hit_across_requests_and_never_the_whole_prompt():
+    mgr = KVCacheManager([full()], 32, BS)
+    a = Req("a", range(12))
+    run_prompt(mgr, a)
+    mgr.free(a)
+    b = Req("b", list(range(12)))  # identical prompt: the last block must be recomputed
+    hit, res = run_prompt(mgr, b)
+    assert hit.num_tokens == 8 and res.num_computed_tokens == 8
+    assert mgr.get_block_ids("b")[0][:2] == hit.blocks[0]
+    c = Req("c", list(range(9)) + [500, 501, 502])
+    assert mgr.get_computed_blocks(c).num_tokens == 8
+
+
+def test_lookup_changes_nothing():
+    mgr = KVCacheManager([full(), sliding(1, 9)], 32, BS)
+    a = Req("a", range(30))
+    run_prompt(mgr, a)
+    mgr.free(a)
+    before = pool_snapshot(mgr.pool)
+    hit = mgr.get_computed_blocks(Req("b", range(30)))
+    assert hit.num_tokens == 28
+    assert pool_snapshot(mgr.pool) == before and not mgr.has_request("b")
+
+
+def test_no_capacity_is_typed_falsy_and_changes_nothing():
+    mgr = KVCacheManager([full(), sliding(1, 9)], 12, BS)
+    a = Req("a", range(20))
+    assert run_prompt(mgr, a)[1]  # 5 + 5 blocks of 11
+    before = pool_snapshot(mgr.pool)
+    res = mgr.allocate_slots(Req("b", range(100, 120)), 20)
+    assert isinstance(res, NoCapacity) and not res and res.can_ever_fit
+    assert res.needed_blocks == 10 and res.available_blocks == 1
+    assert pool_snapshot(mgr.pool) == before and not mgr.has_request("b")
+    huge = mgr.allocate_slots(Req("c", range(400)), 400)
+    assert not huge and not huge.can_ever_fit
+
+
+def test_capacity_counts_cached_free_blocks_a_hit_revives():
+    mgr = KVCacheManager([full()], 7, BS)  # 6 usable blocks
+    a = Req("a", range(16))
+    run_prompt(mgr, a, 16)
+    mgr.free(a)  # 4 cached-free blocks, 2 free
+    c = Req("c", range(100, 108))
+    assert run_prompt(mgr, c)[1]  # takes the 2 free blocks
+    b = Req("b", list(range(16)) + list(range(200, 205)))
+    hit = mgr.get_computed_blocks(b)
+    assert hit.num_tokens == 16
+    # 2 new blocks + reviving the 4 hit blocks = 6 > 4 available
+    before = pool_snapshot(mgr.pool)
+    res = mgr.allocate_slots(b, b.num_tokens - 16, prefix_hit=hit)
+    assert not res and res.needed_blocks == 6 and res.available_blocks == 4
+    assert pool_snapshot(mgr.pool) == before
+    mgr.free(c)
+    res = mgr.allocate_slots(b, b.num_tokens - 16, prefix_hit=hit)
+    assert res and mgr.get_block_ids("b")[0][:4] == hit.blocks[0]
+
+
+def test_stale_prefix_hit_is_refused_without_changes():
+    mgr = KVCacheManager([full()], 5, BS)  # 4 usable
+    a = Req("a", range(12))
+    run_prompt(mgr, a)
+    mgr.free(a)
+    b = Req("b", range(13))
+    hit = mgr.get_computed_blocks(b)
+    assert hit.num_tokens == 12
+    run_prompt(mgr, Req("x", range(500, 516)))  # evicts all of a's blocks
+    before = pool_snapshot(mgr.pool)
+    res = mgr.allocate_slots(b, 1, prefix_hit=hit)
+    assert not res and "stale" in res.reason and pool_snapshot(mgr.pool) == before
+
+
+def test_free_releases_tail_first_so_prefixes_survive_longest():
+    mgr = KVCacheManager([full()], 5, BS)
+    a = Req("a", range(16))
+    run_prompt(mgr, a, 16)
+    mgr.free(a)
+    run_prompt(mgr, Req("x", range(900, 903)))  # needs one block: evicts a's tail
+    assert mgr.get_computed_blocks(Req("b", range(17))).num_tokens == 12
+
+
+def test_sliding_window_blocks_leave_the_table_and_return_to_the_pool():
+    mgr = KVCacheManager([full(0), sliding(1, 9)], 40, BS)
+    req = Req("a", range(8))
+    run_prompt(mgr, req)
+    for token in range(8, 40):
+        req.all_token_ids.append(token)
+        assert mgr.allocate_slots(req, 1)
+    full_table, window_table = mgr.get_block_ids("a")
+    assert len(full_table) == len(window_table) == 10
+    # 39 computed: the next token needs positions 31..39 = blocks 7..9; 0..6 are null
+    assert window_table[:7] == [NULL_BLOCK_ID] * 7 and NULL_BLOCK_ID not in window_table[7:]
+    assert NULL_BLOCK_ID not in full_table
+    assert mgr.usage().used == 10 + 3
+
+
+def test_chunked_local_blocks_before_the_current_chunk_are_released():
+    mgr = KVCacheManager([chunked(0, 8)], 40, BS)
+    req = Req("a", range(4))
+    run_prompt(mgr, req)
+    for token in range(4, 21):
+        req.all_token_ids.append(token)
+        assert mgr.allocate_slots(req, 1)
+    # 20 computed; the next token (position 20) is in chunk 16..23: blocks 0..3 released
+    assert mgr.get_block_ids("a")[0][:4] == [NULL_BLOCK_ID] * 4
+    assert mgr.usage().used == 2
+
+
+def test_hybrid_prefix_hit_follows_window_rules_end_to_end():
+    mgr = KVCacheManager([full(0), sliding(1, 9)], 64, BS)
+    a = Req("a", range(40))
+    hit, res = run_prompt(mgr, a)
+    mgr.free(a)
+    b = Req("b", list(range(40)) + [7, 7, 7])
+    hit = mgr.get_computed_blocks(b)
+    assert hit.num_tokens == 40
+    assert hit.blocks[1][:8] == [NULL_BLOCK_ID] * 8
+    res = mgr.allocate_slots(b, b.num_tokens - 40, prefix_hit=hit)
+    assert res and mgr.get_block_ids("b")[0][:10] == hit.blocks[0]
+
+
+def test_mission_problem_3_held_blocks_are_not_free_and_running_out_is_typed():
+    """A hybrid pool; request A fills most of it and finishes while a transfer still holds
+    its blocks; request B of the same size gets NoCapacity, then succeeds after release."""
+    groups = [full(0), sliding(1, 16)]
+    mgr = KVCacheManager(groups, 101, BS, max_num_batched_tokens=32)
+    prompt = 300  # 75 full-attention blocks + a few window blocks, of 100
+    a = Req("a", range(prompt))
+    for start in range(0, prompt, 32):  # chunked prefill
+        assert mgr.allocate_slots(a, min(32, prompt - start))
+    used_by_a = mgr.usage().used
+    assert used_by_a > 75
+    in_flight = [b for table in mgr.get_block_ids("a") for b in table if b]
+    mgr.hold(in_flight)  # an asynchronous store copies A's blocks out
+    mgr.free(a)
+    u = mgr.usage()
+    assert u.held == len(in_flight) and u.used == 0
+    assert u.free + u.cached + u.held == u.total
+
+    b = Req("b", range(10_000, 10_000 + prompt))
+    covered = 0
+    while covered < prompt:
+        res = mgr.allocate_slots(b, min(32, prompt - covered))
+        if not res:
+            break
+        covered += min(32, prompt - covered)
+    assert isinstance(res, NoCapacity) and res.can_ever_fit
+    assert "held by transfers" in res.reason and covered < prompt
+    # no partial allocation: B's tables cover exactly what succeeded, in every group
+    tables = mgr.get_block_ids("b")
+    assert len(tables[0]) == len(tables[1]) == -(-covered // BS)
+    assert mgr.num_computed_tokens("b") == covered
+
+    mgr.release(in_flight)
+    while covered < prompt:
+        assert mgr.allocate_slots(b, min(32, prompt - covered))
+        covered += min(32, prompt - covered)
+    assert len(mgr.get_block_ids("b")[0]) == prompt // BS
+
+
+def test_capacity_guard_gives_no_capacity_not_an_error():
+    mgr = KVCacheManager([full()], 32, BS)
+    mgr.pool.capacity_guard = lambda n: mgr.usage().used + n <= 3
+    assert run_prompt(mgr, Req("a", range(12)))[1]
+    res = run_prompt(mgr, Req("b", range(100, 104)))[1]
+    assert not res and "limit" in res.reason
+
+
+def test_events_carry_the_request_block_hashes():
+    mgr = KVCacheManager([full()], 32, BS)
+    a = Req("a", range(10), cache_salt="t1")
+    run_prompt(mgr, a)
+    events = mgr.take_events()
+    expected = hash_request_tokens(range(10), BS, encode_extra_keys(cache_salt="t1"))
+    assert [e.block_hash for e in events] == expected and {e.kind for e in events} == {"stored"}
+    assert [e.block_id for e in events] == mgr.get_block_ids("a")[0][:2]
+    assert mgr.lookup_hash(0, expected[1]) == events[1].block_id
+
+
+def test_cache_salt_and_adapter_isolate_prefixes():
+    mgr = KVCacheManager([full()], 32, BS)
+    run_prompt(mgr, Req("a", range(20), cache_salt="t1"))
+    assert mgr.get_computed_blocks(Req("b", range(20), cache_salt="t2")).num_tokens == 0
+    assert mgr.get_computed_blocks(Req("c", range(20), lora_name="t1")).num_tokens == 0
+    assert mgr.get_computed_blocks(Req("d", range(20), cache_salt="t1")).num_tokens == 16
+
+
+def test_prefix_caching_off_means_no_hits_and_no_hashes():
+    mgr = KVCacheManager([full()], 32, BS, enable_prefix_caching=False)
+    run_prompt(mgr, Req("a", range(20)))
+    assert mgr.take_events() == [] and mgr.usage().cached == 0
+    mgr.free("a")
+    assert mgr.get_computed_blocks(Req("b", range(20))).num_tokens == 0
+
+
+def test_preempted_request_restarts_from_its_own_cached_blocks():
+    mgr = KVCacheManager([full()], 32, BS)
+    req = Req("a", range(10))
+    req.block_hashes = []
+    run_prompt(mgr, req)
+    for token in range(10, 14):
+        req.all_token_ids.append(token)
+        mgr.allocate_slots(req, 1)
+    assert len(req.block_hashes) == 3  # filled by the manager, kept on the request
+    mgr.free(req)  # preempted
+    hit, res = run_prompt(mgr, req)
+    assert hit.num_tokens == 12 and res and mgr.num_computed_tokens("a") == 14
+
+
+def test_caching_via_cache_blocks_and_duplicates_stay_uncached():
+    mgr = KVCacheManager([full()], 32, BS)
+    a, b = Req("a", range(8)), Req("b", range(8))
+    assert mgr.allocate_slots(a, 8) and mgr.allocate_slots(b, 8)  # no hit used: same data
+    events = mgr.take_events()
+    assert len(events) == 2  # b's identical blocks are not cached a second time
+    mgr.free(b)
+    assert mgr.usage().free == 31 - 2
+    mgr.cache_blocks(a, 8)  # nothing new to cache
+    assert mgr.take_events() == []
+
+
+def test_prefix_hit_only_on_first_allocation():
+    mgr = KVCacheManager([full()], 32, BS)
+    run_prompt(mgr, Req("a", range(12)))
+    b = Req("b", range(12))
+    mgr.allocate_slots(b, 4)
+    with pytest.raises(ValueError):
+        mgr.allocate_slots(b, 4, prefix_hit=PrefixHit(8, ([1, 2],), [], mgr.pool.epoch))
+
+
+def test_from_plan_can_fit_and_config_errors():
+    groups = [full(0), sliding(1, 8)]
+    plan = SimpleNamespace(engine=SimpleNamespace(num_blocks=50, block_size=BS))
+    mgr = KVCacheManager.from_plan(groups, plan, max_num_batched_tokens=8)
+    assert mgr.num_blocks == 50 and mgr.block_size == BS and mgr.usage().total == 49
+    assert mgr.can_fit(150) and not mgr.can_fit(250)  # full needs 38 / 63, window 5
+    with pytest.raises(ConfigError):
+        KVCacheManager([], 10)
+    with pytest.raises(ConfigError):
+        KVCacheManager([full(1)], 10)
+    with pytest.raises(ConfigError):
+        KVCacheManager([full()], 1)
+
+
+def test_usage_fraction_and_reset_through_manager():
+    mgr = KVCacheManager([full()], 11, BS)
+    a = Req("a", range(20))
+    run_prompt(mgr, a)
+    u = mgr.usage()
+    assert (u.used, u.total) == (5, 10) and u.fraction_used == 0.5
+    assert not mgr.reset_prefix_cache()
+    mgr.free(a)
+    assert mgr.usage().fraction_used == 0.0 and mgr.reset_prefix_cache()
+    assert mgr.get_computed_blocks(Req("b", range(20))).num_tokens == 0
+
+
+def test_cache_imports_no_torch():
+    code = "import sys, kvmem.cache; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    assert out == "False"
