@@ -298,6 +298,8 @@ class CUDAMeter(DeviceMeter):
         free_before = torch.cuda.mem_get_info(self.device)[0]
         fn()
         torch.cuda.synchronize(self.device)
+        # warm-up runs left cached blocks in the ordinary pool; graph pools stay mapped
+        torch.cuda.empty_cache()
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
 
 
