@@ -266,9 +266,60 @@ def test_cuda_graphs_need_triton_and_no_enforce_eager(tmp_path):
     assert cuda_graphs_enabled(EngineConfig(), triton_model)
     assert not cuda_graphs_enabled(EngineConfig(enforce_eager=True), triton_model)
     assert not cuda_graphs_enabled(EngineConfig(), reference_model)
+    assert not cuda_graphs_enabled(EngineConfig(block_size=8), triton_model)
     parser, _ = build_parser(["profile"])
     args = parser.parse_args(["profile", "--enforce-eager"])
     assert EngineConfig.from_args(args).enforce_eager
+
+
+class EagerReplay:
+    """Stands in for a captured torch.cuda.CUDAGraph on CPU: replay runs the same forward
+    over the runner's static buffers and writes the static output."""
+
+    replays = 0
+
+    def __init__(self, runner, batch: int) -> None:
+        self.runner, self.batch = runner, batch
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        EagerReplay.replays += 1
+        self.runner.outputs[self.batch].copy_(self.runner._forward(self.batch))
+
+
+def test_graph_runner_pads_decode_batches_into_static_buffers(tmp_path):
+    """Decode steps through the runner's static buffers (3 sequences padded to 4, block
+    tables and slot mappings copied in) give the same tokens as eager steps."""
+    from kvmem.engine.cuda_graphs import CUDAGraphRunner
+    from kvmem.engine.llm_engine import LLMEngine
+    from kvmem.engine.sampling_params import SamplingParams
+
+    model = str(make_tiny_checkpoint(tmp_path))
+    prompts = [[5, 6, 7], list(range(40, 75)), [9] * 20]
+    tokens = {}
+    for graphs in (False, True):
+        engine = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=128,
+                                        kv_cache_memory_bytes=4 * MiB))
+        runner = engine.model_runner
+        if graphs:
+            static = CUDAGraphRunner(runner.model, runner.kv_caches, num_kv_groups=1,
+                                     block_size=16, max_model_len=128, batch_sizes=[1, 2, 4],
+                                     device=torch.device("cpu"))
+            with torch.inference_mode():
+                static.outputs = {b: static._forward(b) for b in static.batch_sizes}
+            static.graphs = {b: EagerReplay(static, b) for b in static.batch_sizes}
+            runner.cuda_graphs = static
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=10, temperature=0.0,
+                                                          ignore_eos=True))
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+        tokens[graphs] = [outs[f"r{i}"] for i in range(len(prompts))]
+    assert EagerReplay.replays >= 9  # every decode step after the prefill went through it
+    assert tokens[True] == tokens[False]
 
 
 # ------------------------------------------------------------------ on a CUDA device

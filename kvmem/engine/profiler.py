@@ -477,12 +477,17 @@ def _measure(loaded: LoadedModel, config, meter: DeviceMeter) -> MemoryProfile:
 
 
 def cuda_graphs_enabled(config, model) -> bool:
-    """Decode CUDA graphs run with the Triton backend unless the engine is eager."""
+    """Decode CUDA graphs run with the Triton backend (at the block sizes its kernels take;
+    its fallback path reads the device from the host) unless the engine is eager."""
     if getattr(config, "enforce_eager", False):
         return False
     backends = {getattr(m, "backend", None) for m in model.modules()}
     names = {getattr(b, "name", None) for b in backends if b is not None}
-    return names == {"triton"}
+    if names != {"triton"}:
+        return False
+    from kvmem.engine.attention.triton_backend import _supported_block_size
+
+    return _supported_block_size(config.block_size)
 
 
 def scratch_kv_caches(spec, block_size: int, dtype, device) -> list:
