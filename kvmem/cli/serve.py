@@ -48,9 +48,17 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise KvmemError(f"--port must be in 0..65535, got {args.port}")
-    sock = _listen(args.host, args.port)  # fail before loading the model if the port is taken
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(EngineConfig.from_args(args))
+    engine_config = EngineConfig.from_args(args)
+    parallel = None
+    if engine_config.world_size > 1:  # torchrun's rank variables, read once, here
+        from kvmem.engine.distributed import from_torchrun_env, run_launched_worker
+
+        parallel = from_torchrun_env(engine_config)
+        if parallel is not None and parallel.rank != 0:
+            return run_launched_worker(engine_config, parallel)  # rank 0 serves HTTP
+    sock = _listen(args.host, args.port)  # fail before loading the model if the port is taken
+    engine = LLMEngine(engine_config, parallel=parallel)
     app = create_app(AsyncLLMEngine(engine), api_key=args.api_key)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
@@ -61,5 +69,11 @@ def run(args: argparse.Namespace) -> int:
     # requested shutdown exits 0 instead of dying by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    if engine.parallel is not None:  # a failed rank stops the server, which then exits 2
+        engine.parallel.on_failure(lambda _: setattr(server, "should_exit", True))
+    server.run(sockets=[sock])
+    engine.shutdown()
+    if engine.parallel is not None and engine.parallel.error is not None:
+        raise engine.parallel.error
     return 0

@@ -8,7 +8,7 @@ others on the minimum block count and allocates exactly its RankPlan's KV cache.
 
 Public API: ``ParallelConfig``, ``from_torchrun_env``, ``init_distributed``,
 ``start_parallel`` / ``ParallelDriver`` / ``ParallelModelRunner`` (the driver side),
-``run_worker`` (a torchrun rank > 0) and the errors ``ParallelError``,
+``run_launched_worker`` (a torchrun rank > 0) and the errors ``ParallelError``,
 ``WorkerDiedError``, ``StartupError``. Submodules import torch; this package's
 ``__init__`` only re-exports lazily.
 """
@@ -23,7 +23,8 @@ _EXPORTS = {
     "ParallelError": "errors", "WorkerDiedError": "errors", "StartupError": "errors",
     "init_distributed": "state", "destroy_distributed": "state",
     "start_parallel": "driver", "ParallelDriver": "driver", "ParallelModelRunner": "driver",
-    "run_worker": "worker", "RankContext": "rank_setup", "RankAllocation": "rank_setup",
+    "run_worker": "worker", "run_launched_worker": "worker",
+    "RankContext": "rank_setup", "RankAllocation": "rank_setup",
     "attach_offload": "offload",
 }
 

@@ -97,3 +97,19 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="kvmem-parent-watch", daemon=True).start()
+
+
+def run_launched_worker(config, parallel) -> int:
+    """A rank > 0 that a launcher (torchrun) started: serve the driver's steps, no HTTP."""
+    from kvmem.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
+    from kvmem.engine.loader import resolve_model
+    from kvmem.spec import spec_from_config
+
+    device = resolve_device(config.device)
+    files = resolve_model(config.model)
+    max_model_len = LLMEngine.max_model_len_for(spec_from_config(files.config, files.name),
+                                                config)
+    ctx = RankContext(config=config, parallel=parallel, max_model_len=max_model_len,
+                      dtype=str(resolve_dtype(config.dtype, device)).removeprefix("torch."),
+                      device_type=device.type)
+    return run_worker(ctx)

@@ -1,0 +1,254 @@
+"""Tensor and pipeline parallelism on CPU (gloo) with tiny random-weight models.
+
+Every parallel engine spawns worker processes, so the engines here are few and small:
+greedy (and seeded) tokens against the single-process engine for tp 2, pp 2, tp 2 x pp 2
+and an uneven partition; MISSION.md problems 1 and 2 in the real engine; a per-rank fit
+error; and a served engine whose killed worker is named and stops the server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from tiny_models import make_tiny_checkpoint
+
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.distributed import ParallelConfig, from_torchrun_env
+from kvmem.engine.llm import LLM
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.errors import ConfigError
+from kvmem.plan import EngineSettings, FitError, Layout, plan
+from kvmem.spec import spec_from_config
+
+# 4 layers, 4 query heads, 2 KV heads of dim 16: 256 KV bytes per token per layer in fp32
+TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+BLOCK_BYTES_PER_LAYER = 16 * 2 * 2 * 16 * 4  # block of 16 tokens, K and V, 2 heads, fp32
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 90)), [200, 3, 77, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("parallel"), "llama", **TINY)
+
+
+def generate(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(str(model_dir), kv_cache_memory_bytes="4MiB", max_model_len=128,
+              max_num_batched_tokens=32)
+    return generate(llm, [GREEDY, SEEDED, GREEDY])
+
+
+@pytest.mark.parametrize("tp,pp,partition", [(2, 1, None), (1, 2, None), (2, 2, None),
+                                             (1, 2, [3, 1])])
+def test_tokens_match_single_process(model_dir, reference, tp, pp, partition):
+    """Greedy and seeded-sampling tokens equal the single-process engine's, with chunked
+    prefill (32-token steps); each rank holds its stage's layers and its share of heads."""
+    llm = LLM(str(model_dir), kv_cache_memory_bytes="4MiB", max_model_len=128,
+              max_num_batched_tokens=32, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              layer_partition=partition)
+    try:
+        assert generate(llm, [GREEDY, SEEDED, GREEDY]) == reference
+        allocations = llm.engine.parallel.state.allocations
+        stages = partition or [4 // pp] * pp
+        assert [len(a.layers) for a in allocations] == [n for n in stages for _ in range(tp)]
+        assert {a.kv_heads_on_rank for a in allocations} == {2 // tp}
+        assert {a.num_blocks for a in allocations} == {llm.engine.num_blocks}
+    finally:
+        llm.engine.shutdown()
+    assert not llm.engine.parallel.processes[1].is_alive()
+
+
+def test_mission2_proportional_budgets_follow_stage_kv_bytes(model_dir):
+    """56+8-style uneven stages (3+1 layers): with `proportional`, the stages' KV budgets
+    split the same total 3:1, every rank allocates exactly its plan, and the engine holds
+    what the planner predicts, which is more than `uniform` gets from the same memory."""
+    budget = 64 * 4 * BLOCK_BYTES_PER_LAYER  # per rank: 64 blocks of a 4-layer stage
+    options = dict(kv_cache_memory_bytes=budget, max_model_len=128, pipeline_parallel_size=2,
+                   layer_partition=[3, 1], kv_budget="proportional")
+    llm = LLM(str(model_dir), **options)
+    try:
+        engine = llm.engine
+        spec = spec_from_config(_config(model_dir))
+        expected = plan(spec, Layout(pipeline_parallel_size=2, layer_partition=[3, 1]),
+                        EngineSettings(kv_cache_memory_bytes=budget, max_model_len=128,
+                                       max_num_batched_tokens=8192, kv_cache_dtype="float32"),
+                        policy="proportional")
+        a0, a1 = engine.parallel.state.allocations
+        assert a0.kv_budget_bytes + a1.kv_budget_bytes == 2 * budget
+        assert a0.kv_budget_bytes == 3 * a1.kv_budget_bytes
+        assert a0.kv_bytes_per_token == 3 * a1.kv_bytes_per_token
+        assert a0.rank_plan_blocks == a1.rank_plan_blocks == expected.engine.num_blocks
+        assert engine.num_blocks == expected.engine.num_blocks == 128
+        assert engine.kv_cache_manager.usage().total == expected.engine.num_blocks - 1  # null
+        assert a0.allocated_bytes == 128 * 3 * BLOCK_BYTES_PER_LAYER
+        assert a1.allocated_bytes == 128 * 1 * BLOCK_BYTES_PER_LAYER
+        uniform = plan(spec, Layout(pipeline_parallel_size=2, layer_partition=[3, 1]),
+                       EngineSettings(kv_cache_memory_bytes=budget, max_model_len=128,
+                                      kv_cache_dtype="float32"), policy="uniform")
+        assert uniform.engine.num_blocks == 85 < engine.num_blocks
+    finally:
+        llm.engine.shutdown()
+
+
+def _config(model_dir) -> dict:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def test_mission1_whole_model_need_exceeds_a_rank_but_each_rank_fits(model_dir, reference):
+    """max_model_len 256 needs 16 blocks x 4 layers x 2 heads = 256 KiB for the whole model;
+    each rank has 80 KiB. One process refuses to start; tp 2 x pp 2 (a quarter each) starts,
+    serves with CPU offload on, and a prompt evicted from the GPU pool comes back from CPU."""
+    from kvmem.engine.distributed import attach_offload
+    from kvmem.tiers import OffloadConfig
+
+    per_rank = 20 * 2 * BLOCK_BYTES_PER_LAYER // 2  # 20 blocks of 2 layers x 1 head
+    with pytest.raises(FitError, match="max_model_len 256"):
+        LLM(str(model_dir), kv_cache_memory_bytes=per_rank, max_model_len=256)
+    options = dict(kv_cache_memory_bytes=per_rank, max_model_len=256, max_num_batched_tokens=64)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, pipeline_parallel_size=2, **options)
+    connector = attach_offload(llm.engine, OffloadConfig(cpu_bytes=16 << 20))
+    first, second = list(range(10, 130)), list(range(300, 100, -1))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    try:
+        assert llm.engine.num_blocks == 20
+        outs = [llm.generate([p], params)[0] for p in (first, second, first)]
+        again = outs[2]
+        assert again.num_cached_tokens >= 7 * 16  # reloaded: the second prompt evicted it
+        assert connector.offload.stats()["cpu"].hits >= 7
+    finally:
+        connector.shutdown()
+        llm.engine.shutdown()
+    big = LLM(str(model_dir), kv_cache_memory_bytes="4MiB", max_model_len=256)
+    want = [big.generate([p], params)[0].outputs[0].token_ids for p in (first, second, first)]
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_each_rank_checks_its_own_fit(model_dir):
+    """Uniform budgets with stages of 3 and 1 layers: stage 0's rank cannot hold
+    max_model_len, and the error names that rank and the longest length that fits."""
+    with pytest.raises(FitError, match=r"rank 0 \(pp stage 0, tp rank 0\) needs .* the longest "
+                                       r"max_model_len that fits is 160"):
+        LLM(str(model_dir), kv_cache_memory_bytes=10 * 3 * BLOCK_BYTES_PER_LAYER,
+            max_model_len=256, pipeline_parallel_size=2, layer_partition=[3, 1])
+
+
+def test_config_errors_and_torchrun_environment():
+    with pytest.raises(ConfigError, match="has 3 stages but pipeline_parallel_size is 2"):
+        EngineConfig(pipeline_parallel_size=2, layer_partition=[1, 2, 1])
+    with pytest.raises(ConfigError, match="unknown kv_budget"):
+        EngineConfig(kv_budget="greedy")
+    config = EngineConfig(tensor_parallel_size=8, pipeline_parallel_size=2)
+    env = {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500"}
+    parallel = from_torchrun_env(config, env)
+    assert (parallel.rank, parallel.world_size, parallel.local_rank) == (9, 16, 1)
+    assert (parallel.pp_stage, parallel.tp_rank, parallel.launcher) == (1, 1, "torchrun")
+    assert from_torchrun_env(config, {}) is None
+    with pytest.raises(ConfigError, match="world size 8 is not"):
+        from_torchrun_env(config, {**env, "WORLD_SIZE": "8"})
+    with pytest.raises(ConfigError, match="rank 2 is outside"):
+        ParallelConfig(tensor_parallel_size=2, world_size=2, rank=2)
+
+
+# -- a served engine ----------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``kvmem serve`` with tp 2 in a subprocess; collects its log lines."""
+
+    def __init__(self, model_dir) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", str(self.port),
+               "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB", "-tp", "2",
+               "--log-level", "info"]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError("server did not start:\n" + "".join(self.lines))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def worker_pid(self) -> int:
+        line = next(x for x in self.lines if "rank 1 (pp stage 0, tp rank 1): worker pid" in x)
+        return int(line.split()[-1])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_killed_worker_is_named_and_stops_the_server(model_dir):
+    server = Server(model_dir)
+    try:
+        pid = server.worker_pid()
+        body = {"model": str(model_dir), "prompt": "hello there", "max_tokens": 200,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        killed_at = None
+        with httpx.stream("POST", f"{server.base}/v1/completions", json=body,
+                          timeout=30) as response:
+            chunks = []
+            for line in response.iter_lines():
+                chunks.append(line)
+                if killed_at is None and line.startswith("data: {"):
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert killed_at is not None
+        assert not any('"finish_reason": "length"' in c or '"finish_reason":"length"' in c
+                       for c in chunks)  # the request did not complete as if nothing happened
+        code = server.proc.wait(timeout=30)
+        assert time.monotonic() - killed_at < 30
+        assert code != 0
+        log = "".join(server.lines)
+        assert "rank 1 (pp stage 0, tp rank 1)" in log and "died" in log
+        assert "kvmem: error:" in log
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_sigterm_stops_every_worker(model_dir):
+    server = Server(model_dir)
+    pid = server.worker_pid()
+    assert not _gone(pid)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid)
