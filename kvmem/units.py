@@ -27,7 +27,8 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
         match = _SIZE.match(str(text))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ConfigError(f"{what}: cannot read {text!r} as a size (examples: 5GiB, 512MiB, 1e9)")
+            raise ConfigError(f"{what}: cannot read {text!r} as a size "
+                              "(examples: 5GiB, 512MiB, 1e9)")
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise ConfigError(f"{what} must be positive, got {text!r}")
