@@ -107,26 +107,25 @@ class BlockPool:
             return []
         block_ids = self.free_queue.pop_n(n)
         ref_cnt, block_hash, block_group = self.ref_cnt, self.block_hash, self.block_group
+        evicted = False
         for block_id in block_ids:
-            if block_hash[block_id] is not None:
-                self._evict(block_id)
+            old_hash = block_hash[block_id]
+            if old_hash is not None:  # a cached-free block: evict its data (inlined: hot)
+                if self.evict_listener is not None:
+                    self.evict_listener(block_id, old_hash)
+                old_group = block_group[block_id]
+                del self.cached[old_group][old_hash]
+                block_hash[block_id] = None
+                if self.events is not None:
+                    self.events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
+                evicted = True
             ref_cnt[block_id] = 1
             block_group[block_id] = group_id
+        if evicted:
+            self.epoch += 1
         for listener in self.listeners:
             listener.on_blocks_allocated(block_ids)
         return block_ids
-
-    def _evict(self, block_id: int) -> None:
-        block_hash = self.block_hash[block_id]
-        assert block_hash is not None
-        if self.evict_listener is not None:
-            self.evict_listener(block_id, block_hash)
-        group_id = self.block_group[block_id]
-        del self.cached[group_id][block_hash]
-        self.block_hash[block_id] = None
-        self.epoch += 1
-        if self.events is not None:
-            self.events.append(KVCacheEvent("evicted", block_hash, block_id, group_id))
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each (cached) block of a prefix hit; null blocks are skipped."""
@@ -187,6 +186,25 @@ class BlockPool:
             self.events.append(KVCacheEvent("stored", block_hash, block_id, group_id,
                                             parent_hash))
         return True
+
+    def cache_table_blocks(self, group_id: int, table: list[int], hashes: list[BlockHash],
+                           start: int, end: int) -> None:
+        """``cache_block`` for ``table[start:end]`` whose hashes are ``hashes[start:end]``;
+        null blocks and blocks that already have a hash (prefix hits) are skipped."""
+        group_map = self.cached[group_id]
+        block_hash, events = self.block_hash, self.events
+        for i in range(start, end):
+            block_id = table[i]
+            if block_id == NULL_BLOCK_ID or block_hash[block_id] is not None:
+                continue
+            h = hashes[i]
+            if h in group_map:
+                continue  # same content already cached in another block
+            group_map[h] = block_id
+            block_hash[block_id] = h
+            if events is not None:
+                events.append(KVCacheEvent("stored", h, block_id, group_id,
+                                           hashes[i - 1] if i else None))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. Refused (False) while any block is used or held."""

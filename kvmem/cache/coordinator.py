@@ -66,59 +66,35 @@ class KVCacheCoordinator:
         Returns the new block ids per group, or ``NoCapacity``.
         """
         pool = self.pool
-        ref_cnt, hold_cnt = pool.ref_cnt, pool.hold_cnt
         num_required = -(-num_tokens // self.block_size)
+        hit_lengths = [len(blocks) for blocks in hit] if hit else [0] * self.num_groups
+        new_counts = [max(0, num_required - len(table) - extra)
+                      for table, extra in zip(tables, hit_lengths, strict=True)]
+        taken = sum(new_counts)
 
-        # 1. count: new blocks, blocks released from windows, cached-free blocks revived
-        releases: list[tuple[SingleTypeManager, int]] = []
+        # 1. count what comes back (blocks leaving a window) and what a hit revives
+        releases = self._releases(tables, skipped, num_computed) if self._releasing else []
         reclaimed = 0
-        for manager in self._releasing:
-            g = manager.group_index
-            end = min(manager.first_needed_block(num_computed), len(tables[g]))
-            if end > skipped[g]:
-                releases.append((manager, end))
-                table = tables[g]
-                for i in range(skipped[g], end):
-                    block_id = table[i]
+        revived = 0
+        if releases or hit:
+            ref_cnt, hold_cnt = pool.ref_cnt, pool.hold_cnt
+            for g, end in releases:
+                for block_id in tables[g][skipped[g]:end]:
                     if block_id and ref_cnt[block_id] == 1 and not hold_cnt[block_id]:
                         reclaimed += 1
-        new_counts = []
-        num_new = 0
-        kept = 0  # non-null blocks the request would hold afterwards
-        for manager in self.managers:
-            g = manager.group_index
-            have = len(tables[g]) + (len(hit[g]) if hit else 0)
-            n = num_required - have if num_required > have else 0
-            new_counts.append(n)
-            num_new += n
-            kept += max(have, num_required) - (
-                min(manager.first_needed_block(num_computed), num_required)
-                if manager.releases_blocks else 0)
-        revived = 0
-        if hit:
-            for blocks in hit:
+            for blocks in hit or ():
                 for block_id in blocks:
                     if block_id and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
-                        revived += 1
-
-        taken = num_new + revived
-        available = pool.num_free_blocks + reclaimed
-        if taken > available:
-            held = len(pool.held_idle)
-            note = f" ({held} held by transfers)" if held else ""
-            return NoCapacity(
-                f"needs {taken} free blocks, {available} available{note}",
-                needed_blocks=taken, available_blocks=available,
-                can_ever_fit=kept <= pool.num_usable)
-        net = taken - reclaimed
-        if net > 0 and pool.capacity_guard is not None and not pool.capacity_guard(net):
-            return NoCapacity(f"memory limit: {net} more blocks are not allowed",
-                              needed_blocks=taken, available_blocks=available,
-                              can_ever_fit=kept <= pool.num_usable)
+                        revived += 1  # a cached-free block leaves the free queue
+            taken += revived
+        if taken > pool.num_free_blocks + reclaimed or (
+                taken > reclaimed and pool.capacity_guard is not None
+                and not pool.capacity_guard(taken - reclaimed)):
+            return self._no_capacity(taken, reclaimed, num_computed, num_required, hit_lengths,
+                                     tables)
 
         # 2. commit: release, adopt the hit, take new blocks
-        for manager, end in releases:
-            g = manager.group_index
+        for g, end in releases:
             table = tables[g]
             released = table[skipped[g]:end]
             table[skipped[g]:end] = [NULL_BLOCK_ID] * (end - skipped[g])
@@ -137,3 +113,35 @@ class KVCacheCoordinator:
             tables[g].extend(ids)
             new_ids.append(ids)
         return tuple(new_ids)
+
+    def _releases(self, tables: list[list[int]], skipped: list[int],
+                  num_computed: int) -> list[tuple[int, int]]:
+        """(group, end) for each group whose table entries ``skipped[g]:end`` left the
+        attention span of the next token."""
+        out = []
+        for manager in self._releasing:
+            g = manager.group_index
+            end = min(manager.first_needed_block(num_computed), len(tables[g]))
+            if end > skipped[g]:
+                out.append((g, end))
+        return out
+
+    def _no_capacity(self, taken: int, reclaimed: int, num_computed: int, num_required: int,
+                     hit_lengths: list[int], tables: list[list[int]]) -> NoCapacity:
+        pool = self.pool
+        available = pool.num_free_blocks + reclaimed
+        # blocks the request would hold afterwards: could it fit in an otherwise empty pool?
+        kept = 0
+        for manager, table, extra in zip(self.managers, tables, hit_lengths, strict=True):
+            kept += max(len(table) + extra, num_required)
+            if manager.releases_blocks:
+                kept -= min(manager.first_needed_block(num_computed), num_required)
+        can_ever_fit = kept <= pool.num_usable
+        if taken > available:
+            held = len(pool.held_idle)
+            note = f" ({held} held by transfers)" if held else ""
+            reason = f"needs {taken} free blocks, {available} available{note}"
+        else:
+            reason = f"memory limit: {taken - reclaimed} more blocks are not allowed"
+        return NoCapacity(reason, needed_blocks=taken, available_blocks=available,
+                          can_ever_fit=can_ever_fit)

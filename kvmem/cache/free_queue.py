@@ -70,7 +70,8 @@ class FreeBlockQueue:
         taken.reverse()  # the most recently freed block first
         if k < n:
             popitem = self._cached.popitem
-            taken.extend(popitem(last=False)[0] for _ in range(n - k))
+            for _ in range(n - k):
+                taken.append(popitem(last=False)[0])
         return taken
 
     def is_cached(self, block_id: int) -> bool:

@@ -198,18 +198,14 @@ class KVCacheManager:
         if len(hashes) < num_full:
             extend_block_hashes(hashes, request.all_token_ids, num_full, self.block_size,
                                 state.extra_keys)
-        pool = self.pool
-        block_hash = pool.block_hash
+        cache_table_blocks = self.pool.cache_table_blocks
+        num_cached = state.num_cached
         for g, table in enumerate(state.tables):
-            start = state.num_cached[g]
-            end = min(num_full, len(table))
-            if end <= start:
-                continue
-            for i in range(start, end):
-                block_id = table[i]
-                if block_id != NULL_BLOCK_ID and block_hash[block_id] is None:
-                    pool.cache_block(g, block_id, hashes[i], hashes[i - 1] if i else None)
-            state.num_cached[g] = end
+            start = num_cached[g]
+            end = num_full if num_full < len(table) else len(table)
+            if end > start:
+                cache_table_blocks(g, table, hashes, start, end)
+                num_cached[g] = end
 
     def free(self, request: CacheRequest | str) -> None:
         """Release a finished or preempted request's blocks, tail first (evicted first)."""

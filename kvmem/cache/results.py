@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvmem.cache.hashing import BlockHash
 
@@ -29,15 +29,12 @@ class PrefixHit:
         return len(self.blocks[0]) if self.blocks else 0
 
 
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """A successful ``allocate_slots``: the block ids added to each group's table."""
+class Allocation(NamedTuple):
+    """A successful ``allocate_slots`` (always truthy): the block ids added to each group's
+    table, and the tokens computed before this step (including a prefix hit)."""
 
     new_block_ids: tuple[list[int], ...]
-    num_computed_tokens: int  # tokens computed before this step (includes a prefix hit)
-
-    def __bool__(self) -> bool:
-        return True
+    num_computed_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,346 @@
+"""Block-manager throughput on a replayed serving trace (run by hand, not a test).
+
+The trace (seeded, deterministic): N requests, prompts of 32-2,048 tokens, outputs of
+16-512 tokens; 30% of requests start with one of 64 shared prefixes of 256-1,536 tokens
+(a prompt shorter than its prefix is the prefix cut to the prompt length). Block size 16,
+16,384 blocks, at most 128 requests in flight. Per request: hash the prompt's blocks,
+look up the prefix, allocate the prompt's blocks, grow the output 16 tokens per step
+(allocating decode blocks as it grows, caching full blocks), then free. When a decode
+step finds no capacity, the newest running request is preempted and later restarts.
+
+Figures (one line each):
+- ``kvmem xxh3``: kvmem's KVCacheManager, end to end: request construction, xxh3 hashing
+  and all manager operations;
+- ``kvmem manager only``: the same replay, block hashes computed beforehand, time spent
+  inside manager calls only;
+- ``kvmem sha256+pickle``: end to end, hashing with hashlib.sha256 over pickled
+  (parent, tokens) tuples like vLLM does (the in-script baseline);
+- ``vllm`` (with ``--vllm-python``): vLLM's KVCacheManager on the same trace, run by the
+  given interpreter: end to end (vLLM Request construction with its sha256 block hasher)
+  and manager calls only.
+
+Usage:
+    .venv/bin/python benchmarks/block_manager.py [--requests N] [--vllm-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pickle
+import subprocess
+import sys
+import time
+from collections import deque
+
+import numpy as np
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 16_384
+MAX_IN_FLIGHT = 128
+NUM_PREFIXES = 64
+SHARED_FRACTION = 0.3
+VOCAB = 32_000
+STEP_TOKENS = 16  # output tokens appended per decode step
+
+
+class Trace:
+    """Deterministic request shapes; token ids are drawn when a request is built."""
+
+    def __init__(self, num_requests: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.num_requests = num_requests
+        self.prompt_len = rng.integers(32, 2049, num_requests)
+        self.output_len = rng.integers(16, 513, num_requests)
+        shared = rng.random(num_requests) < SHARED_FRACTION
+        self.prefix_id = np.where(shared, rng.integers(0, NUM_PREFIXES, num_requests), -1)
+        self.prefixes = [rng.integers(0, VOCAB, int(n)).tolist()
+                         for n in rng.integers(256, 1537, NUM_PREFIXES)]
+        self.seed = seed
+
+    def tokens(self, i: int) -> tuple[list[int], list[int]]:
+        """Prompt and output token ids of request ``i``."""
+        rng = np.random.default_rng((self.seed, i))
+        n, p = int(self.prompt_len[i]), int(self.prefix_id[i])
+        if p < 0:
+            prompt = rng.integers(0, VOCAB, n).tolist()
+        else:
+            prefix = self.prefixes[p]
+            prompt = prefix[:n] + rng.integers(0, VOCAB, max(0, n - len(prefix))).tolist()
+        return prompt, rng.integers(0, VOCAB, int(self.output_len[i])).tolist()
+
+
+# -- backends: the same five operations over each manager --------------------------------------
+
+class KvmemBackend:
+    def __init__(self, hashing: str) -> None:
+        from kvmem.cache import KVCacheManager
+        from kvmem.spec import AttentionKind, KVGroup
+
+        self.mgr = KVCacheManager([KVGroup(0, AttentionKind.FULL, None, (0,))], NUM_BLOCKS,
+                                  BLOCK_SIZE, enable_events=False)
+        self.hashing = hashing  # "xxh3" (inside the manager), "precomputed", "sha256"
+
+    def build(self, i: int, prompt: list[int], output: list[int]):
+        req = _KvmemRequest(f"r{i}", prompt)
+        if self.hashing == "precomputed":
+            from kvmem.cache import hash_request_tokens
+            req.block_hashes = hash_request_tokens(prompt + output, BLOCK_SIZE)
+        elif self.hashing == "sha256":
+            req.block_hashes = sha256_pickle_hashes(prompt + output)
+        return req
+
+    def start(self, req) -> int | None:
+        """Look up and allocate the whole prompt; the hit in tokens, or None (no capacity)."""
+        hit = self.mgr.get_computed_blocks(req)
+        res = self.mgr.allocate_slots(req, req.num_tokens - hit.num_tokens, prefix_hit=hit)
+        return hit.num_tokens if res else None
+
+    def append(self, req, tokens: list[int]) -> bool:
+        req.all_token_ids.extend(tokens)
+        req.num_tokens += len(tokens)
+        if self.mgr.allocate_slots(req, len(tokens)):
+            return True
+        del req.all_token_ids[-len(tokens):]
+        req.num_tokens -= len(tokens)
+        return False
+
+    def free(self, req) -> None:
+        self.mgr.free(req)
+
+
+class _KvmemRequest:
+    __slots__ = ("request_id", "all_token_ids", "num_tokens", "block_hashes")
+
+    def __init__(self, request_id: str, prompt: list[int]) -> None:
+        self.request_id = request_id
+        self.all_token_ids = prompt
+        self.num_tokens = len(prompt)
+        self.block_hashes = None
+
+
+def sha256_pickle_hashes(tokens: list[int]) -> list[bytes]:
+    """Chained sha256 over pickled (parent, block tokens, extra keys) tuples."""
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        block = tuple(tokens[start:start + BLOCK_SIZE])
+        parent = hashlib.sha256(pickle.dumps((parent, block, None),
+                                             protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        hashes.append(parent)
+    return hashes
+
+
+class VllmBackend:
+    """vLLM's KVCacheManager with one full-attention group (vLLM installed separately)."""
+
+    def __init__(self) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
+                                 dtype=torch.float16)
+        config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+        self.mgr = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK_SIZE,
+                                  hash_block_size=BLOCK_SIZE, enable_caching=True)
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.params = SamplingParams(max_tokens=512)
+        self.Request = Request
+
+    def build(self, i: int, prompt: list[int], output: list[int]):
+        return self.Request(f"r{i}", prompt, self.params, None, block_hasher=self.hasher)
+
+    def start(self, req) -> int | None:
+        blocks, hit, _ = self.mgr.get_computed_blocks(req)
+        res = self.mgr.allocate_slots(req, req.num_tokens - hit, hit, blocks)
+        if res is None:
+            return None
+        req.num_computed_tokens = req.num_tokens
+        return hit
+
+    def append(self, req, tokens: list[int]) -> bool:
+        req.append_output_token_ids(tokens)  # hashes new full blocks (outside the manager)
+        if self.mgr.allocate_slots(req, len(tokens)) is None:
+            del req._output_token_ids[-len(tokens):]
+            del req._all_token_ids[-len(tokens):]
+            return False
+        req.num_computed_tokens = req.num_tokens
+        return True
+
+    def free(self, req) -> None:
+        self.mgr.free(req)
+        req.num_computed_tokens = 0
+
+
+class Timed:
+    """Wraps a backend; sums the time spent inside manager calls."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.seconds = 0.0
+
+    def build(self, i, prompt, output):
+        return self.backend.build(i, prompt, output)
+
+    def start(self, req):
+        t = time.perf_counter()
+        try:
+            return self.backend.start(req)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def append(self, req, tokens):
+        t = time.perf_counter()
+        try:
+            return self.backend.append(req, tokens)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def free(self, req):
+        t = time.perf_counter()
+        try:
+            self.backend.free(req)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+# -- the replay ----------------------------------------------------------------------------
+
+def replay(backend, trace: Trace) -> dict:
+    """Serve the trace with at most MAX_IN_FLIGHT requests running."""
+    n = trace.num_requests
+    # [request, output tokens, output tokens appended, prompt length, not admitted yet]
+    running: list[list] = []
+    waiting: deque = deque()
+    next_i = finished = 0
+    prompt_tokens = hit_tokens = preemptions = blocks = 0
+    build_seconds = 0.0
+    t0 = time.perf_counter()
+    while finished < n:
+        while len(running) < MAX_IN_FLIGHT and (waiting or next_i < n):
+            if waiting:
+                item = waiting.popleft()
+            else:
+                t = time.perf_counter()
+                prompt, output = trace.tokens(next_i)
+                item = [backend.build(next_i, prompt, output), output, 0, len(prompt), True]
+                build_seconds += time.perf_counter() - t
+                next_i += 1
+            req = item[0]
+            hit = backend.start(req)
+            if hit is None:
+                waiting.appendleft(item)
+                break
+            if item[4]:  # first admission: count the prompt and its hit
+                prompt_tokens += item[3]
+                hit_tokens += hit
+                item[4] = False
+            blocks += -(-req.num_tokens // BLOCK_SIZE) - hit // BLOCK_SIZE
+            running.append(item)
+        i = 0
+        while i < len(running):  # one decode step for every running request
+            item = running[i]
+            req, output, done = item[0], item[1], item[2]
+            before = -(-req.num_tokens // BLOCK_SIZE)
+            step = output[done:done + STEP_TOKENS]
+            while not backend.append(req, step):  # preempt the newest other request
+                if len(running) == 1:
+                    raise RuntimeError("a single request does not fit in the pool")
+                j = len(running) - 1 if running[-1] is not item else len(running) - 2
+                victim = running.pop(j)
+                if j < i:
+                    i -= 1
+                backend.free(victim[0])
+                waiting.appendleft(victim)
+                preemptions += 1
+            blocks += -(-req.num_tokens // BLOCK_SIZE) - before
+            item[2] = done + len(step)
+            if item[2] >= len(output):
+                backend.free(req)
+                running.pop(i)
+                finished += 1
+            else:
+                i += 1
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "build_seconds": build_seconds, "requests": n,
+            "blocks": blocks, "prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
+            "preemptions": preemptions}
+
+
+def run_backend(name: str, trace: Trace) -> dict:
+    if name == "vllm":
+        backend = Timed(VllmBackend())
+        result = replay(backend, trace)
+        result["manager_seconds"] = backend.seconds
+        return result
+    if name == "kvmem-precomputed":
+        backend = Timed(KvmemBackend("precomputed"))
+        result = replay(backend, trace)
+        result["manager_seconds"] = backend.seconds
+        return result
+    return replay(KvmemBackend("sha256" if name == "kvmem-sha256" else "xxh3"), trace)
+
+
+def report(label: str, r: dict, seconds: float) -> str:
+    return (f"{label:<28} {r['requests'] / seconds:>9,.0f} req/s  "
+            f"{r['blocks'] / seconds:>11,.0f} blocks/s  "
+            f"hit rate {r['hit_tokens'] / r['prompt_tokens']:6.2%}  "
+            f"preemptions {r['preemptions']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=100_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-python", help="interpreter with vLLM installed, for the comparison")
+    ap.add_argument("--backend", help=argparse.SUPPRESS)  # one backend, JSON out
+    args = ap.parse_args(argv)
+    if args.requests <= 0:
+        ap.error("--requests must be positive")
+    trace = Trace(args.requests, args.seed)
+    if args.backend:
+        print(json.dumps(run_backend(args.backend, trace)))
+        return 0
+
+    print(f"trace: {args.requests:,} requests, block size {BLOCK_SIZE}, {NUM_BLOCKS:,} blocks, "
+          f"{MAX_IN_FLIGHT} in flight, seed {args.seed}")
+    results = {}
+    for name in ("kvmem-xxh3", "kvmem-precomputed", "kvmem-sha256"):
+        results[name] = run_backend(name, trace)
+    if args.vllm_python:
+        out = subprocess.run([args.vllm_python, __file__, "--backend", "vllm", "--requests",
+                              str(args.requests), "--seed", str(args.seed)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            print(f"vllm run failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        else:
+            results["vllm"] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    k, kp, ks = results["kvmem-xxh3"], results["kvmem-precomputed"], results["kvmem-sha256"]
+    print(report("kvmem xxh3 (end to end)", k, k["seconds"]))
+    print(report("kvmem manager only", kp, kp["manager_seconds"]))
+    print(report("kvmem sha256+pickle (e2e)", ks, ks["seconds"]))
+    if "vllm" in results:
+        v = results["vllm"]
+        print(report("vllm (end to end)", v, v["seconds"]))
+        print(report("vllm manager only", v, v["manager_seconds"]))
+        print(f"ratio end to end: {v['seconds'] / k['seconds']:.2f}x; "
+              f"manager only: {v['manager_seconds'] / kp['manager_seconds']:.2f}x")
+    print(f"ratio xxh3 vs sha256+pickle end to end: {ks['seconds'] / k['seconds']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
