@@ -67,10 +67,17 @@ class KVCacheCoordinator:
         """
         pool = self.pool
         num_required = -(-num_tokens // self.block_size)
-        hit_lengths = [len(blocks) for blocks in hit] if hit else [0] * self.num_groups
-        new_counts = [max(0, num_required - len(table) - extra)
-                      for table, extra in zip(tables, hit_lengths, strict=True)]
+        if hit:
+            hit_lengths = [len(blocks) for blocks in hit]
+            new_counts = [max(0, num_required - len(table) - extra)
+                          for table, extra in zip(tables, hit_lengths, strict=True)]
+        else:
+            hit_lengths = [0] * self.num_groups
+            new_counts = [num_required - len(table) if num_required > len(table) else 0
+                          for table in tables]
         taken = sum(new_counts)
+        if not taken and not hit and not self._releasing:
+            return tuple([] for _ in tables)
 
         # 1. count what comes back (blocks leaving a window) and what a hit revives
         releases = self._releases(tables, skipped, num_computed) if self._releasing else []
