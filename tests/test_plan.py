@@ -33,7 +33,10 @@ def test_problem2_proportional_splits_a_5gib_total_by_stage_kv_bytes():
     assert [r.kv_budget_bytes for r in p.ranks] == [int(4.375 * GiB), int(0.625 * GiB)]
     assert [r.tokens for r in p.ranks] == [40_960, 40_960]
     assert p.engine.max_concurrency == pytest.approx(1.0)
-    assert p.engine.fits
+    # Block 0 is the null block, so one 40,960-token request needs 2,561 of the 2,560 blocks:
+    # the fit check says so (vLLM's byte-based check would pass and the request would wait).
+    assert not p.engine.fits
+    assert p.engine.max_model_len_that_fits == 40_960 - 16
 
 
 def test_optimal_with_fixed_partition_matches_proportional_and_spends_no_more():
@@ -76,7 +79,7 @@ def test_problem1_fails_at_13_gib_naming_rank_need_memory_and_longest_fit():
              EngineSettings(kv_cache_memory_bytes=13 * GiB, max_model_len=1_000_000))
     assert not p.engine.fits
     per_token = 28 * 2 * 1 * 134 * 2
-    longest = (13 * GiB // (16 * per_token)) * 16
+    longest = (13 * GiB // (16 * per_token) - 1) * 16  # less the null block
     assert p.engine.max_model_len_that_fits == longest
     with pytest.raises(FitError) as err:
         p.check_fit()

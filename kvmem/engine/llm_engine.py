@@ -151,12 +151,6 @@ class LLMEngine:
             self.spec.kv_groups(), kv.num_blocks, config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_batched_tokens=config.max_num_batched_tokens)
-        if not self.kv_cache_manager.can_fit(self.max_model_len):
-            # the planner counts the reserved null block as usable; the block manager does not
-            raise ConfigError(
-                f"the KV cache ({kv.num_blocks} blocks incl. the reserved null block) cannot "
-                f"hold one request of max_model_len {self.max_model_len}; raise the KV budget "
-                "or lower max_model_len")
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)

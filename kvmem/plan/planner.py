@@ -248,12 +248,14 @@ class _Planner:
         reserve = self.reserve(kv)
         per_block = kv.bytes_per_block
         states_fit = kv_budget >= reserve
+        # Block 0 is the null block (it pads block tables), so a request can use blocks - 1.
         if per_block:
             blocks = (kv_budget - reserve) // per_block if states_fit else 0
-            longest = self.geometry.longest_fitting(blocks, self.limit) if states_fit else 0
+            longest = self.geometry.longest_fitting(max(0, blocks - 1), self.limit) \
+                if states_fit else 0
         else:  # no paged layers here: this rank never limits the blocks (set by _engine)
             blocks, longest = 0, self.limit if states_fit else 0
-        need = self.geometry.blocks_per_request(self.max_model_len) * per_block + reserve
+        need = (self.geometry.blocks_per_request(self.max_model_len) + 1) * per_block + reserve
         over = cap is not None and kv_budget > max(0, cap)
         return RankPlan(
             rank=rank, pp_stage=stage, tp_rank=rank % self.tp, layers=list(stages[stage]),
