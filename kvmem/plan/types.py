@@ -144,8 +144,11 @@ class Plan:
                 f"{where}: KV budget {format_bytes(worst.kv_budget_bytes)} exceeds the "
                 f"{format_bytes(worst.kv_capacity_bytes or 0)} left{memory} after weights, "
                 f"activations, CUDA graphs and overhead")
+        need, have = worst.need_bytes_at_max_model_len, worst.kv_budget_bytes
+        need_text, have_text = format_bytes(need), format_bytes(have)
+        if need_text == have_text:  # too close to tell apart in GiB: give exact bytes
+            need_text, have_text = f"{need:,} bytes", f"{have:,} bytes"
         raise FitError(
-            f"{where} needs {format_bytes(worst.need_bytes_at_max_model_len)} of KV cache for "
-            f"max_model_len {self.engine.max_model_len:,} but has a KV budget of "
-            f"{format_bytes(worst.kv_budget_bytes)}{memory}; the longest max_model_len that "
-            f"fits is {worst.max_model_len_that_fits:,}")
+            f"{where} needs {need_text} of KV cache (incl. the null block) for max_model_len "
+            f"{self.engine.max_model_len:,} but has a KV budget of {have_text}{memory}; the "
+            f"longest max_model_len that fits is {worst.max_model_len_that_fits:,}")
