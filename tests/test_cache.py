@@ -234,6 +234,15 @@ def test_events_and_reset_prefix_cache():
     assert pool.take_events() == []
 
 
+def test_events_nobody_takes_are_bounded_and_counted():
+    pool = BlockPool(64, max_events=10)
+    ids = pool.take_new_blocks(63, 0)
+    table_hashes = [bytes([i]) * 16 for i in range(63)]
+    pool.cache_table_blocks(0, ids, table_hashes, 0, 63)
+    assert len(pool.events) <= 10 and pool.events_dropped == 63 - len(pool.events)
+    assert pool.events[-1].block_hash == table_hashes[-1]  # the newest are kept
+
+
 # -- per-type managers and the coordinator -------------------------------------------------
 
 def cached_pool(groups, cache_plan, num_blocks=64):

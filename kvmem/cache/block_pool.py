@@ -45,7 +45,7 @@ class BlockPool:
     """Ref counts, holds, the free queue and the prefix-cache map over ``num_blocks`` ids."""
 
     def __init__(self, num_blocks: int, num_groups: int = 1, *, enable_events: bool = True,
-                 free_queue: FreeBlockQueue | None = None) -> None:
+                 free_queue: FreeBlockQueue | None = None, max_events: int = 65_536) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), "
                              f"got {num_blocks}")
@@ -63,7 +63,11 @@ class BlockPool:
         self.listeners: list[PoolListener] = []
         self.capacity_guard: Callable[[int], bool] | None = None
         self.evict_listener: Callable[[int, BlockHash], None] | None = None
+        # Events wait for take_events(); if nobody takes them, the oldest half is dropped
+        # whenever more than max_events pile up (counted in events_dropped).
         self.events: list[KVCacheEvent] | None = [] if enable_events else None
+        self.max_events = max_events
+        self.events_dropped = 0
         self.epoch = 0  # bumped whenever a hash is dropped: detects stale prefix hits
 
     # -- queries ---------------------------------------------------------------------------
@@ -123,6 +127,7 @@ class BlockPool:
             block_group[block_id] = group_id
         if evicted:
             self.epoch += 1
+            self._bound_events()
         for listener in self.listeners:
             listener.on_blocks_allocated(block_ids)
         return block_ids
@@ -205,6 +210,7 @@ class BlockPool:
             if events is not None:
                 events.append(KVCacheEvent("stored", h, block_id, group_id,
                                            hashes[i - 1] if i else None))
+        self._bound_events()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. Refused (False) while any block is used or held."""
@@ -277,6 +283,13 @@ class BlockPool:
     def _check_id(self, block_id: int) -> None:
         if not 0 < block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} is outside 1..{self.num_blocks - 1}")
+
+    def _bound_events(self) -> None:
+        events = self.events
+        if events is not None and len(events) > self.max_events:
+            drop = len(events) - self.max_events // 2
+            del events[:drop]
+            self.events_dropped += drop
 
     def take_events(self) -> list[KVCacheEvent]:
         if not self.events:
