@@ -23,7 +23,7 @@ case "${1:-demo}" in
   setup) setup test ;;
   demo)
     setup serve
-    "$VENV/bin/kvmem" plan Qwen/Qwen3-32B --tp 2 --gpu H100 --max-model-len 32768
+    "$VENV/bin/kvmem" generate --chat "${2:-What is the capital of France?}" --max-tokens 64
     ;;
   test)
     setup test
