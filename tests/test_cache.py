@@ -561,6 +561,18 @@ def test_from_plan_can_fit_and_config_errors():
         KVCacheManager([full()], 1)
 
 
+def test_pool_is_sized_by_the_planner():
+    from kvmem.plan import EngineSettings, Layout, plan
+    from kvmem.spec import load_spec
+
+    spec = load_spec("google/gemma-3-4b-it")
+    p = plan(spec, Layout(), EngineSettings(kv_cache_memory_bytes=1 << 30, max_model_len=4096))
+    mgr = KVCacheManager.from_plan(spec.kv_groups(), p)
+    assert mgr.num_blocks == p.engine.num_blocks and mgr.pool.num_blocks == p.engine.num_blocks
+    assert mgr.usage().total == p.engine.num_blocks - 1  # block 0 is the null block
+    assert len(mgr.groups) == len(spec.kv_groups()) > 1
+
+
 def test_usage_fraction_and_reset_through_manager():
     mgr = KVCacheManager([full()], 11, BS)
     a = Req("a", range(20))
