@@ -127,7 +127,8 @@ class BlockPool:
             block_group[block_id] = group_id
         if evicted:
             self.epoch += 1
-            self._bound_events()
+            if self.events is not None and len(self.events) > self.max_events:
+                self._bound_events()
         for listener in self.listeners:
             listener.on_blocks_allocated(block_ids)
         return block_ids
@@ -210,7 +211,8 @@ class BlockPool:
             if events is not None:
                 events.append(KVCacheEvent("stored", h, block_id, group_id,
                                            hashes[i - 1] if i else None))
-        self._bound_events()
+        if events is not None and len(events) > self.max_events:
+            self._bound_events()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. Refused (False) while any block is used or held."""
@@ -286,10 +288,10 @@ class BlockPool:
 
     def _bound_events(self) -> None:
         events = self.events
-        if events is not None and len(events) > self.max_events:
-            drop = len(events) - self.max_events // 2
-            del events[:drop]
-            self.events_dropped += drop
+        assert events is not None
+        drop = len(events) - self.max_events // 2
+        del events[:drop]
+        self.events_dropped += drop
 
     def take_events(self) -> list[KVCacheEvent]:
         if not self.events:

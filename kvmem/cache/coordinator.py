@@ -94,7 +94,7 @@ class KVCacheCoordinator:
                     if block_id and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
                         revived += 1  # a cached-free block leaves the free queue
             taken += revived
-        if taken > pool.num_free_blocks + reclaimed or (
+        if taken > len(pool.free_queue) + reclaimed or (
                 taken > reclaimed and pool.capacity_guard is not None
                 and not pool.capacity_guard(taken - reclaimed)):
             return self._no_capacity(taken, reclaimed, num_computed, num_required, hit_lengths,

@@ -167,10 +167,10 @@ class KVCacheManager:
             if hit:
                 state.num_cached = [len(blocks) for blocks in hit]
             self._requests[request.request_id] = state
-        state.num_computed = num_computed + num_new_tokens
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(state, request, min(state.num_computed, request.num_tokens))
-        return Allocation(result, num_computed)
+        state.num_computed = num_computed = num_computed + num_new_tokens
+        if self.enable_prefix_caching and num_computed // self.block_size > min(state.num_cached):
+            self._cache_full_blocks(state, request, min(num_computed, request.num_tokens))
+        return Allocation(result, num_computed - num_new_tokens)
 
     def _hit_is_current(self, hit: PrefixHit) -> bool:
         """Whether every block of ``hit`` still holds the hash it was found by."""
