@@ -25,6 +25,9 @@ class AttentionMetadata:
     block_size: int
     query_lens: list[int] = field(default_factory=list)  # host copies, filled when left empty
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # what a backend derives from this step once and reuses in every layer (gather
+    # indices, masks), keyed by the backend's own keys; a new step brings a new object
+    step_cache: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.seq_lens_cpu:

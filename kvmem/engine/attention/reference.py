@@ -1,11 +1,25 @@
-"""Reference attention: gather a sequence's blocks into contiguous K/V and call SDPA.
+"""Reference attention: PyTorch SDPA over K/V gathered from the paged cache.
 
-Simple and exact; runs on CPU and GPU. Decode-only batches take one batched SDPA call
-over ``[B, max_context]`` with a padding mask; batches with prefill chunks loop over
-their sequences.
+Exact, and runs on CPU and GPU. What a step's layers share is worked out once per step
+and KV group (a ``StepPlan``, kept in ``AttentionMetadata.step_cache``): which rows
+decode, their block indices and padding mask, and how each prefill chunk attends. A
+layer then only gathers and calls SDPA:
+
+- decode rows: one ``index_select`` over the block dimension for K and one for V (each a
+  contiguous ``[B, L, Hkv, D]`` result, no second copy), then one SDPA call for the
+  batch with the query heads that share a KV head folded into the query dimension, so
+  each K/V head is read once;
+- a prefill chunk with no cached prefix attends over its own new K/V with ``is_causal``
+  (nothing is read back from the cache); a chunk after a cached prefix gathers its
+  blocks and uses an explicit mask.
+
+A decode-only batch derives everything from device tensors (no host reads), so the
+decode path can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +43,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv_cache[blocks, i, offsets] = torch.where(keep, new.to(kv_cache.dtype), old)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[..., num_tokens, Hkv, D]`` of the blocks in ``block_table`` (``[..., n]``)."""
-    block_size = kv_cache.shape[2]
-    n = -(-num_tokens // block_size)
-    blocks = kv_cache[block_table[..., :n].long()]  # [..., n, 2, bs, H, D]
-    blocks = blocks.movedim(-4, -5)  # [..., 2, n, bs, H, D]
-    kv = blocks.flatten(-4, -3)[..., :num_tokens, :, :]
-    return kv.select(-4, 0), kv.select(-4, 1)
+    """K and V of the blocks ``block_ids`` (int64 ``[n]``), each ``[n * block_size, Hkv, D]``.
+
+    ``kv_cache[:, 0]`` is a strided view, but each block in it is contiguous, so one
+    ``index_select`` per side copies whole blocks into a contiguous result.
+    """
+    _, _, block_size, heads, dim = kv_cache.shape
+    n = block_ids.shape[0]
+    keys = kv_cache[:, 0].index_select(0, block_ids).view(n * block_size, heads, dim)
+    values = kv_cache[:, 1].index_select(0, block_ids).view(n * block_size, heads, dim)
+    return keys, values
 
 
 def attention_mask(query_pos: torch.Tensor, key_len: int, sliding_window: int | None
@@ -52,6 +69,98 @@ def attention_mask(query_pos: torch.Tensor, key_len: int, sliding_window: int | 
     return mask
 
 
+@dataclass
+class DecodePlan:
+    """The one-token sequences of a step, attended as one padded batch."""
+
+    rows: torch.Tensor | None  # int64 token rows of these sequences; None: every row, in order
+    block_ids: torch.Tensor  # int64 [B * n]: each sequence's first n block ids, 0-padded
+    num_seqs: int
+    num_keys: int  # n * block_size keys per sequence (padding masked)
+    mask: torch.Tensor  # bool [B, 1, 1, num_keys]
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of several new tokens, at token rows ``start:end``."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor | None  # int64; None: no cached prefix, attend over the new K/V
+    mask: torch.Tensor | None  # bool [q_len, seq_len]; None: plain causal (is_causal)
+
+
+@dataclass
+class StepPlan:
+    decode: DecodePlan | None
+    prefills: list[PrefillChunk]
+
+
+def step_plan(metadata: AttentionMetadata, group_id: int, sliding_window: int | None
+              ) -> StepPlan:
+    """The plan of this step for one KV group and window, built by the first layer to ask."""
+    key = ("reference", group_id, sliding_window)
+    plan = metadata.step_cache.get(key)
+    if plan is None:
+        plan = _build_plan(metadata, metadata.block_tables[group_id], sliding_window)
+        metadata.step_cache[key] = plan
+    return plan
+
+
+def _build_plan(metadata: AttentionMetadata, block_table: torch.Tensor,
+                sliding_window: int | None) -> StepPlan:
+    block_size = metadata.block_size
+    if metadata.is_decode_only:  # device tensors only: CUDA-graph safe
+        decode = _decode_plan(None, block_table, metadata.seq_lens, metadata.max_seq_len,
+                              block_size, sliding_window)
+        return StepPlan(decode, [])
+    device = block_table.device
+    decode_seqs: list[int] = []
+    prefills: list[PrefillChunk] = []
+    start = 0
+    lens = zip(metadata.query_lens, metadata.seq_lens_cpu, strict=True)
+    for b, (q_len, seq_len) in enumerate(lens):
+        if q_len == 1:
+            decode_seqs.append(b)
+        elif q_len > 1:
+            prefills.append(_prefill_chunk(b, start, q_len, seq_len, block_table, block_size,
+                                           sliding_window))
+        start += q_len
+    decode = None
+    if decode_seqs:
+        seqs = torch.tensor(decode_seqs, dtype=torch.long, device=device)
+        rows = metadata.query_start_loc.to(device).long().index_select(0, seqs)
+        max_len = max(metadata.seq_lens_cpu[b] for b in decode_seqs)
+        decode = _decode_plan(rows, block_table.index_select(0, seqs),
+                              metadata.seq_lens.to(device).index_select(0, seqs), max_len,
+                              block_size, sliding_window)
+    return StepPlan(decode, prefills)
+
+
+def _decode_plan(rows: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 max_seq_len: int, block_size: int, sliding_window: int | None) -> DecodePlan:
+    n = -(-max_seq_len // block_size)
+    pos = (seq_lens.long() - 1).view(-1, 1)  # each sequence's new token
+    mask = attention_mask(pos, n * block_size, sliding_window)  # [B, 1, L]
+    return DecodePlan(rows=rows, block_ids=block_table[:, :n].long().flatten(),
+                      num_seqs=block_table.shape[0], num_keys=n * block_size,
+                      mask=mask.unsqueeze(1))
+
+
+def _prefill_chunk(b: int, start: int, q_len: int, seq_len: int, block_table: torch.Tensor,
+                   block_size: int, sliding_window: int | None) -> PrefillChunk:
+    device = block_table.device
+    if q_len == seq_len:  # nothing cached before this chunk: its own K/V are the context
+        mask = None if sliding_window is None else \
+            attention_mask(torch.arange(q_len, device=device), q_len, sliding_window)
+        return PrefillChunk(start, start + q_len, seq_len, None, mask)
+    n = -(-seq_len // block_size)
+    pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return PrefillChunk(start, start + q_len, seq_len, block_table[b, :n].long(),
+                        attention_mask(pos, seq_len, sliding_window))
+
+
 class ReferenceBackend:
     name = "reference"
 
@@ -59,48 +168,67 @@ class ReferenceBackend:
                 metadata: AttentionMetadata, group_id: int, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mappings[group_id])
-        block_table = metadata.block_tables[group_id]
-        if metadata.is_decode_only:
-            return self._decode(q, kv_cache, metadata, block_table, scale, sliding_window)
+        plan = step_plan(metadata, group_id, sliding_window)
+        if plan.decode is not None and plan.decode.rows is None:
+            return self._decode(q, kv_cache, plan.decode, scale)
         out = torch.empty_like(q)
-        start = 0
-        lens = zip(metadata.query_lens, metadata.seq_lens_cpu, strict=True)
-        for b, (q_len, seq_len) in enumerate(lens):
-            if q_len == 0:
-                continue
-            keys, values = gather_kv(kv_cache, block_table[b], seq_len)
-            pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = attention_mask(pos, seq_len, sliding_window)
-            out[start:start + q_len] = _sdpa(q[start:start + q_len].transpose(0, 1),
-                                             keys.transpose(0, 1), values.transpose(0, 1),
-                                             mask, scale).transpose(0, 1)
-            start += q_len
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_cache,
+                                                  plan.decode, scale))
+        for chunk in plan.prefills:
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, kv_cache, chunk, scale)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                block_table: torch.Tensor, scale: float, sliding_window: int | None
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float
                 ) -> torch.Tensor:
-        keys, values = gather_kv(kv_cache, block_table, metadata.max_seq_len)  # [B, L, H, D]
-        pos = (metadata.seq_lens.to(q.device).long() - 1).unsqueeze(-1)  # [B, 1]
-        mask = attention_mask(pos, metadata.max_seq_len, sliding_window)  # [B, 1, L]
-        out = _sdpa(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                    mask.unsqueeze(1), scale)  # [B, Hq, 1, D]
-        return out.squeeze(2)
+        """q ``[B, Hq, D]`` of one-token sequences -> ``[B, Hq, D]``."""
+        batch, num_heads, dim = q.shape
+        keys, values = gather_kv(kv_cache, plan.block_ids)
+        kv_heads = keys.shape[1]
+        shape = (batch, plan.num_keys, kv_heads, dim)
+        keys = keys.view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        values = values.view(shape).transpose(1, 2).to(q.dtype)
+        # the query heads of one KV head act as that head's query rows: [B, Hkv, G, D]
+        grouped = q.view(batch, kv_heads, num_heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask,
+                                             scale=scale)
+        return out.reshape(batch, num_heads, dim)
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 chunk: PrefillChunk, scale: float) -> torch.Tensor:
+        """One chunk's rows of q -> ``[q_len, Hq, D]``."""
+        rows = slice(chunk.start, chunk.end)
+        if chunk.block_ids is None:
+            keys, values = k[rows], v[rows]
+            if kv_cache.dtype != q.dtype:  # attend over what the cache holds, as later steps do
+                keys, values = keys.to(kv_cache.dtype), values.to(kv_cache.dtype)
+        else:
+            keys, values = gather_kv(kv_cache, chunk.block_ids)
+            keys, values = keys[:chunk.seq_len], values[:chunk.seq_len]
+        out = _sdpa(q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                    chunk.mask, scale)
+        return out.transpose(0, 1)
 
 
 # SDPA shares K/V heads between query heads itself since torch 2.5 (no copies)
 _NATIVE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
-    """SDPA with grouped-query heads: q ``[..., Hq, q, D]``, k/v ``[..., Hkv, L, D]``."""
+    """Causal SDPA with grouped-query heads: q ``[Hq, q, D]``, k/v ``[Hkv, L, D]``.
+
+    ``mask`` None means plain causal attention over keys that are exactly the queries.
+    """
     k, v = k.to(q.dtype), v.to(q.dtype)
     groups = q.shape[-3] // k.shape[-3]
+    kwargs = {"attn_mask": mask, "is_causal": mask is None, "scale": scale}
     if groups > 1 and _NATIVE_GQA:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
