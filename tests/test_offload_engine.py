@@ -49,10 +49,10 @@ def test_mission3_repeated_long_prompt_comes_back_from_cpu_tier():
     second = [rng.randrange(100, 40000) for _ in range(300)]
     prompts = [("a", first), ("b", second), ("a-again", first)]
 
-    reference = make_engine(num_blocks=25, max_model_len=400)
+    reference = make_engine(num_blocks=25, max_model_len=384)
     expected = [run_one(reference, rid, p)[1].outputs[0].token_ids for rid, p in prompts]
 
-    engine = make_engine(num_blocks=25, max_model_len=400)
+    engine = make_engine(num_blocks=25, max_model_len=384)
     connector = attach_offload(engine, OffloadConfig(cpu_bytes=64 << 20),
                                faults=Faults(store_delay_s=0.5))
     try:
