@@ -143,10 +143,17 @@ def test_mission1_whole_model_need_exceeds_a_rank_but_each_rank_fits(model_dir, 
 def test_each_rank_checks_its_own_fit(model_dir):
     """Uniform budgets with stages of 3 and 1 layers: stage 0's rank cannot hold
     max_model_len, and the error names that rank and the longest length that fits."""
-    with pytest.raises(FitError, match=r"rank 0 \(pp stage 0, tp rank 0\) needs .* the longest "
-                                       r"max_model_len that fits is 160"):
-        LLM(str(model_dir), kv_cache_memory_bytes=10 * 3 * BLOCK_BYTES_PER_LAYER,
-            max_model_len=256, pipeline_parallel_size=2, layer_partition=[3, 1])
+    budget = 10 * 3 * BLOCK_BYTES_PER_LAYER
+    expected = plan(spec_from_config(_config(model_dir)),
+                    Layout(pipeline_parallel_size=2, layer_partition=[3, 1]),
+                    EngineSettings(kv_cache_memory_bytes=budget, max_model_len=256,
+                                   kv_cache_dtype="float32"))
+    longest = expected.ranks[0].max_model_len_that_fits
+    assert 0 < longest < 256 and expected.ranks[1].fits
+    with pytest.raises(FitError, match=rf"rank 0 \(pp stage 0, tp rank 0\) needs .* the "
+                                       rf"longest max_model_len that fits is {longest}$"):
+        LLM(str(model_dir), kv_cache_memory_bytes=budget, max_model_len=256,
+            pipeline_parallel_size=2, layer_partition=[3, 1])
 
 
 def test_config_errors_and_torchrun_environment():
@@ -252,3 +259,25 @@ def test_sigterm_stops_every_worker(model_dir):
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pid)
+
+
+def test_a_rank_that_stops_answering_fails_the_step_within_the_timeout(model_dir):
+    """A frozen (not dead) worker: the step's collective times out after
+    distributed_timeout_s with an error, and later steps fail at once with the same error."""
+    from kvmem.engine.distributed import ParallelError
+
+    llm = LLM(str(model_dir), kv_cache_memory_bytes="4MiB", max_model_len=128,
+              tensor_parallel_size=2, distributed_timeout_s=3)
+    worker = llm.engine.parallel.processes[1]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(ParallelError, match="stopped answering within 3 s") as failure:
+            llm.generate([PROMPTS[0]], GREEDY)
+        assert time.monotonic() - start < 15
+        with pytest.raises(ParallelError) as again:
+            llm.engine.step()
+        assert again.value is failure.value
+    finally:
+        llm.engine.shutdown()
+    assert not worker.is_alive()

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kvmem.engine.config import EngineConfig
+from kvmem.engine.distributed.channel import broadcast_step
 from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import ParallelError, StartupError, WorkerDiedError
 from kvmem.engine.distributed.rank_setup import RankContext, RankState, setup_rank
@@ -221,7 +221,7 @@ class ParallelDriver:
         self._stopping.set()
         if healthy:
             with contextlib.suppress(Exception):  # a worker already gone is stopped below
-                dist.broadcast_object_list([None], src=0, group=self.groups.control)
+                broadcast_step(None, self.groups.control, timeout)
         deadline = time.monotonic() + timeout
         for proc in self.processes.values():
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -261,7 +261,7 @@ class ParallelModelRunner:
         step = StepInput.from_scheduled(scheduled, self.kv_cache_manager, self.num_kv_groups)
         step.finished_request_ids = self._finished_seeded(scheduled)
         try:
-            dist.broadcast_object_list([step], src=0, group=self.driver.groups.control)
+            broadcast_step(step, self.driver.groups.control, self.driver.parallel.timeout_s)
             tokens = self.runner.run(step)
             if step.sample_rows and not self.runner.samples:
                 tokens = self.runner.receive_tokens(step)

@@ -14,8 +14,7 @@ import sys
 import threading
 from typing import Any
 
-import torch.distributed as dist
-
+from kvmem.engine.distributed.channel import receive_step
 from kvmem.engine.distributed.rank_setup import RankContext, setup_rank
 from kvmem.engine.distributed.stage_runner import StageRunner
 from kvmem.engine.distributed.state import (
@@ -63,12 +62,11 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
 
 def serve_steps(runner: StageRunner, groups: DistributedGroups) -> None:
     """Run each StepInput the driver broadcasts; a ``None`` step means stop."""
-    box: list[Any] = [None]
     while True:
-        dist.broadcast_object_list(box, src=0, group=groups.control)
-        if box[0] is None:
+        step = receive_step(groups.control)
+        if step is None:
             return
-        runner.run(box[0])
+        runner.run(step)
 
 
 def _shared_slots(storage, num_slots: int, ctx: RankContext) -> list | None:
