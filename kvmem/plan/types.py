@@ -137,7 +137,7 @@ class Plan:
             return
         worst = min(bad, key=lambda r: (not r.over_committed, r.max_model_len_that_fits, r.rank))
         where = f"rank {worst.rank} (pp stage {worst.pp_stage}, tp rank {worst.tp_rank})"
-        memory = (f" of {format_bytes(worst.memory_bytes)} GPU memory"
+        memory = (f" of {format_bytes(worst.memory_bytes)} device memory"
                   if worst.memory_bytes is not None else "")
         if worst.over_committed:
             raise FitError(
