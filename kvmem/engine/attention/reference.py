@@ -5,16 +5,17 @@ and KV group (a ``StepPlan``, kept in ``AttentionMetadata.step_cache``): which r
 decode, their block indices and padding mask, and how each prefill chunk attends. A
 layer then only gathers and calls SDPA:
 
-- decode rows: one ``index_select`` over the block dimension for K and one for V (each a
-  contiguous ``[B, L, Hkv, D]`` result, no second copy), then one SDPA call for the
-  batch with the query heads that share a KV head folded into the query dimension, so
-  each K/V head is read once;
+- decode rows, grouped by context length into a few padded batches (less padding):
+  one ``index_select`` over the block dimension for K and one for V (each a contiguous
+  ``[B, L, Hkv, D]`` result, no second copy), then one SDPA call per batch with the
+  query heads that share a KV head folded into the query dimension, so each K/V head is
+  read once;
 - a prefill chunk with no cached prefix attends over its own new K/V with ``is_causal``
   (nothing is read back from the cache); a chunk after a cached prefix gathers its
   blocks and uses an explicit mask.
 
-A decode-only batch derives everything from device tensors (no host reads), so the
-decode path can be captured in a CUDA graph.
+A decode-only batch whose lengths are alike (always so in a CUDA graph's metadata) is one
+batch derived from device tensors only (no host reads), so it can be captured.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def attention_mask(query_pos: torch.Tensor, key_len: int, sliding_window: int | 
 
 
 @dataclass
-class DecodePlan:
-    """The one-token sequences of a step, attended as one padded batch."""
+class DecodeBatch:
+    """One-token sequences of similar context length, attended in one padded SDPA call."""
 
     rows: torch.Tensor | None  # int64 token rows of these sequences; None: every row, in order
     block_ids: torch.Tensor  # int64 [B * n]: each sequence's first n block ids, 0-padded
@@ -93,7 +94,7 @@ class PrefillChunk:
 
 @dataclass
 class StepPlan:
-    decode: DecodePlan | None
+    decodes: list[DecodeBatch]
     prefills: list[PrefillChunk]
 
 
@@ -108,44 +109,75 @@ def step_plan(metadata: AttentionMetadata, group_id: int, sliding_window: int | 
     return plan
 
 
+def length_buckets(seqs: list[int], seq_lens: list[int], *, max_buckets: int = 4,
+                   min_bucket: int = 8) -> list[list[int]]:
+    """``seqs`` split into up to ``max_buckets`` groups of similar length (shortest first).
+
+    Every sequence of a padded batch costs the longest one's gather and attention, so
+    sorting by length and cutting into equal-count groups trims the padding; groups stay
+    at least ``min_bucket`` large to keep the per-call overhead small. Lengths within 20%
+    of each other are not worth splitting.
+    """
+    order = sorted(seqs, key=seq_lens.__getitem__)
+    if not order or seq_lens[order[0]] >= 0.8 * seq_lens[order[-1]]:
+        return [seqs]
+    k = max(1, min(max_buckets, len(order) // min_bucket))
+    return [order[i * len(order) // k:(i + 1) * len(order) // k] for i in range(k)]
+
+
 def _build_plan(metadata: AttentionMetadata, block_table: torch.Tensor,
                 sliding_window: int | None) -> StepPlan:
     block_size = metadata.block_size
-    if metadata.is_decode_only:  # device tensors only: CUDA-graph safe
-        decode = _decode_plan(None, block_table, metadata.seq_lens, metadata.max_seq_len,
-                              block_size, sliding_window)
-        return StepPlan(decode, [])
     device = block_table.device
+    lens = metadata.seq_lens_cpu
     decode_seqs: list[int] = []
     prefills: list[PrefillChunk] = []
-    start = 0
-    lens = zip(metadata.query_lens, metadata.seq_lens_cpu, strict=True)
-    for b, (q_len, seq_len) in enumerate(lens):
-        if q_len == 1:
-            decode_seqs.append(b)
-        elif q_len > 1:
-            prefills.append(_prefill_chunk(b, start, q_len, seq_len, block_table, block_size,
-                                           sliding_window))
-        start += q_len
-    decode = None
-    if decode_seqs:
-        seqs = torch.tensor(decode_seqs, dtype=torch.long, device=device)
-        rows = metadata.query_start_loc.to(device).long().index_select(0, seqs)
-        max_len = max(metadata.seq_lens_cpu[b] for b in decode_seqs)
-        decode = _decode_plan(rows, block_table.index_select(0, seqs),
-                              metadata.seq_lens.to(device).index_select(0, seqs), max_len,
+    if metadata.is_decode_only:
+        decode_seqs = list(range(metadata.num_seqs))
+    else:
+        start = 0
+        for b, (q_len, seq_len) in enumerate(zip(metadata.query_lens, lens, strict=True)):
+            if q_len == 1:
+                decode_seqs.append(b)
+            elif q_len > 1:
+                prefills.append(_prefill_chunk(b, start, q_len, seq_len, block_table,
+                                               block_size, sliding_window))
+            start += q_len
+    buckets = length_buckets(decode_seqs, lens) if decode_seqs else []
+    if metadata.is_decode_only and len(buckets) == 1:
+        # the whole batch in order, from device tensors only: CUDA-graph safe
+        batch = _decode_batch(None, block_table, metadata.seq_lens, metadata.max_seq_len,
                               block_size, sliding_window)
-    return StepPlan(decode, prefills)
+        return StepPlan([batch], [])
+    starts = _cumsum(metadata.query_lens)
+    decodes = []
+    for bucket in buckets:
+        seqs = torch.tensor(bucket, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[b] for b in bucket], dtype=torch.long, device=device)
+        decodes.append(_decode_batch(rows, block_table.index_select(0, seqs),
+                                     metadata.seq_lens.to(device).index_select(0, seqs),
+                                     max(lens[b] for b in bucket), block_size, sliding_window))
+    return StepPlan(decodes, prefills)
 
 
-def _decode_plan(rows: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 max_seq_len: int, block_size: int, sliding_window: int | None) -> DecodePlan:
+def _cumsum(counts: list[int]) -> list[int]:
+    """Start offset of each entry: ``[0, c0, c0 + c1, ...]`` (one per entry)."""
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+def _decode_batch(rows: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  max_seq_len: int, block_size: int, sliding_window: int | None
+                  ) -> DecodeBatch:
     n = -(-max_seq_len // block_size)
     pos = (seq_lens.long() - 1).view(-1, 1)  # each sequence's new token
     mask = attention_mask(pos, n * block_size, sliding_window)  # [B, 1, L]
-    return DecodePlan(rows=rows, block_ids=block_table[:, :n].long().flatten(),
-                      num_seqs=block_table.shape[0], num_keys=n * block_size,
-                      mask=mask.unsqueeze(1))
+    return DecodeBatch(rows=rows, block_ids=block_table[:, :n].long().flatten(),
+                       num_seqs=block_table.shape[0], num_keys=n * block_size,
+                       mask=mask.unsqueeze(1))
 
 
 def _prefill_chunk(b: int, start: int, q_len: int, seq_len: int, block_table: torch.Tensor,
@@ -169,19 +201,18 @@ class ReferenceBackend:
                 sliding_window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mappings[group_id])
         plan = step_plan(metadata, group_id, sliding_window)
-        if plan.decode is not None and plan.decode.rows is None:
-            return self._decode(q, kv_cache, plan.decode, scale)
+        if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
+            return self._decode(q, kv_cache, plan.decodes[0], scale)
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            rows = plan.decode.rows
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_cache,
-                                                  plan.decode, scale))
+        for batch in plan.decodes:
+            out.index_copy_(0, batch.rows, self._decode(q.index_select(0, batch.rows), kv_cache,
+                                                        batch, scale))
         for chunk in plan.prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, kv_cache, chunk, scale)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeBatch, scale: float
                 ) -> torch.Tensor:
         """q ``[B, Hq, D]`` of one-token sequences -> ``[B, Hq, D]``."""
         batch, num_heads, dim = q.shape
@@ -223,12 +254,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
     ``mask`` None means plain causal attention over keys that are exactly the queries.
     """
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    groups = q.shape[-3] // k.shape[-3]
+    # a leading batch dimension: on CPU only 4-d inputs take the fused (flash) kernel
+    q, k, v = q.unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0)
+    groups = q.shape[1] // k.shape[1]
     kwargs = {"attn_mask": mask, "is_causal": mask is None, "scale": scale}
     if groups > 1 and _NATIVE_GQA:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs).squeeze(0)
     if groups > 1:
-        k = k.repeat_interleave(groups, dim=-3)
-        v = v.repeat_interleave(groups, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs).squeeze(0)

@@ -45,7 +45,7 @@ def _paged_attention_kernel(
     window,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    IEEE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -78,11 +78,7 @@ def _paged_attention_kernel(
             base = Cache + block * s_cb + n_local[:, None] * s_ct + kv_h * s_ch + d[None, :]
             k = tl.load(base, mask=d_ok[None, :], other=0.0)
             v = tl.load(base + s_ckv, mask=d_ok[None, :], other=0.0)
-            if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q.to(k.dtype), tl.trans(k))
-            s = s * scale
+            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale
             visible = (n[None, :] <= pos[:, None]) & (n[None, :] < seq_len)
             if HAS_WINDOW:
                 visible = visible & (n[None, :] > pos[:, None] - window)
@@ -91,15 +87,17 @@ def _paged_attention_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + m)[:, None] * s_ot + h * s_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _dot_precision(cache_dtype: torch.dtype) -> str:
+    """fp32 caches multiply in full precision (exact against the reference); "tf32" is
+    Triton's default and only affects fp32 operands."""
+    return "ieee" if cache_dtype == torch.float32 else "tf32"
 
 
 def _supported_block_size(block_size: int) -> bool:
@@ -138,5 +136,5 @@ class TritonBackend:
             block_table.stride(0), sliding_window or 0,
             QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, HAS_WINDOW=sliding_window is not None,
-            IEEE=q.dtype == torch.float32)
+            DOT_PRECISION=_dot_precision(kv_cache.dtype))
         return out
