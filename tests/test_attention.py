@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmem.engine.attention import AttentionMetadata, get_attention_backend
+from kvmem.engine.attention import AttentionMetadata, get_attention_backend, reference
+from kvmem.engine.attention.reference import length_buckets, step_plan
 from kvmem.errors import ConfigError
 
 
-def random_step(query_lens, seq_lens, *, block_size=4, hq=4, hkv=2, d=8, num_blocks=64,
+def random_step(query_lens, seq_lens, *, block_size=4, hq=4, hkv=2, d=8, num_blocks=512,
                 seed=0, device="cpu", dtype=torch.float32):
     """A batch with a pre-filled cache: returns q, k, v, cache, metadata and the full
     per-sequence K/V (cached tokens followed by the new ones) for a dense check."""
@@ -67,6 +68,11 @@ CASES = {
     "mixed prefill and decode": ([1, 9, 1], [14, 9, 3]),
     "decode only": ([1, 1, 1], [5, 17, 1]),
     "long decode": ([1, 1], [40, 33]),
+    # enough decode rows of spread-out lengths to be split into several padded batches
+    "many decodes": ([1] * 20, [3 + 5 * i for i in range(20)]),
+    "many decodes beside chunks": ([1] * 9 + [4] + [1] * 9 + [6],
+                                   [2 + 7 * i for i in range(9)] + [10]
+                                   + [80 - 3 * i for i in range(9)] + [6]),
 }
 
 
@@ -77,6 +83,58 @@ def test_reference_backend_matches_dense_attention(case, window):
     q, k, v, cache, meta, keys, values = random_step(query_lens, seq_lens)
     out = get_attention_backend("reference").forward(q, k, v, cache, meta, 0, 0.5, window)
     expected = dense_attention(q, keys, values, query_lens, seq_lens, 0.5, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_of_different_lengths_are_split_into_batches():
+    for case in ("many decodes", "many decodes beside chunks"):
+        query_lens, seq_lens = CASES[case]
+        *_, meta, _, _ = random_step(query_lens, seq_lens)
+        plan = step_plan(meta, 0, None)
+        assert len(plan.decodes) > 1
+        rows = sorted(r for batch in plan.decodes for r in batch.rows.tolist())
+        starts = [sum(query_lens[:b]) for b, q in enumerate(query_lens) if q == 1]
+        assert rows == starts
+        assert [(c.start, c.end) for c in plan.prefills] == \
+            [(sum(query_lens[:b]), sum(query_lens[:b + 1]))
+             for b, q in enumerate(query_lens) if q > 1]
+
+
+def test_length_buckets():
+    lens = [50, 10, 40, 20, 30, 60, 70, 80] * 2
+    buckets = length_buckets(list(range(16)), lens)
+    assert len(buckets) == 2 and sorted(sum(buckets, [])) == list(range(16))
+    assert max(lens[b] for b in buckets[0]) <= min(lens[b] for b in buckets[1])
+    assert length_buckets(list(range(7)), lens) == [list(range(7))]  # too few to split
+    alike = [200 + i for i in range(32)]  # within 20% of each other
+    assert length_buckets(list(range(32)), alike) == [list(range(32))]
+    assert len(length_buckets(list(range(64)), list(range(1, 65)))) == 4
+
+
+def test_step_plan_is_built_once_and_shared_by_layers(monkeypatch):
+    calls = []
+    build = reference._build_plan
+    monkeypatch.setattr(reference, "_build_plan", lambda *a: calls.append(a) or build(*a))
+    query_lens, seq_lens = CASES["mixed prefill and decode"]
+    q, k, v, cache, meta, keys, values = random_step(query_lens, seq_lens)
+    backend = get_attention_backend("reference")
+    other_layer = cache.clone()
+    first = backend.forward(q, k, v, cache, meta, 0, 0.5)
+    second = backend.forward(q, k, v, other_layer, meta, 0, 0.5)
+    assert len(calls) == 1
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    backend.forward(q, k, v, cache, meta, 0, 0.5, 3)  # another window: its own plan
+    assert len(calls) == 2
+
+
+def test_prefill_attends_over_kv_as_the_cache_stores_it():
+    """A chunk with nothing cached uses its new K/V directly, rounded to the cache dtype
+    so that it sees the same values later steps read back."""
+    query_lens, seq_lens = CASES["prefill"]
+    q, k, v, cache, meta, keys, values = random_step(query_lens, seq_lens)
+    out = get_attention_backend("reference").forward(q, k, v, cache.bfloat16(), meta, 0, 0.5)
+    rounded = [x.bfloat16().float() for x in keys], [x.bfloat16().float() for x in values]
+    expected = dense_attention(q, *rounded, query_lens, seq_lens, 0.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

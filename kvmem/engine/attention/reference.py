@@ -119,9 +119,9 @@ def length_buckets(seqs: list[int], seq_lens: list[int], *, max_buckets: int = 4
     of each other are not worth splitting.
     """
     order = sorted(seqs, key=seq_lens.__getitem__)
-    if not order or seq_lens[order[0]] >= 0.8 * seq_lens[order[-1]]:
+    k = min(max_buckets, len(order) // min_bucket)
+    if k < 2 or seq_lens[order[0]] >= 0.8 * seq_lens[order[-1]]:
         return [seqs]
-    k = max(1, min(max_buckets, len(order) // min_bucket))
     return [order[i * len(order) // k:(i + 1) * len(order) // k] for i in range(k)]
 
 
