@@ -15,7 +15,7 @@ from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.tiers import Faults, OffloadConfig
-from kvmem.tiers.integration import attach_offload
+from kvmem.engine.offload_setup import attach_offload
 
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp32
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -162,7 +162,7 @@ from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.tiers import OffloadConfig
-from kvmem.tiers.integration import attach_offload
+from kvmem.engine.offload_setup import attach_offload
 
 disk_dir, block_size, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 engine = LLMEngine(EngineConfig(max_model_len=256, block_size=block_size,

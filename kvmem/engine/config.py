@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from kvmem.errors import ConfigError
+from kvmem.tiers.config import POLICIES as OFFLOAD_POLICIES
 from kvmem.units import GiB, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,6 +47,11 @@ class EngineConfig:
     layer_partition: list[int] | None = None  # layers per pipeline stage, e.g. [3, 1]
     kv_budget: str = "uniform"  # uniform | proportional | optimal
     distributed_timeout_s: float = 60.0  # bound of every wait between ranks in a step
+    # CPU and disk tiers for KV blocks leaving the pool (kvmem.tiers); 0 GiB turns a tier off
+    cpu_offload_gib: float = 0.0
+    disk_offload_dir: str | None = None
+    disk_offload_gib: float = 0.0
+    offload_policy: str = "lru"  # lru | seen-twice (admit a block on its second offer)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -67,6 +73,7 @@ class EngineConfig:
         if self.cpu_kv_memory_bytes is not None:
             self.cpu_kv_memory_bytes = parse_size(self.cpu_kv_memory_bytes, "cpu_kv_memory_bytes")
         self._check_parallel()
+        self.offload_config()  # one-line ConfigError for bad offload settings
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -91,6 +98,14 @@ class EngineConfig:
         if not self.distributed_timeout_s > 0:
             raise ConfigError("distributed_timeout_s must be positive, "
                               f"got {self.distributed_timeout_s}")
+
+    def offload_config(self):
+        """The offload tiers' settings (a ``kvmem.tiers.OffloadConfig``; not ``.enabled``:
+        no tiers)."""
+        from kvmem.tiers.config import OffloadConfig
+
+        return OffloadConfig.from_gib(self.cpu_offload_gib, self.disk_offload_dir,
+                                      self.disk_offload_gib, self.offload_policy)
 
     @property
     def world_size(self) -> int:
@@ -164,3 +179,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     par.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                      default=d.distributed_timeout_s, metavar="SECONDS",
                      help="longest wait between ranks during a step")
+    off = p.add_argument_group("KV offloading (CPU and disk tiers)")
+    off.add_argument("--cpu-offload-gib", type=float, default=d.cpu_offload_gib, metavar="GiB",
+                     help="host memory for KV blocks leaving the pool (default 0: off)")
+    off.add_argument("--disk-offload-dir", default=None, metavar="DIR",
+                     help="directory for KV blocks on disk (needs --disk-offload-gib)")
+    off.add_argument("--disk-offload-gib", type=float, default=d.disk_offload_gib,
+                     metavar="GiB", help="disk budget for KV blocks (default 0: off)")
+    off.add_argument("--offload-policy", default=d.offload_policy,
+                     choices=OFFLOAD_POLICIES,
+                     help="tier admission: lru stores every block; seen-twice stores a block "
+                          "on its second offer (default lru)")

@@ -58,6 +58,7 @@ class EngineSnapshot:
     kv_blocks_cached: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    offload: dict = field(default_factory=dict)  # tier name -> kvmem.tiers.TierStats
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -168,6 +169,17 @@ class LLMEngine:
                 cuda_graphs_enabled(config, model):
             self.model_runner.capture_cuda_graphs(capture_sizes(config.max_num_seqs),
                                                   self.max_model_len)
+        self.offload = None  # an OffloadConnector when CPU/disk tiers are on
+        offload = config.offload_config()
+        if offload.enabled:
+            from kvmem.engine.offload_setup import attach_offload
+
+            try:
+                attach_offload(self, offload)
+            except BaseException:
+                self.shutdown()  # the worker ranks of a parallel engine
+                raise
+            logger.info("KV offload: %s", offload.describe())
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict = {}  # request id -> incremental detokenizer
@@ -178,7 +190,10 @@ class LLMEngine:
                     self.max_model_len)
 
     def shutdown(self) -> None:
-        """Stop the worker ranks of a parallel engine (nothing to do for one process)."""
+        """Write out queued offload stores, then stop the worker ranks of a parallel engine."""
+        from kvmem.engine.offload_setup import shutdown_offload
+
+        shutdown_offload(self)
         if self.parallel is not None:
             self.parallel.shutdown()
 
@@ -247,7 +262,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_waiting + self.scheduler.num_running
+        return self.scheduler.num_waiting + self.scheduler.num_running + \
+            len(self.scheduler.loading)
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -369,5 +385,6 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting, kv_blocks_total=usage.total,
             kv_blocks_free=usage.free, kv_blocks_used=usage.used, kv_blocks_cached=usage.cached,
             prefix_queried_tokens=sched.prefix_queried_tokens,
-            prefix_hit_tokens=sched.prefix_hit_tokens)
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            offload=self.offload.stats() if self.offload is not None else {})
 

@@ -4,6 +4,12 @@ Each step first gives running requests their next tokens (a decode, or the next 
 of a prompt), then admits waiting requests, reusing prefix-cache hits. When the block
 manager reports no capacity, the newest running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue to be recomputed later.
+
+With offloading (an ``offload`` connector, see ``kvmem.tiers.connector``), a finished
+request's blocks are offered to the CPU/disk tiers before they are freed, a waiting
+request whose prefix continues in a tier is parked while its blocks load (it counts
+toward ``max_num_seqs``) and joins the running queue when the load is done, and a request
+short of blocks while transfers still hold some waits for them instead of failing.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmem.engine.request import Request, RequestStatus
 
@@ -46,7 +53,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_cache_manager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, offload: Any = None) -> None:
+        """``offload``: an ``OffloadConnector`` (CPU/disk tiers), or None for none."""
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is last
         self.stats = SchedulerStats()
+        self.offload = offload
 
     # -- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -61,7 +70,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def loading(self) -> list[Request]:
+        """Requests parked while their prefix loads from an offload tier."""
+        return self.offload.loading if self.offload is not None else []
 
     @property
     def num_waiting(self) -> int:
@@ -75,14 +89,19 @@ class Scheduler:
         """Mark ``request`` finished, take it out of its queue and free its blocks."""
         if request in self.running:
             self.running.remove(request)
+            if self.offload is not None:
+                self.offload.offer(request)  # holds its cached blocks until copied out
             self.kv_cache_manager.free(request)
+        elif self.offload is not None and self.offload.cancel(request.request_id) is not None:
+            pass  # it was parked loading: the connector freed its blocks
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         wanted = set(request_ids)
-        found = [r for r in (*self.running, *self.waiting) if r.request_id in wanted]
+        found = [r for r in (*self.running, *self.loading, *self.waiting)
+                 if r.request_id in wanted]
         for request in found:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return found
@@ -90,6 +109,8 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.offload is not None:
+            self._admit_loaded()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # after a preemption, memory is short: admit nobody this step
@@ -104,8 +125,10 @@ class Scheduler:
             while not (result := self.kv_cache_manager.allocate_slots(request, num_new)):
                 victim = self.running[-1]
                 if not result.can_ever_fit or (victim is request and i == 0):
-                    # Even alone there is no room: it can never run in this pool.
-                    self._fail(request, out, _too_big(request))
+                    if result.can_ever_fit and self._transfers_hold_blocks(request):
+                        self._preempt(request, out)  # the blocks come back soon: wait
+                    else:  # even alone there is no room: it can never run in this pool
+                        self._fail(request, out, _too_big(request))
                     break
                 self._preempt(victim, out)
                 if victim is request:
@@ -122,14 +145,20 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         mgr = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and \
+                len(self.running) + len(self.loading) < self.max_num_seqs:
             request = self.waiting[0]
             hit = mgr.get_computed_blocks(request) if self.enable_prefix_caching else None
+            if hit is not None and self.offload is not None and \
+                    self.offload.start_load(request, hit):
+                self.waiting.popleft()  # parked until its blocks arrive from a tier
+                self.stats.prefix_queried_tokens += request.num_tokens
+                continue
             num_cached = hit.num_tokens if hit is not None else 0
             num_new = min(request.num_tokens - num_cached, budget)
             result = mgr.allocate_slots(request, num_new, prefix_hit=hit)
             if not result:
-                alone = not self.running and mgr.usage().held == 0
+                alone = not self.running and not self.loading and mgr.usage().held == 0
                 if not result.can_ever_fit or alone:
                     self.waiting.popleft()
                     self._fail(request, out, _too_big(request))
@@ -145,6 +174,22 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+
+    def _admit_loaded(self) -> None:
+        """Move requests whose tier loads are done into the running queue."""
+        for request in self.offload.poll():
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.stats.prefix_hit_tokens += request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _transfers_hold_blocks(self, request: Request) -> bool:
+        """Whether blocks now pinned by transfers would let ``request`` fit once released."""
+        if self.offload is None:
+            return False
+        mgr = self.kv_cache_manager
+        return bool(mgr.usage().held or self.loading) and mgr.can_fit(request.num_tokens)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

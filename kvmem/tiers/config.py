@@ -19,6 +19,9 @@ from kvmem.units import GiB, format_bytes
 
 POLICIES = ("lru", "seen-twice")
 FORMAT_VERSION = 1  # bump when the on-disk block format changes
+# A disk entry is the file header (kvmem.tiers.disk_store), the key's name ("g<group>-" and
+# 32 hex digits for groups 0-9) and the block's bytes.
+DISK_ENTRY_OVERHEAD_BYTES = 40 + 35
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,30 @@ class TierIdentity:
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "format": FORMAT_VERSION}, indent=2, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """What one tier's budget holds for one model and layout."""
+
+    tier: str  # "cpu" or "disk"
+    budget_bytes: int
+    block_nbytes: int  # bytes of one block in this tier (a disk block includes its header)
+    num_blocks: int
+    num_tokens: int
+
+
+def tier_capacity(config: OffloadConfig, block_nbytes: int,
+                  block_size: int) -> list[TierCapacity]:
+    """How many blocks and tokens each enabled tier holds when a block is ``block_nbytes``
+    bytes in the KV pool (every rank's share of it, for a parallel engine)."""
+    if block_nbytes < 1:
+        return []
+    tiers = []
+    for tier, budget, entry in (("cpu", config.cpu_bytes, block_nbytes),
+                                ("disk", config.disk_bytes,
+                                 block_nbytes + DISK_ENTRY_OVERHEAD_BYTES)):
+        if budget:
+            blocks = budget // entry
+            tiers.append(TierCapacity(tier, budget, entry, blocks, blocks * block_size))
+    return tiers

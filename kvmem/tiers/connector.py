@@ -115,6 +115,10 @@ class OffloadConnector:
         self.kv.free(request_id)
         return parked[0]
 
+    def stats(self) -> dict[str, Any]:
+        """``TierStats`` of each tier by name ("cpu", "disk")."""
+        return self.offload.stats()
+
     @property
     def loading(self) -> list[Any]:
         return [request for request, _ in self._loading.values()]
