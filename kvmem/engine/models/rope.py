@@ -74,4 +74,4 @@ class RotaryEmbedding(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, heads, head_dim]``."""
         dtype = x.dtype
-        return (x * cos.to(dtype) + rotate_half(x) * sin.to(dtype))
+        return (x * cos.to(dtype)).add_(rotate_half(x).mul_(sin.to(dtype)))
