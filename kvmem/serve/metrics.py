@@ -64,6 +64,38 @@ class EngineCollector:
                       s.prefix_hit_tokens)
         yield gauge("kvmem_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)",
                     s.prefix_hit_rate)
+        yield from _offload_metrics(s, labels, m)
+
+
+# kvmem.tiers.TierStats fields, exported per tier as kvmem_offload_<field>{tier="cpu"|"disk"}
+_OFFLOAD_COUNTERS = {
+    "hits": "KV blocks a prefix lookup found in this tier",
+    "misses": "KV blocks a prefix lookup looked for in this tier and did not find",
+    "stored_blocks": "KV blocks written into this tier",
+    "bytes_stored": "Bytes written into this tier",
+    "bytes_loaded": "Bytes loaded from this tier into the KV cache",
+    "skipped_stores": "Stores dropped (tier full or busy, write error, tier disabled)",
+    "not_admitted": "Stores the admission policy turned down",
+    "failed_loads": "Loads that failed (missing file, bad checksum, read error)",
+    "evictions": "KV blocks evicted from this tier",
+}
+_OFFLOAD_GAUGES = {
+    "used_bytes": "Bytes this tier holds now",
+    "capacity_bytes": "This tier's byte budget",
+    "enabled": "1 while this tier is in use (a failed disk turns it off)",
+}
+
+
+def _offload_metrics(s: EngineSnapshot, labels: list[str], m: list[str]) -> Iterator[Metric]:
+    if not s.offload:
+        return
+    for fields, family in ((_OFFLOAD_COUNTERS, CounterMetricFamily),
+                           (_OFFLOAD_GAUGES, GaugeMetricFamily)):
+        for name, doc in fields.items():
+            metric = family(f"kvmem_offload_{name}", doc, labels=[*labels, "tier"])
+            for tier, stats in s.offload.items():
+                metric.add_metric([*m, tier], float(getattr(stats, name)))
+            yield metric
 
 
 def make_registry(snapshot: Callable[[], EngineSnapshot], model_name: str) -> CollectorRegistry:

@@ -1,0 +1,139 @@
+"""Offloading as a user turns it on: ``kvmem serve``/``generate`` flags (one process and
+tensor parallel), the tiers' counters on /metrics, and one-line errors for bad settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+from test_serve import start_server, stop_server
+from tiny_models import make_tiny_checkpoint
+
+from kvmem.engine.llm_engine import EngineSnapshot
+from kvmem.serve.metrics import make_registry
+from kvmem.tiers import TierStats
+
+# tiny llama: 2 layers, 2 KV heads of dim 16, fp32; with tp 2 a rank holds one head
+RANK_BLOCK_BYTES = 16 * 2 * 1 * 16 * 4 * 2  # 16 tokens, K and V, 1 head, dim 16, fp32, 2 layers
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("offload-cli"), "llama")
+
+
+def kvmem(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "kvmem", *args], env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+def scrape(base: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def snapshot(**offload: TierStats) -> EngineSnapshot:
+    return EngineSnapshot(received_requests=0, finished_requests={}, prompt_tokens=0,
+                          generation_tokens=0, steps=0, num_preemptions=0, num_running=0,
+                          num_waiting=0, kv_blocks_total=8, kv_blocks_free=8, kv_blocks_used=0,
+                          kv_blocks_cached=0, prefix_queried_tokens=0, prefix_hit_tokens=0,
+                          offload=offload)
+
+
+def test_metrics_export_every_tier_counter_with_its_tier_label():
+    cpu = TierStats(hits=3, misses=5, stored_blocks=7, bytes_stored=700, bytes_loaded=300,
+                    skipped_stores=2, not_admitted=1, failed_loads=0, evictions=4,
+                    used_bytes=600, capacity_bytes=1000)
+    disk = TierStats(hits=11, misses=13, stored_blocks=17, bytes_stored=1700, bytes_loaded=1100,
+                     skipped_stores=19, not_admitted=0, failed_loads=23, evictions=29,
+                     used_bytes=1500, capacity_bytes=4000, enabled=False)
+    text = generate_latest(make_registry(lambda: snapshot(cpu=cpu, disk=disk), "m")).decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    for tier, stats in (("cpu", cpu), ("disk", disk)):
+        label = f'{{model_name="m",tier="{tier}"}}'
+        for field in ("hits", "misses", "stored_blocks", "bytes_stored", "bytes_loaded",
+                      "skipped_stores", "not_admitted", "failed_loads", "evictions"):
+            assert values[f"kvmem_offload_{field}_total{label}"] == getattr(stats, field)
+        for field in ("used_bytes", "capacity_bytes", "enabled"):
+            assert values[f"kvmem_offload_{field}{label}"] == float(getattr(stats, field))
+
+
+def test_metrics_without_offload_have_no_tier_series():
+    text = generate_latest(make_registry(lambda: snapshot(), "m")).decode()
+    assert "kvmem_offload_" not in text and "kvmem_kv_blocks_total" in text
+
+
+@pytest.mark.slow
+def test_serve_with_tensor_parallel_and_cpu_offload_reloads_an_evicted_prompt(model_dir):
+    """`kvmem serve -tp 2 --cpu-offload-gib`: a prompt pushed out of a 14-block pool by
+    another comes back from the CPU tier with the same tokens, and /metrics counts it."""
+    proc, base = start_server(model_dir, "-tp", "2", "--cpu-offload-gib", "0.01",
+                              "--max-num-batched-tokens", "64", "--max-model-len", "192",
+                              "--kv-cache-memory-bytes", str(14 * RANK_BLOCK_BYTES))
+    try:
+        first = "".join(chr(97 + i % 26) for i in range(150))
+        second = "".join(chr(90 - i % 26) for i in range(150))
+
+        def complete(prompt: str) -> dict:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": True}
+            response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        before = scrape(base)
+        outs = [complete(p) for p in (first, second, first)]
+        after = scrape(base)
+        assert outs[2]["choices"][0]["text"] == outs[0]["choices"][0]["text"]
+        cpu = '{model_name="tiny",tier="cpu"}'
+        hits = after[f"kvmem_offload_hits_total{cpu}"] - before[f"kvmem_offload_hits_total{cpu}"]
+        assert hits >= 1
+        loaded = after[f"kvmem_offload_bytes_loaded_total{cpu}"]
+        assert loaded == hits * 2 * RANK_BLOCK_BYTES  # a host row holds both ranks' halves
+        assert after[f"kvmem_offload_stored_blocks_total{cpu}"] >= 9
+        assert after[f"kvmem_offload_capacity_bytes{cpu}"] > 0
+    finally:
+        assert stop_server(proc) == 0
+
+
+@pytest.mark.slow
+def test_generate_with_a_disk_tier_writes_blocks_that_a_second_run_reuses(model_dir, tmp_path):
+    """The flags reach the engine; queued stores are written out when `kvmem generate`
+    exits, under a namespace with its identity; a second run prints the same text."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 3  # 132 bytes: 8 full blocks
+    common = ["generate", prompt, "--model", str(model_dir), "--max-tokens", "5", "--ignore-eos",
+              "--max-model-len", "192", "--kv-cache-memory-bytes", "1MiB"]
+    plain = kvmem(*common)
+    assert plain.returncode == 0, plain.stderr
+    tier = tmp_path / "tier"
+    flags = ["--disk-offload-dir", str(tier), "--disk-offload-gib", "0.01"]
+    runs = [kvmem(*common, *flags) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout == plain.stdout
+    (namespace,) = tier.glob("kvmem-*")
+    assert (namespace / "identity.json").is_file()
+    assert len(list(namespace.glob("*/*.kvb"))) >= 8
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--disk-offload-gib", "1"], "needs --disk-offload-dir"),
+    (["--disk-offload-dir", "/tmp/x"], "needs --disk-offload-gib"),
+    (["--cpu-offload-gib", "-1"], "--cpu-offload-gib must be a non-negative"),
+    (["--cpu-offload-gib", "nan"], "--cpu-offload-gib must be a non-negative"),
+])
+def test_bad_offload_flags_are_one_line_exit_2(flags, message):
+    res = kvmem("generate", "x", *flags)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvmem: error:") and message in lines[0]
