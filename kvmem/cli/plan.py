@@ -1,7 +1,10 @@
 """``kvmem plan MODEL``: what a deployment's KV cache holds, per rank and for the engine.
 
 Calls ``kvmem.plan.plan`` (the function the engine sizes itself with) and prints a table,
-JSON, the flags for an engine, or a stacked-bar plot. Imports no torch.
+JSON, the flags for an engine, or a stacked-bar plot. With ``--cpu-offload-gib`` /
+``--disk-offload-gib`` it also says how many KV blocks and tokens the offload tiers
+(``kvmem.tiers``) hold; weight offload (vLLM's ``--cpu-offload-gb``) is
+``--weight-offload-gib``. Imports no torch.
 """
 
 from __future__ import annotations
@@ -62,11 +65,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per scheduler step (default 8192)")
     e.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (their memory is then not reserved)")
-    e.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="GiB",
-                   help="weight GiB per GPU kept in CPU memory (default 0)")
+    e.add_argument("--weight-offload-gib", type=float, default=0.0, metavar="GiB",
+                   help="weight GiB per GPU kept in CPU memory (vLLM's --cpu-offload-gb; "
+                        "default 0)")
     e.add_argument("--profile", metavar="FILE.json",
                    help="measured memory from `kvmem profile --output`: its weights, activation, "
                         "non-torch, CUDA-graph and total memory replace the estimates")
+    k = p.add_argument_group("KV offload tiers (kvmem serve)")
+    k.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="GiB",
+                   help="host memory for KV blocks leaving the GPU pool (default 0)")
+    k.add_argument("--disk-offload-dir", metavar="DIR",
+                   help="directory for KV blocks on disk (with --disk-offload-gib)")
+    k.add_argument("--disk-offload-gib", type=float, default=0.0, metavar="GiB",
+                   help="disk budget for KV blocks (default 0)")
+    k.add_argument("--offload-policy", default="lru", choices=("lru", "seen-twice"),
+                   help="tier admission policy (default lru)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     o.add_argument("--engine", choices=("vllm", "sglang", "kvmem"),
@@ -110,8 +123,9 @@ def _inputs(args: argparse.Namespace):
     memory = _gib_list(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     if memory is not None and len(memory) == 1:
         memory = memory[0]
-    if args.cpu_offload_gib < 0:
-        raise ConfigError(f"--cpu-offload-gib must not be negative, got {args.cpu_offload_gib}")
+    if args.weight_offload_gib < 0:
+        raise ConfigError("--weight-offload-gib must not be negative, "
+                          f"got {args.weight_offload_gib}")
     kv_bytes = (parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
                 if args.kv_cache_memory_bytes is not None else None)
     layout = Layout(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
@@ -121,9 +135,65 @@ def _inputs(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graphs=not args.enforce_eager, cpu_offload_bytes=round(args.cpu_offload_gib * GiB),
+        cuda_graphs=not args.enforce_eager, cpu_offload_bytes=round(args.weight_offload_gib * GiB),
         kv_cache_dtype=args.kv_cache_dtype)
     return layout, settings
+
+
+def _offload_config(args: argparse.Namespace):
+    from kvmem.tiers.config import OffloadConfig
+
+    return OffloadConfig.from_gib(args.cpu_offload_gib, args.disk_offload_dir,
+                                  args.disk_offload_gib, args.offload_policy)
+
+
+def kv_offload(plan, config) -> dict | None:
+    """The ``kv_offload`` section: what each tier holds for this model and layout.
+
+    A tier stores a block as one row holding every rank's share of it (their
+    ``bytes_per_block`` summed), as the engine does; a disk block also has a header.
+    """
+    from kvmem.tiers.config import tier_capacity
+
+    if not config.enabled:
+        return None
+    block_bytes = sum(r.bytes_per_block for r in plan.ranks)
+    out: dict = {"block_bytes": block_bytes, "policy": config.policy}
+    for tier in tier_capacity(config, block_bytes, plan.engine.block_size):
+        out[tier.tier] = {"bytes": tier.budget_bytes, "block_bytes": tier.block_nbytes,
+                          "blocks": tier.num_blocks, "tokens": tier.num_tokens}
+    if config.disk_dir:
+        out["disk"]["dir"] = config.disk_dir
+    return out
+
+
+def _offload_notes(section: dict) -> list[str]:
+    from kvmem.units import format_bytes
+
+    notes = []
+    for tier in ("cpu", "disk"):
+        if tier in section:
+            t = section[tier]
+            where = f" in {t['dir']}" if "dir" in t else ""
+            notes.append(f"KV offload {tier} tier{where}: {format_bytes(t['bytes'])} holds "
+                         f"{t['blocks']:,} blocks ({t['tokens']:,} tokens) of "
+                         f"{format_bytes(t['block_bytes'])} each")
+    if any(section[t]["blocks"] == 0 for t in ("cpu", "disk") if t in section):
+        notes.append("a KV offload budget smaller than one block holds nothing; the engine "
+                     "refuses a CPU budget under one block")
+    return notes
+
+
+def _offload_flags(config) -> list[str]:
+    argv = []
+    if config.cpu_bytes:
+        argv += ["--cpu-offload-gib", f"{config.cpu_bytes / (1 << 30):g}"]
+    if config.disk_bytes:
+        argv += ["--disk-offload-dir", config.disk_dir,
+                 "--disk-offload-gib", f"{config.disk_bytes / (1 << 30):g}"]
+    if config.policy != "lru":
+        argv += ["--offload-policy", config.policy]
+    return argv
 
 
 def _checkpoint_dir(model: str) -> Path | None:
@@ -138,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.model)
     layout, settings = _inputs(args)
+    offload = _offload_config(args)
     measured = None
     if args.profile:
         from kvmem.engine.profiler import MemoryProfile  # reads JSON; imports no torch
@@ -151,12 +222,24 @@ def run(args: argparse.Namespace) -> int:
                             f"({args.profile}) replaces the estimates on every rank")
     model = spec.hf_id or args.model
     command = engine_command(result, args.engine, model) if args.engine else None
+    offload_section = kv_offload(result, offload)
+    if command is not None and offload_section is not None:
+        if args.engine == "kvmem":
+            command.argv += _offload_flags(offload)
+            if layout.world_size > 1:
+                command.notes.append("with tensor/pipeline parallelism, kvmem's offload tiers "
+                                     "need every rank on this machine's CPU (shared memory)")
+        else:
+            command.notes.append("the KV offload tiers are kvmem's; configure this engine's "
+                                 "own KV offloading separately")
     if args.plot:
         from kvmem.plan.plot import save_plot
 
         save_plot(result, args.plot)
     if args.json:
         out = result.to_dict()
+        if offload_section is not None:
+            out["kv_offload"] = offload_section
         if command is not None:
             out["engine_command"] = {"argv": command.argv, "env": command.env,
                                      "notes": command.notes}
@@ -164,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from kvmem.plan.report import print_plan
 
+        if offload_section is not None:
+            result.notes.extend(_offload_notes(offload_section))
         print_plan(result, command, plot=args.plot)
     if args.check:
         result.check_fit()
