@@ -97,8 +97,8 @@ class KVCacheCoordinator:
         if taken > len(pool.free_queue) + reclaimed or (
                 taken > reclaimed and pool.capacity_guard is not None
                 and not pool.capacity_guard(taken - reclaimed)):
-            return self._no_capacity(taken, reclaimed, num_computed, num_required, hit_lengths,
-                                     tables)
+            return self.no_capacity(taken, reclaimed, num_computed, num_required, hit_lengths,
+                                    tables)
 
         # 2. commit: release, adopt the hit, take new blocks
         for g, end in releases:
@@ -133,8 +133,10 @@ class KVCacheCoordinator:
                 out.append((g, end))
         return out
 
-    def _no_capacity(self, taken: int, reclaimed: int, num_computed: int, num_required: int,
-                     hit_lengths: list[int], tables: list[list[int]]) -> NoCapacity:
+    def no_capacity(self, taken: int, reclaimed: int, num_computed: int, num_required: int,
+                    hit_lengths: list[int], tables: list[list[int]]) -> NoCapacity:
+        """The ``NoCapacity`` for an allocation that needs ``taken`` blocks and gets
+        ``reclaimed`` back; says whether the request could fit in an otherwise empty pool."""
         pool = self.pool
         available = pool.num_free_blocks + reclaimed
         # blocks the request would hold afterwards: could it fit in an otherwise empty pool?

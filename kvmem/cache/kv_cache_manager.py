@@ -82,6 +82,8 @@ class KVCacheManager:
         self.pool = pool
         self.coordinator = KVCacheCoordinator(groups, pool, block_size)
         self._requests: dict[str, _RequestState] = {}
+        # one group that never releases blocks early: decode steps take a flat path
+        self._single_full = len(groups) == 1 and not self.coordinator.managers[0].releases_blocks
 
     @classmethod
     def from_plan(cls, groups: list[KVGroup], plan: object, **kwargs) -> KVCacheManager:
@@ -134,6 +136,8 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
         state = self._requests.get(request.request_id)
+        if state is not None and prefix_hit is None and self._single_full:
+            return self._extend_single_full(state, request, num_new_tokens, num_lookahead_tokens)
         hit = None
         if state is None:
             num_computed = 0
@@ -171,6 +175,42 @@ class KVCacheManager:
         if self.enable_prefix_caching and num_computed // self.block_size > min(state.num_cached):
             self._cache_full_blocks(state, request, min(num_computed, request.num_tokens))
         return Allocation(result, num_computed - num_new_tokens)
+
+    def _extend_single_full(self, state: _RequestState, request: CacheRequest,
+                            num_new_tokens: int, num_lookahead_tokens: int
+                            ) -> Allocation | NoCapacity:
+        """``allocate_slots`` for a running request of a model with one full-attention group
+        (each decode step): the general path's outcome, without its per-group bookkeeping."""
+        block_size = self.block_size
+        num_computed = state.num_computed
+        table = state.tables[0]
+        num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        need = (num_tokens + block_size - 1) // block_size - len(table)
+        if need > 0:
+            pool = self.pool
+            guard = pool.capacity_guard
+            if need > len(pool.free_queue) or (guard is not None and not guard(need)):
+                return self.coordinator.no_capacity(need, 0, num_computed, len(table) + need,
+                                                    [0], state.tables)
+            new_ids = pool.take_new_blocks(need, 0)
+            table += new_ids
+        else:
+            new_ids = []
+        state.num_computed = num_tokens = num_computed + num_new_tokens
+        if self.enable_prefix_caching:
+            if num_tokens > request.num_tokens:
+                num_tokens = request.num_tokens
+            num_full = num_tokens // block_size
+            start = state.num_cached[0]
+            if num_full > start:
+                hashes = state.hashes
+                if len(hashes) < num_full:
+                    extend_block_hashes(hashes, request.all_token_ids, num_full, block_size,
+                                        state.extra_keys)
+                end = num_full if num_full < len(table) else len(table)
+                self.pool.cache_table_blocks(0, table, hashes, start, end)
+                state.num_cached[0] = end
+        return Allocation((new_ids,), num_computed)
 
     def _hit_is_current(self, hit: PrefixHit) -> bool:
         """Whether every block of ``hit`` still holds the hash it was found by."""
