@@ -16,6 +16,7 @@ from kvmem.units import GiB, parse_size
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_BUDGET_POLICIES = ("uniform", "proportional", "optimal")  # as in kvmem.plan
+KV_MEMORY_BACKENDS = ("plain", "elastic")
 
 
 @dataclass
@@ -52,6 +53,11 @@ class EngineConfig:
     disk_offload_dir: str | None = None
     disk_offload_gib: float = 0.0
     offload_policy: str = "lru"  # lru | seen-twice (admit a block on its second offer)
+    # where KV bytes live (kvmem.memory): plain preallocated tensors, or elastic pages mapped
+    # on demand under a limit shared with other engines on the device (ledger)
+    kv_memory: str = "plain"  # plain | elastic
+    kv_memory_limit_bytes: int | None = None  # elastic: default the planned KV budget
+    engine_name: str | None = None  # the engine's name in the ledger (default: model-pid)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -73,7 +79,20 @@ class EngineConfig:
         if self.cpu_kv_memory_bytes is not None:
             self.cpu_kv_memory_bytes = parse_size(self.cpu_kv_memory_bytes, "cpu_kv_memory_bytes")
         self._check_parallel()
+        self._check_kv_memory()
         self.offload_config()  # one-line ConfigError for bad offload settings
+
+    def _check_kv_memory(self) -> None:
+        if self.kv_memory not in KV_MEMORY_BACKENDS:
+            raise ConfigError(f"unknown kv_memory {self.kv_memory!r} "
+                              f"(choose from {', '.join(KV_MEMORY_BACKENDS)})")
+        if self.kv_memory_limit_bytes is not None:
+            if self.kv_memory != "elastic":
+                raise ConfigError("kv_memory_limit_bytes needs kv_memory 'elastic'")
+            self.kv_memory_limit_bytes = parse_size(self.kv_memory_limit_bytes,
+                                                    "kv_memory_limit_bytes")
+        if self.engine_name is not None and not self.engine_name.strip():
+            raise ConfigError("engine_name must not be empty")
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -179,6 +198,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     par.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                      default=d.distributed_timeout_s, metavar="SECONDS",
                      help="longest wait between ranks during a step")
+    mem = p.add_argument_group("KV memory")
+    mem.add_argument("--kv-memory", default=d.kv_memory, choices=KV_MEMORY_BACKENDS,
+                     help="plain: preallocated KV tensors; elastic: pages mapped on demand "
+                          "under a limit shared with other engines on the device")
+    mem.add_argument("--kv-memory-limit", dest="kv_memory_limit_bytes", default=None,
+                     metavar="SIZE", help="elastic: most KV memory mapped at once, e.g. 4GiB "
+                                          "(default: the planned KV budget)")
+    mem.add_argument("--engine-name", default=None,
+                     help="this engine's name in `kvmem top` / `kvmem limit` "
+                          "(default: served model name + pid)")
     off = p.add_argument_group("KV offloading (CPU and disk tiers)")
     off.add_argument("--cpu-offload-gib", type=float, default=d.cpu_offload_gib, metavar="GiB",
                      help="host memory for KV blocks leaving the pool (default 0: off)")

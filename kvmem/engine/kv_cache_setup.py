@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from kvmem.engine.config import EngineConfig, default_cpu_kv_memory_bytes
-from kvmem.memory.storage import SlotShape, TensorKVStorage
+from kvmem.memory.storage import KVStorage, SlotShape, TensorKVStorage
 from kvmem.spec import ModelSpec
 
 
 @dataclass
 class KVCacheSetup:
     plan: object  # kvmem.plan.Plan
-    storage: TensorKVStorage
+    storage: KVStorage  # TensorKVStorage, or ElasticKVStorage with --kv-memory elastic
     kv_caches: list[torch.Tensor]  # one slot tensor per layer
     num_blocks: int
 
@@ -67,19 +67,32 @@ def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device
 
 
 def allocate_kv_cache(spec: ModelSpec, kv_plan, *, block_size: int, dtype: torch.dtype,
-                      device: torch.device, rank: int = 0) -> KVCacheSetup:
+                      device: torch.device, rank: int = 0, elastic=None,
+                      views: bool = True) -> KVCacheSetup:
     """``rank``'s KV storage: its RankPlan's slots and heads, the engine's block count.
 
     ``kv_caches`` lists the slot tensor of each layer the rank holds (its pipeline stage).
+    With ``elastic`` (a ``kvmem.engine.elastic_setup.ElasticSetup``) the slot tensors are
+    views over a reservation backed only where blocks are live, and the block count is the
+    reservation's; the planned budget becomes the memory limit. ``views=False`` leaves
+    ``kv_caches`` empty, for ranks that must map rank 0's pages first (``layer_views``).
     """
     rank_plan = kv_plan.ranks[rank]
     num_blocks = kv_plan.engine.num_blocks
     head_dim = next((layer.head_dim for layer in spec.layers if layer.kind.uses_blocks), 0)
-    storage = TensorKVStorage(num_blocks, rank_plan.num_slots,
-                              SlotShape(2, block_size, rank_plan.kv_heads_on_rank, head_dim),
-                              dtype, device)
+    shape = SlotShape(2, block_size, rank_plan.kv_heads_on_rank, head_dim)
+    if elastic is None:
+        storage = TensorKVStorage(num_blocks, rank_plan.num_slots, shape, dtype, device)
+    else:
+        storage = elastic.build_storage(rank_plan.num_slots, shape, dtype, device)
+        num_blocks = storage.num_blocks
+    kv_caches = layer_views(spec, rank_plan, storage) if views else []
+    return KVCacheSetup(plan=kv_plan, storage=storage, kv_caches=kv_caches, num_blocks=num_blocks)
+
+
+def layer_views(spec: ModelSpec, rank_plan, storage: KVStorage) -> list[torch.Tensor]:
+    """The slot tensor of each layer the rank holds (its pipeline stage), in layer order."""
     slots = spec.layer_slots()
     layers = rank_plan.layers if rank_plan.layers else range(spec.num_layers)
     local = {slot: i for i, slot in enumerate(sorted({slots[i] for i in layers if i in slots}))}
-    kv_caches = [storage.slot_tensor(local[slots[i]]) for i in layers]
-    return KVCacheSetup(plan=kv_plan, storage=storage, kv_caches=kv_caches, num_blocks=num_blocks)
+    return [storage.slot_tensor(local[slots[i]]) for i in layers]

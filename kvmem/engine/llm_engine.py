@@ -22,7 +22,7 @@ from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.sampler import Sampler
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.scheduler import Scheduler
-from kvmem.errors import ConfigError
+from kvmem.errors import ConfigError, KvmemError
 
 logger = logging.getLogger("kvmem.engine")
 
@@ -113,6 +113,8 @@ class LLMEngine:
         self.max_model_len = self.max_model_len_for(self.spec, config)
 
         self.parallel = None  # the ParallelDriver (rank 0) of a tp x pp engine
+        self.elastic = None  # an ElasticSetup with --kv-memory elastic
+        self._closed = False
         if config.world_size > 1 or parallel is not None:
             from kvmem.engine.distributed import start_parallel
 
@@ -121,6 +123,7 @@ class LLMEngine:
             state = self.parallel.state
             model = self.model = state.model
             self.kv_plan, kv = state.kv_plan, state.kv
+            self.elastic = state.elastic  # rank 0's; every rank has mapped the same pages
             self.memory_profile = None
         else:
             # a GPU without an explicit KV budget is profiled: snapshot it before the weights
@@ -144,17 +147,29 @@ class LLMEngine:
             profile = self.memory_profile.to_rank_profile() if self.memory_profile else None
             self.kv_plan = plan_kv_cache(self.spec, config, device=self.device, kv_dtype=dtype_name,
                                          max_model_len=self.max_model_len, profile=profile)
+            if config.kv_memory == "elastic":
+                from kvmem.engine.elastic_setup import ElasticSetup
+
+                self.elastic = ElasticSetup.for_rank(config, self.spec, self.kv_plan,
+                                                     device=self.device,
+                                                     max_model_len=self.max_model_len)
             kv = allocate_kv_cache(self.spec, self.kv_plan, block_size=config.block_size,
-                                   dtype=self.dtype, device=self.device)
+                                   dtype=self.dtype, device=self.device, elastic=self.elastic)
         self.kv_storage = kv.storage
         self.num_blocks = kv.num_blocks
+        groups = self.spec.kv_groups()
+        pool = self.elastic.make_pool(len(groups)) if self.elastic is not None else None
         self.kv_cache_manager = KVCacheManager(
-            self.spec.kv_groups(), kv.num_blocks, config.block_size,
+            groups, kv.num_blocks, config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_num_batched_tokens=config.max_num_batched_tokens)
+            max_num_batched_tokens=config.max_num_batched_tokens, pool=pool)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
+        if self.elastic is not None:
+            self.scheduler.kv_memory = self.elastic
+            if self.parallel is None:  # a parallel engine's ranks started theirs together
+                self.elastic.start()  # the null page is mapped: pre-mapping may begin
         if self.parallel is not None:
             from kvmem.engine.distributed import ParallelModelRunner
 
@@ -196,6 +211,9 @@ class LLMEngine:
         shutdown_offload(self)
         if self.parallel is not None:
             self.parallel.shutdown()
+        if self.elastic is not None:
+            self.elastic.close()  # stops pre-mapping, leaves the ledger, unmaps the KV
+            self._closed = True
 
     @staticmethod
     def max_model_len_for(spec, config: EngineConfig) -> int:
@@ -268,9 +286,13 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return outputs of requests that advanced."""
+        if self._closed:
+            raise KvmemError("the engine is shut down")
         sched = self.scheduler.schedule()
         outputs = [self._finish(r) for r in sched.failed]
         if sched.is_empty:
+            if self.elastic is not None and self.scheduler.num_waiting:
+                self.elastic.backoff()  # waiting for memory other engines hold
             return outputs
         sampled = self.model_runner.execute(sched.scheduled)
         self.stats.steps += 1

@@ -63,6 +63,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the newest is last
         self.stats = SchedulerStats()
         self.offload = offload
+        # an elastic KV cache (kvmem.engine.elastic_setup.ElasticSetup) whose limit is shared
+        # with other engines: a refusal that fits the engine's own limit means "wait"
+        self.kv_memory: Any = None
 
     # -- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,7 +128,8 @@ class Scheduler:
             while not (result := self.kv_cache_manager.allocate_slots(request, num_new)):
                 victim = self.running[-1]
                 if not result.can_ever_fit or (victim is request and i == 0):
-                    if result.can_ever_fit and self._transfers_hold_blocks(request):
+                    if result.can_ever_fit and (self._transfers_hold_blocks(request)
+                                                or self._memory_frees_later(request)):
                         self._preempt(request, out)  # the blocks come back soon: wait
                     else:  # even alone there is no room: it can never run in this pool
                         self._fail(request, out, _too_big(request))
@@ -159,7 +163,7 @@ class Scheduler:
             result = mgr.allocate_slots(request, num_new, prefix_hit=hit)
             if not result:
                 alone = not self.running and not self.loading and mgr.usage().held == 0
-                if not result.can_ever_fit or alone:
+                if not result.can_ever_fit or (alone and not self._memory_frees_later(request)):
                     self.waiting.popleft()
                     self._fail(request, out, _too_big(request))
                     continue
@@ -183,6 +187,10 @@ class Scheduler:
             self.stats.prefix_hit_tokens += request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+
+    def _memory_frees_later(self, request: Request) -> bool:
+        """Other engines hold the shared KV memory this request fits in: it comes back."""
+        return self.kv_memory is not None and self.kv_memory.fits_limit(request.num_tokens)
 
     def _transfers_hold_blocks(self, request: Request) -> bool:
         """Whether blocks now pinned by transfers would let ``request`` fit once released."""

@@ -1,7 +1,8 @@
 """Tensor-parallel startup of an elastic KV cache: one page map, decided on rank 0.
 
 Rank 0 maps the null block's page (and whatever else it decided before starting its
-pre-mapping thread), publishes those decisions with the page geometry through a
+pre-mapping thread), publishes those decisions with the page layout (pages and blocks
+per page; the slot tensors behind a page may differ between pipeline stages) through a
 ``torch.distributed`` store, and waits for every other rank to replay them and report
 ready. Only then does rank 0 start pre-mapping. Rank and world size are arguments, taken
 from the engine's configuration; every wait is bounded and names what it waited for.
@@ -56,8 +57,9 @@ class PageMapCoordinator:
         if (storage.rank, storage.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"storage is rank {storage.rank}/{storage.world_size}, coordinator "
                               f"is rank {self.rank}/{self.world_size}")
-        layout = [storage.geometry.num_pages, storage.geometry.page_bytes,
-                  storage.geometry.num_slots]
+        # Pages are block ranges: ranks whose slot tensors differ (pipeline stages hold
+        # different layers) share one page map as long as their pages cover the same blocks.
+        layout = [storage.geometry.num_pages, storage.geometry.blocks_per_page]
         if self.rank == 0:
             plan = {"layout": layout, "ops": _encode(storage.drain_ops())}
             self.store.set(self._key("plan"), json.dumps(plan))
@@ -72,7 +74,7 @@ class PageMapCoordinator:
             plan = json.loads(raw)
             if plan["layout"] != layout:
                 raise RankMismatchError(
-                    f"rank {self.rank} has KV layout (pages, page bytes, slots) {layout}, "
+                    f"rank {self.rank} has KV layout (pages, blocks per page) {layout}, "
                     f"rank 0 has {plan['layout']}")
             storage.apply_ops(_decode(plan["ops"]))
             self.store.set(self._key("ready", self.rank), "1")

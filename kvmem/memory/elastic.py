@@ -154,6 +154,11 @@ class ElasticKVStorage:
     def apply_ops(self, ops: list[PageOp]) -> None:
         self.table.apply_ops(ops)
 
+    @property
+    def nbytes(self) -> int:
+        """Physical KV bytes mapped now on this rank (the reservation is virtual)."""
+        return self.table.mapped_pages * self.geometry.page_bytes
+
     def stats(self) -> ElasticStats:
         t, geo = self.table, self.geometry
         with t.cond:

@@ -57,7 +57,8 @@ def start_parallel(config: EngineConfig, parallel: ParallelConfig | None, *,
         raise ConfigError("the parallel layout differs from the engine config's")
     ctx = RankContext(config=config, parallel=parallel, max_model_len=max_model_len,
                       dtype=str(dtype).removeprefix("torch."), device_type=device.type,
-                      share_kv=device.type == "cpu" and parallel.launcher == "local")
+                      share_kv=device.type == "cpu" and parallel.launcher == "local"
+                      and config.kv_memory == "plain")  # elastic pages stay per process
     driver = ParallelDriver(ctx)
     try:
         driver.start()
@@ -260,6 +261,9 @@ class ParallelModelRunner:
             raise self.driver.error
         step = StepInput.from_scheduled(scheduled, self.kv_cache_manager, self.num_kv_groups)
         step.finished_request_ids = self._finished_seeded(scheduled)
+        elastic = self.driver.state.elastic
+        if elastic is not None:  # mapping decisions since the last step, for the other ranks
+            step.page_ops = elastic.drain_ops()
         try:
             broadcast_step(step, self.driver.groups.control, self.driver.parallel.timeout_s)
             tokens = self.runner.run(step)

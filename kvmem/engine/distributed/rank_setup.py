@@ -5,7 +5,9 @@
 2. load this rank's shard: its pipeline stage's layers, its tensor-parallel slice;
 3. check this rank's own fit (its RankPlan: its layers, its KV heads, its budget);
 4. agree with the other ranks on one block count, the minimum over ranks;
-5. allocate this rank's KV cache (its RankPlan's slots and heads, the agreed blocks).
+5. allocate this rank's KV cache (its RankPlan's slots and heads, the agreed blocks);
+   an elastic KV cache instead agrees on one reservation and page size, and every rank
+   maps rank 0's startup pages (``PageMapCoordinator``) before it serves.
 
 Each phase ends with every rank telling the others whether it succeeded, so that one
 rank's failure becomes the same clear error on every rank instead of a hang.
@@ -26,7 +28,12 @@ from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import StartupError
 from kvmem.engine.distributed.stage_runner import StageRunner
 from kvmem.engine.distributed.state import DistributedGroups
-from kvmem.engine.kv_cache_setup import KVCacheSetup, allocate_kv_cache, plan_kv_cache
+from kvmem.engine.kv_cache_setup import (
+    KVCacheSetup,
+    allocate_kv_cache,
+    layer_views,
+    plan_kv_cache,
+)
 from kvmem.engine.sampler import Sampler
 from kvmem.errors import KvmemError
 
@@ -84,6 +91,7 @@ class RankState:
     kv: KVCacheSetup
     allocations: list[RankAllocation]
     runner: StageRunner
+    elastic: Any = None  # an ElasticSetup with --kv-memory elastic
 
 
 def agree(groups: DistributedGroups, phase: str, fn: Callable[[], T]) -> T:
@@ -146,9 +154,19 @@ def setup_rank(ctx: RankContext, groups: DistributedGroups) -> RankState:
     model = agree(groups, "loading its weights", load_shard)
     agree(groups, "checking its KV cache fits", lambda: check_rank_fit(kv_plan, rank))
     num_blocks = agree_num_blocks(groups, kv_plan)
+    elastic = None
+    if config.kv_memory == "elastic":
+        elastic = agree(groups, "sizing its elastic KV memory",
+                        lambda: size_elastic(ctx, groups, spec, kv_plan))
     kv = agree(groups, "allocating its KV cache", lambda: allocate_kv_cache(
         spec, kv_plan, block_size=config.block_size, dtype=ctx.torch_dtype, device=device,
-        rank=rank))
+        rank=rank, elastic=elastic, views=elastic is None))
+    if elastic is not None:
+        # Not inside agree(): a rank that never arrives must fail this rank within the
+        # timeout, not hold it in a collective. Views need the replayed pages (CUDA).
+        elastic.start(groups.store, timeout=parallel.timeout_s)
+        kv.kv_caches = layer_views(spec, rank_plan, kv.storage)
+        num_blocks = kv.num_blocks
     mine = RankAllocation(
         rank=rank, pp_stage=rank_plan.pp_stage, tp_rank=rank_plan.tp_rank,
         layers=list(rank_plan.layers), kv_heads_on_rank=rank_plan.kv_heads_on_rank,
@@ -158,8 +176,23 @@ def setup_rank(ctx: RankContext, groups: DistributedGroups) -> RankState:
     allocations: list[Any] = [None] * parallel.world_size
     dist.all_gather_object(allocations, mine, group=groups.startup)
     runner = StageRunner(model, kv.kv_caches, groups, block_size=config.block_size,
-                         device=device, dtype=ctx.torch_dtype, sampler=Sampler(config.seed))
-    return RankState(spec, model, kv_plan, kv, allocations, runner)
+                         device=device, dtype=ctx.torch_dtype, sampler=Sampler(config.seed),
+                         page_map=elastic if rank != 0 else None)
+    return RankState(spec, model, kv_plan, kv, allocations, runner, elastic)
+
+
+def size_elastic(ctx: RankContext, groups: DistributedGroups, spec, kv_plan):
+    """This rank's elastic KV sizing, agreed with every rank (one reservation, one page)."""
+    from kvmem.engine.elastic_setup import ElasticSetup
+
+    def exchange(obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * groups.parallel.world_size
+        dist.all_gather_object(gathered, obj, group=groups.startup)
+        return gathered
+
+    return ElasticSetup.for_rank(ctx.config, spec, kv_plan, device=ctx.device,
+                                 max_model_len=ctx.max_model_len, rank=groups.parallel.rank,
+                                 world_size=groups.parallel.world_size, exchange=exchange)
 
 
 def agree_num_blocks(groups: DistributedGroups, kv_plan) -> int:

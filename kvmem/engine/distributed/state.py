@@ -2,7 +2,8 @@
 
 Groups (every rank creates all of them, in the same order):
 
-- the default group (gloo on CPU, NCCL on GPU), bounded by ``startup_timeout_s``;
+- the default group (gloo on CPU, NCCL on GPU), bounded by ``startup_timeout_s``, over a
+  TCP store that the elastic KV cache's page-map startup also uses;
 - ``startup``: gloo, for the ranks' agreement on plans and allocations at start;
 - ``control``: gloo, for the driver's step broadcasts; a worker may wait on it for as
   long as the engine stays idle, so its bound is long (a dead driver still closes it);
@@ -39,6 +40,7 @@ class DistributedGroups:
     control: dist.ProcessGroup
     step: dist.ProcessGroup
     tp: dist.ProcessGroup | None
+    store: dist.Store | None = None  # the rendezvous store (key-value, bounded waits)
 
     @property
     def prev_rank(self) -> int | None:
@@ -59,9 +61,11 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> Distribu
     backend = "nccl" if device.type == "cuda" else "gloo"
     step_timeout = timedelta(seconds=parallel.timeout_s)
     startup_timeout = timedelta(seconds=parallel.startup_timeout_s)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}",
-        rank=parallel.rank, world_size=parallel.world_size, timeout=startup_timeout)
+    store = dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.world_size,
+                          is_master=parallel.rank == 0, timeout=startup_timeout,
+                          multi_tenant=True)
+    dist.init_process_group(backend, store=store, rank=parallel.rank,
+                            world_size=parallel.world_size, timeout=startup_timeout)
     everyone = list(range(parallel.world_size))
     startup = dist.new_group(everyone, timeout=startup_timeout, backend="gloo")
     control = dist.new_group(everyone, timeout=IDLE_TIMEOUT, backend="gloo")
@@ -74,7 +78,7 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> Distribu
             if stage == parallel.pp_stage:
                 own_tp = group
     _tp_group = own_tp
-    return DistributedGroups(parallel, backend, startup, control, step, own_tp)
+    return DistributedGroups(parallel, backend, startup, control, step, own_tp, store)
 
 
 def destroy_distributed() -> None:

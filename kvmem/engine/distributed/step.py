@@ -2,7 +2,9 @@
 
 It carries what the model runner of a single-process engine reads from the scheduler's
 requests: token ids, positions, query and sequence lengths, each request's block table
-per KV group, and which rows the sampling rank samples with which SamplingParams.
+per KV group, and which rows the sampling rank samples with which SamplingParams. With an
+elastic KV cache it also carries rank 0's page mapping decisions since the last step,
+which the other ranks replay before they run it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class StepInput:
     sample_request_ids: list[str]
     sample_params: list[SamplingParams]
     finished_request_ids: list[str] = field(default_factory=list)  # drop their generators
+    page_ops: list = field(default_factory=list)  # kvmem.memory PageOps, replayed in order
 
     @property
     def num_tokens(self) -> int:

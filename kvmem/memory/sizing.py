@@ -1,0 +1,78 @@
+"""How big an elastic KV cache's reservation is, and what its limit allows (no torch).
+
+The reservation is virtual: it costs address space, not memory, so it is sized for the
+largest pool the engine could ever use, and the limit (the planned KV budget by default)
+decides how much of it may be backed by physical pages at once:
+
+    max_blocks = max(limit blocks, min(device blocks, useful blocks))
+
+- *device blocks*: what the device's free memory could hold;
+- *useful blocks*: ``max_num_seqs`` requests of ``max_model_len`` at once, plus the null
+  block; a pool beyond that could only hold more prefix-cache data, and every block costs
+  the block manager a little host memory whether or not it is backed;
+- *limit blocks*: what the limit pays for, so raising the limit up to the reservation
+  (``kvmem limit``) needs no restart.
+
+``kvmem plan --kv-memory elastic`` and the engine both call ``elastic_sizing``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from math import ceil
+
+from kvmem.errors import ConfigError
+from kvmem.memory.pages import PageGeometry, blocks_per_page_for
+from kvmem.spec.layout import AttentionKind, KVGroup
+
+CUDA_GRANULARITY = 2 << 20  # the usual cuMemGetAllocationGranularity on current GPUs
+
+
+@dataclass(frozen=True)
+class ElasticSizing:
+    max_blocks: int  # blocks the reservation covers: the block pool's size
+    blocks_per_page: int
+    page_bytes: int  # one page across all slots of the rank
+    reserved_bytes: int  # the rank's virtual range
+    limit_bytes: int  # most physical KV bytes mapped at once (the ledger limit)
+    limit_blocks: int  # blocks the limit can back, counted in whole pages
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def useful_blocks(groups: Iterable[KVGroup], *, max_model_len: int, block_size: int,
+                  max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Blocks that ``max_num_seqs`` requests of ``max_model_len`` hold at once, + the null."""
+    per_request = sum(g.blocks_per_request(max_model_len, block_size, max_num_batched_tokens)
+                      for g in groups if g.kind is not AttentionKind.LINEAR)
+    return max_num_seqs * per_request + 1
+
+
+def elastic_sizing(*, num_slots: int, block_slot_bytes: int, limit_bytes: int,
+                   device_blocks: int | None, useful: int, granularity: int,
+                   blocks_per_page: int | None = None,
+                   max_blocks: int | None = None) -> ElasticSizing:
+    """The reservation and limit of one rank.
+
+    ``block_slot_bytes``: one block in one slot tensor; ``device_blocks``: blocks the
+    device's free memory could hold (None: unknown, the useful size decides). A parallel
+    engine's ranks agree on ``blocks_per_page`` and ``max_blocks`` and pass them here.
+    """
+    if num_slots < 1 or block_slot_bytes < 1:
+        raise ConfigError("an elastic KV cache needs at least one paged layer")
+    if limit_bytes < 1:
+        raise ConfigError(f"the KV memory limit must be positive, got {limit_bytes}")
+    k = blocks_per_page or blocks_per_page_for(block_slot_bytes, granularity)
+    page_bytes = k * block_slot_bytes * num_slots
+    limit_blocks = limit_bytes // page_bytes * k
+    if max_blocks is None:
+        device = useful if device_blocks is None else device_blocks
+        max_blocks = max(limit_blocks, min(device, useful), 2 * k)
+    geo = PageGeometry.build(num_slots=num_slots, block_slot_bytes=block_slot_bytes,
+                             max_blocks=ceil(max_blocks / k) * k, granularity=granularity,
+                             blocks_per_page=k)
+    return ElasticSizing(max_blocks=geo.num_blocks, blocks_per_page=k, page_bytes=page_bytes,
+                         reserved_bytes=geo.reserved_bytes, limit_bytes=limit_bytes,
+                         limit_blocks=min(limit_blocks, geo.num_blocks))
