@@ -111,23 +111,24 @@ class BlockPool:
             return []
         block_ids = self.free_queue.pop_n(n)
         ref_cnt, block_hash, block_group = self.ref_cnt, self.block_hash, self.block_group
-        evicted = False
+        cached, events, on_evict = self.cached, self.events, self.evict_listener
+        num_evicted = 0
         for block_id in block_ids:
             old_hash = block_hash[block_id]
             if old_hash is not None:  # a cached-free block: evict its data (inlined: hot)
-                if self.evict_listener is not None:
-                    self.evict_listener(block_id, old_hash)
+                if on_evict is not None:
+                    on_evict(block_id, old_hash)
                 old_group = block_group[block_id]
-                del self.cached[old_group][old_hash]
+                del cached[old_group][old_hash]
                 block_hash[block_id] = None
-                if self.events is not None:
-                    self.events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
-                evicted = True
+                if events is not None:
+                    events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
+                num_evicted += 1
             ref_cnt[block_id] = 1
             block_group[block_id] = group_id
-        if evicted:
+        if num_evicted:
             self.epoch += 1
-            if self.events is not None and len(self.events) > self.max_events:
+            if events is not None and len(events) > self.max_events:
                 self._bound_events()
         for listener in self.listeners:
             listener.on_blocks_allocated(block_ids)
@@ -157,19 +158,21 @@ class BlockPool:
         uncached: list[int] = []
         cached: list[int] = []
         for block_id in block_ids:
-            if block_id == NULL_BLOCK_ID:
+            if not block_id:  # the null block
                 continue
-            ref = ref_cnt[block_id] - 1
-            if ref < 0:
-                raise ValueError(f"block {block_id} freed more often than it was taken")
-            ref_cnt[block_id] = ref
-            if ref == 0:
+            ref = ref_cnt[block_id]
+            if ref > 1:
+                ref_cnt[block_id] = ref - 1
+            elif ref == 1:
+                ref_cnt[block_id] = 0
                 if hold_cnt[block_id]:
                     self.held_idle.add(block_id)
                 elif block_hash[block_id] is None:
                     uncached.append(block_id)
                 else:
                     cached.append(block_id)
+            else:
+                raise ValueError(f"block {block_id} freed more often than it was taken")
         if cached:
             self.free_queue.push_cached(cached)
         if uncached:

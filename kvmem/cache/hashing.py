@@ -29,9 +29,11 @@ _SWAP = sys.byteorder != "little"
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (the hashed representation)."""
+    packed = array(_UINT32)
     try:
-        packed = array(_UINT32, token_ids)
-    except OverflowError:
+        # fromlist is the fastest way from a list of Python ints to packed uint32
+        packed.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
+    except (OverflowError, TypeError):
         raise ValueError("token ids must be integers in [0, 2**32)") from None
     if _SWAP:
         packed.byteswap()
@@ -88,9 +90,14 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], num_b
     stride = 4 * block_size
     parent = hashes[-1] if hashes else ROOT_PARENT_HASH
     append = hashes.append
-    for offset in range(0, len(packed), stride):
-        parent = xxh3_128_digest(parent + packed[offset:offset + stride] + extra_keys)
-        append(parent)
+    if extra_keys:
+        for offset in range(0, len(packed), stride):
+            parent = xxh3_128_digest(parent + packed[offset:offset + stride] + extra_keys)
+            append(parent)
+    else:  # the common case, one concatenation less per block
+        for offset in range(0, len(packed), stride):
+            parent = xxh3_128_digest(parent + packed[offset:offset + stride])
+            append(parent)
     return hashes
 
 

@@ -253,8 +253,12 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        tables = state.tables
+        if len(tables) == 1:
+            self.pool.free_blocks(reversed(tables[0]))
+            return
         released: list[int] = []
-        for table in state.tables:
+        for table in tables:
             released.extend(reversed(table))
         self.pool.free_blocks(released)
 
