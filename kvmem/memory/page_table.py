@@ -319,8 +319,9 @@ class PageTable:
             if self.state[page] is not PageState.UNMAPPED:
                 return
             if not self._take_page_budget():
-                raise OverBudgetError(f"the KV memory limit is below one page "
-                                      f"({self.page_bytes} bytes)")
+                raise OverBudgetError(
+                    f"no room for one KV page ({self.page_bytes} bytes): this engine's limit "
+                    "is below it, or other engines hold the device's total limit")
             self._begin_map(page)
         self._map(page)
 

@@ -1,0 +1,392 @@
+"""The engine on elastic KV memory (``--kv-memory elastic``), on CPU with tiny models.
+
+Token-exact output against plain tensors (one process, tp 2, pp 2); resident memory that
+follows live KV in a real engine; a limit too small for one request; a request refused
+by a shared budget that waits instead of failing; two engine processes sharing one
+budget; a tp-2 ``kvmem serve`` that starts and serves; and a rank that never joins the
+page map, which fails rank 0's startup within the timeout with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from tiny_models import make_tiny_checkpoint
+
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.llm import LLM
+from kvmem.engine.llm_engine import LLMEngine
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.errors import ConfigError
+from kvmem.memory import Ledger
+
+TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+# 8 layers x 8 KV heads x head_dim 64 in fp32: 32 KiB of KV per token, 512 KiB per block
+WIDE = dict(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=64)
+BLOCK_BYTES = 16 * 8 * 2 * 8 * 64 * 4
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 90)), [200, 3, 77, 14, 15, 16, 17, 18, 19, 20, 21]]
+OPTIONS = dict(kv_cache_memory_bytes="4MiB", max_model_len=128, max_num_batched_tokens=32)
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMEM_LEDGER_DIR", str(tmp_path / "ledger"))
+    return tmp_path / "ledger"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("elastic"), "llama", **TINY)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("elastic_wide"), "llama", **WIDE)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return _generate(LLM(str(tiny), **OPTIONS))
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, [GREEDY, SEEDED, GREEDY])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_tokens_match_plain_and_shutdown_leaves_the_ledger(tiny, reference):
+    llm = LLM(str(tiny), kv_memory="elastic", engine_name="tiny-a", **OPTIONS)
+    engine = llm.engine
+    storage = engine.kv_storage
+    try:
+        assert _generate(llm) == reference
+        sizing = engine.elastic.sizing
+        assert sizing.limit_bytes == 4 << 20  # the planned budget is the limit
+        assert engine.num_blocks == sizing.max_blocks > engine.kv_plan.engine.num_blocks
+        stats = storage.stats()
+        assert 0 < stats.mapped_bytes < stats.reserved_bytes
+        [entry] = Ledger.for_device("cpu").entries()
+        assert (entry.name, entry.pid, entry.limit_bytes) == ("tiny-a", os.getpid(), 4 << 20)
+        # Cached prefixes keep their pages; dropping them gives the pages back.
+        assert stats.live_blocks > 1
+        assert engine.kv_cache_manager.reset_prefix_cache()
+        storage.settle()
+        after = storage.stats()
+        assert after.live_blocks == 1  # the null block
+        assert after.mapped_pages <= 1 + storage.table.reserve_pages
+    finally:
+        engine.shutdown()
+    assert Ledger.for_device("cpu").entries() == []
+    with pytest.raises(Exception, match="shut down"):
+        engine.step()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_parallel_tokens_match_plain(tiny, reference, tp, pp):
+    """Every rank maps rank 0's pages (pp ranks hold different slots over the same blocks)."""
+    llm = LLM(str(tiny), kv_memory="elastic", tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, **OPTIONS)
+    try:
+        assert _generate(llm) == reference
+        engine = llm.engine
+        allocations = engine.parallel.state.allocations
+        assert {a.num_blocks for a in allocations} == {engine.num_blocks}
+        assert engine.num_blocks == engine.elastic.sizing.max_blocks
+        assert 0 < allocations[0].allocated_bytes < engine.elastic.sizing.reserved_bytes
+        assert [e.name for e in Ledger.for_device("cpu").entries()] == \
+            [engine.elastic.name]  # rank 0 speaks for the engine
+    finally:
+        llm.engine.shutdown()
+
+
+def test_limit_too_small_for_one_request_is_a_clear_error(tiny):
+    with pytest.raises(ConfigError, match=r"KV memory limit .* max_model_len 128 needs 9 "):
+        LLM(str(tiny), kv_memory="elastic", kv_memory_limit_bytes="64KiB", **OPTIONS)
+    with pytest.raises(ConfigError, match="needs kv_memory 'elastic'"):
+        EngineConfig(kv_memory_limit_bytes="1GiB")
+    with pytest.raises(ConfigError, match="unknown kv_memory 'paged'"):
+        EngineConfig(kv_memory="paged")
+    assert Ledger.for_device("cpu").entries() == []
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _step_until(engine: LLMEngine, done) -> None:
+    deadline = time.monotonic() + 120
+    while not done():
+        assert time.monotonic() < deadline
+        for out in engine.step():
+            assert out.error is None
+
+
+def test_resident_memory_follows_live_kv_in_the_engine(wide):
+    """RSS grows by the live KV while requests run and returns to the baseline plus the
+    reserve once they end (prefix caching off, so finished blocks hold nothing)."""
+    config = EngineConfig(model=str(wide), kv_memory="elastic",
+                          kv_cache_memory_bytes=128 * BLOCK_BYTES, max_model_len=256,
+                          max_num_seqs=8, max_num_batched_tokens=2048,
+                          enable_prefix_caching=False)
+    engine = LLMEngine(config)
+    storage = engine.kv_storage
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    try:
+        engine.add_request("warm", list(range(1, 200)), params)  # activations' heap, once
+        _step_until(engine, lambda: not engine.has_unfinished_requests())
+        storage.settle()
+        base = rss()
+        requests = [engine.add_request(f"r{i}", [(i * 7 + j) % 300 + 1 for j in range(200)],
+                                       params) for i in range(6)]
+        _step_until(engine, lambda: all(r.num_output_tokens >= 5 for r in requests))
+        storage.settle()
+        live = storage.stats().used_bytes
+        assert live >= 6 * 13 * BLOCK_BYTES  # 205 tokens: 13 blocks each
+        assert rss() - base > 0.8 * live
+        _step_until(engine, lambda: not engine.has_unfinished_requests())
+        storage.settle()
+        reserve = storage.table.reserve_pages * storage.geometry.page_bytes
+        assert storage.stats().mapped_bytes <= reserve + storage.geometry.page_bytes  # + null
+        assert rss() - base < reserve + 0.15 * live
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_refused_by_the_shared_budget_waits_then_runs(tiny, reference):
+    """Another engine holds all of the device total but the null block's page: the
+    request waits (no error) and runs once that memory is given back."""
+    ledger = Ledger.for_device("cpu")
+    ledger.set_total_limit(2 << 20)
+    other = ledger.register("other", limit_bytes=None)
+    page = 4 * 16 * 2 * 2 * 16 * 4  # one block in 4 layers, K and V, 2 heads x 16, fp32
+    assert other.try_acquire((2 << 20) - page)
+    llm = LLM(str(tiny), kv_memory="elastic", **OPTIONS)
+    engine = llm.engine
+    try:
+        assert engine.kv_storage.stats().mapped_pages == 1
+        engine.add_request("r", PROMPTS[2], GREEDY)
+        for _ in range(30):
+            assert engine.step() == []
+        assert engine.scheduler.num_waiting == 1
+        other.release(2 << 20)
+        outs = []
+        deadline = time.monotonic() + 60
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            outs.extend(o for o in engine.step() if o.finished)
+        assert [(o.outputs[0].token_ids, o.error) for o in outs] == [(reference[2], None)]
+    finally:
+        engine.shutdown()
+        other.close()
+
+
+# -- two engine processes, one budget -------------------------------------------------------
+ENGINE = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.llm_engine import LLMEngine
+    from kvmem.engine.sampling_params import SamplingParams
+
+    model, name, control, limit = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+    engine = LLMEngine(EngineConfig(
+        model=model, kv_memory="elastic", kv_cache_memory_bytes=limit, engine_name=name,
+        max_model_len=256, max_num_seqs=8, max_num_batched_tokens=2048,
+        enable_prefix_caching=False))
+    storage = engine.kv_storage
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def wait_file(path):
+        deadline = time.monotonic() + 300
+        while not path.exists():
+            assert time.monotonic() < deadline, f"no {path}"
+            time.sleep(0.02)
+
+    (control / f"ready-{name}").touch()
+    for phase in ("alone", "both"):
+        wait_file(control / f"go-{phase}-{name}")
+        for i in range(6):
+            engine.add_request(f"{phase}{i}", [(i * 11 + j) % 300 + 1 for j in range(200)], params)
+        outputs, max_held, blocked = {}, 0, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id[len(phase):]] = (out.outputs[0].token_ids,
+                                                            out.outputs[0].finish_reason)
+            max_held = max(max_held, storage.stats().held_bytes)
+            blocked += engine.scheduler.num_waiting > 0
+        deadline = time.monotonic() + 60  # idle: free pages go back to the ledger
+        reserve = (storage.table.reserve_pages + 1) * storage.geometry.page_bytes
+        while storage.stats().held_bytes > reserve:
+            assert time.monotonic() < deadline, storage.stats()
+            time.sleep(0.05)
+        result = dict(outputs=outputs, max_held=max_held, blocked=blocked,
+                      preemptions=engine.num_preemptions)
+        (control / f"{phase}-{name}.json").write_text(json.dumps(result))
+    engine.shutdown()
+""")
+
+
+def test_two_engine_processes_share_one_budget(wide, tmp_path, ledger_dir):
+    total = 96 * BLOCK_BYTES  # six requests of 15 blocks fit alone; two engines' do not
+    Ledger.for_device("cpu").set_total_limit(total)
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE)
+    control = tmp_path / "control"
+    control.mkdir()
+    env = {**os.environ, "KVMEM_LEDGER_DIR": str(ledger_dir), "OMP_NUM_THREADS": "1"}
+    procs = {name: subprocess.Popen([sys.executable, str(script), str(wide), name, str(control),
+                                     str(128 * BLOCK_BYTES)], env=env) for name in "ab"}
+    over: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # the device total holds at every moment
+        ledger = Ledger.for_device("cpu")
+        while not stop.is_set():
+            held = sum(e.mapped_bytes for e in ledger.entries())
+            if held > total:
+                over.append(held)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    def phase(name: str, engines: str) -> dict:
+        for e in engines:
+            (control / f"go-{name}-{e}").touch()
+        deadline = time.monotonic() + 300
+        while not all((control / f"{name}-{e}.json").exists() for e in engines):
+            assert time.monotonic() < deadline
+            assert all(p.poll() is None for p in procs.values()), "an engine exited"
+            time.sleep(0.05)
+        return {e: json.loads((control / f"{name}-{e}.json").read_text()) for e in engines}
+
+    try:
+        alone = phase("alone", "a") | phase("alone", "b")  # a grows, idles, frees; then b
+        for result in alone.values():
+            assert result["max_held"] > 0.6 * total  # more than half the device total
+        both = phase("both", "ab")
+        for e in "ab":
+            assert procs[e].wait(60) == 0
+    finally:
+        stop.set()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert over == []
+    assert sum(r["blocked"] + r["preemptions"] for r in both.values()) > 0  # they contended
+    for e in "ab":
+        assert both[e]["outputs"] == alone[e]["outputs"]
+        assert {reason for _, reason in both[e]["outputs"].values()} == {"length"}
+    assert alone["a"]["outputs"] == alone["b"]["outputs"]  # same prompts, same model
+
+
+# -- tensor-parallel serving ----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``kvmem serve -tp 2 --kv-memory elastic`` in a subprocess, up within ``start_s``."""
+
+    def __init__(self, model_dir, ledger_dir, start_s: float = 120) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", str(self.port),
+               "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB", "-tp", "2",
+               "--kv-memory", "elastic", "--engine-name", "served"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "KVMEM_LEDGER_DIR": str(ledger_dir)}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + start_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.proc.kill()
+        raise AssertionError(f"no /health 200 within {start_s} s:\n" + "".join(self.lines))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+
+def test_tp2_serve_reaches_health_and_serves(tiny, ledger_dir):
+    """Two requests in turn, so rank 0 maps and trims pages that rank 1 replays."""
+    server = Server(tiny, ledger_dir)
+    try:
+        llm = LLM(str(tiny), kv_cache_memory_bytes="4MiB", max_model_len=256)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        for prompt in ("hello there", "a second, longer prompt that maps more KV pages"):
+            body = {"model": str(tiny), "prompt": prompt, "max_tokens": 40, "temperature": 0.0,
+                    "ignore_eos": True}
+            reply = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            want = llm.generate([prompt], params)[0].outputs[0].text
+            assert reply.json()["choices"][0]["text"] == want
+        [entry] = Ledger.for_device("cpu", ledger_dir).entries()
+        assert entry.name == "served" and entry.mapped_bytes > 0
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0, "".join(server.lines)
+        assert Ledger.for_device("cpu", ledger_dir).entries() == []
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+# A rank 1 that starts, loads its shard and allocates its KV cache, then never joins the
+# page map (as a rank stuck before serving would).
+STUCK_RANK = textwrap.dedent("""
+    import sys, threading
+    from kvmem.cli import main
+    from kvmem.engine.elastic_setup import ElasticSetup
+
+    ElasticSetup.start = lambda self, *args, **kwargs: threading.Event().wait()
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_rank_that_never_joins_the_page_map_fails_startup_clearly(tiny, tmp_path):
+    script = tmp_path / "stuck_rank.py"
+    script.write_text(STUCK_RANK)
+    args = ["serve", str(tiny), "--max-model-len", "128", "--kv-cache-memory-bytes", "4MiB",
+            "-tp", "2", "--kv-memory", "elastic", "--distributed-timeout", "3",
+            "--port", str(_free_port())]
+    master = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": master}
+    rank0 = subprocess.Popen([sys.executable, "-m", "kvmem", *args],
+                             env={**env, "RANK": "0", "LOCAL_RANK": "0"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rank1 = subprocess.Popen([sys.executable, str(script), *args],
+                             env={**env, "RANK": "1", "LOCAL_RANK": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out, _ = rank0.communicate(timeout=120)
+        assert rank0.returncode == 2, out
+        assert "kvmem: error: timed out after 3 s waiting for rank 1 of 2 to map the startup " \
+               "KV pages (is rank 1 running?)" in out
+        assert "Traceback" not in out
+    finally:
+        for p in (rank0, rank1):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
