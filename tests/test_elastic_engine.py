@@ -390,3 +390,44 @@ def test_rank_that_never_joins_the_page_map_fails_startup_clearly(tiny, tmp_path
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+# -- kvmem plan --------------------------------------------------------------------------------
+PLAN = ["plan", "qwen3-14b", "--tp", "2", "--gpu", "H100", "--max-model-len", "32768",
+        "--kv-memory", "elastic", "--json"]
+
+
+def _plan_json(*extra: str) -> dict:
+    """``kvmem plan`` in a fresh interpreter, which must not import torch."""
+    code = ("import json, sys; from kvmem.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, *PLAN, *extra], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_plan_shows_the_reservation_and_the_limit():
+    result = _plan_json("--kv-memory-limit", "10GiB")
+    ranks, sizings = result["ranks"], result["kv_memory"]["ranks"]
+    assert len(sizings) == 2
+    for rank, s in zip(ranks, sizings, strict=True):
+        k = s["blocks_per_page"]
+        assert s["page_bytes"] == k * rank["slot_page_bytes"] * rank["num_slots"]
+        assert k * rank["slot_page_bytes"] % (2 << 20) == 0  # whole CUDA granules per slot
+        assert s["reserved_bytes"] == s["max_blocks"] // k * s["page_bytes"]
+    lead = sizings[0]
+    assert lead["limit_bytes"] == 10 << 30
+    assert lead["limit_blocks"] == (10 << 30) // lead["page_bytes"] * lead["blocks_per_page"]
+    # The reservation is what the GPU could hold, well above the 10 GiB limit.
+    capacity_blocks = ranks[0]["kv_capacity_bytes"] // ranks[0]["bytes_per_block"]
+    assert lead["limit_blocks"] < lead["max_blocks"]
+    assert capacity_blocks <= lead["max_blocks"] < capacity_blocks + lead["blocks_per_page"]
+    default = _plan_json()["kv_memory"]["ranks"][0]  # the limit defaults to the KV budget
+    assert default["limit_bytes"] == ranks[0]["kv_budget_bytes"]
+
+
+def test_plan_limit_needs_elastic():
+    from kvmem.cli import main
+
+    assert main(["plan", "qwen3-14b", "--gpu", "H100", "--kv-memory-limit", "1GiB"]) == 2

@@ -80,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk budget for KV blocks (default 0)")
     k.add_argument("--offload-policy", default="lru", choices=("lru", "seen-twice"),
                    help="tier admission policy (default lru)")
+    m = p.add_argument_group("KV memory")
+    m.add_argument("--kv-memory", default="plain", choices=("plain", "elastic"),
+                   help="elastic: also show the virtual reservation and the memory limit")
+    m.add_argument("--kv-memory-limit", metavar="SIZE",
+                   help="elastic: most KV memory mapped at once (default: the KV budget)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     o.add_argument("--engine", choices=("vllm", "sglang", "kvmem"),
@@ -201,6 +206,32 @@ def _checkpoint_dir(model: str) -> Path | None:
     return path if path.is_dir() and any(path.glob("*.safetensors")) else None
 
 
+def _elastic(args: argparse.Namespace, result, spec):
+    """Each rank's elastic reservation and limit (kvmem.memory.sizing; no torch)."""
+    if args.kv_memory != "elastic":
+        if args.kv_memory_limit is not None:
+            raise ConfigError("--kv-memory-limit needs --kv-memory elastic")
+        return None
+    from kvmem.memory.sizing import plan_elastic
+    from kvmem.units import parse_size
+
+    limit = (parse_size(args.kv_memory_limit, "--kv-memory-limit")
+             if args.kv_memory_limit is not None else None)
+    return plan_elastic(result, spec, limit)
+
+
+def _print_elastic(sizings) -> None:
+    from kvmem.units import format_bytes
+
+    lead = sizings[0]
+    print(f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} on rank 0 "
+          f"({lead.limit_blocks:,} blocks mapped at most), reservation {lead.max_blocks:,} "
+          f"blocks in pages of {lead.blocks_per_page} (2 MiB granularity)")
+    for rank, s in enumerate(sizings):
+        print(f"  rank {rank}: {format_bytes(s.reserved_bytes)} virtual, "
+              f"{format_bytes(s.page_bytes)} per page")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvmem.plan import plan
     from kvmem.plan.flags import engine_command
@@ -236,8 +267,11 @@ def run(args: argparse.Namespace) -> int:
         from kvmem.plan.plot import save_plot
 
         save_plot(result, args.plot)
+    elastic = _elastic(args, result, spec)
     if args.json:
         out = result.to_dict()
+        if elastic is not None:
+            out["kv_memory"] = {"kind": "elastic", "ranks": [s.to_dict() for s in elastic]}
         if offload_section is not None:
             out["kv_offload"] = offload_section
         if command is not None:
@@ -250,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
         if offload_section is not None:
             result.notes.extend(_offload_notes(offload_section))
         print_plan(result, command, plot=args.plot)
+        if elastic is not None:
+            _print_elastic(elastic)
     if args.check:
         result.check_fit()
     return 0

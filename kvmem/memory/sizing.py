@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from math import ceil
+from math import ceil, lcm
 
 from kvmem.errors import ConfigError
 from kvmem.memory.pages import PageGeometry, blocks_per_page_for
@@ -76,3 +76,33 @@ def elastic_sizing(*, num_slots: int, block_slot_bytes: int, limit_bytes: int,
     return ElasticSizing(max_blocks=geo.num_blocks, blocks_per_page=k, page_bytes=page_bytes,
                          reserved_bytes=geo.reserved_bytes, limit_bytes=limit_bytes,
                          limit_blocks=min(limit_blocks, geo.num_blocks))
+
+
+def plan_elastic(plan, spec, limit_bytes: int | None = None,
+                 granularity: int = CUDA_GRANULARITY) -> list[ElasticSizing]:
+    """Every rank's sizing for a ``kvmem.plan`` result, as the engine would agree on it.
+
+    Rank 0's limit (default: its planned KV budget) and the smallest device decide one
+    reservation in blocks; each rank reserves that many blocks of its own slot tensors.
+    """
+    settings, engine = plan.settings, plan.engine
+    useful = useful_blocks(spec.kv_groups(), max_model_len=engine.max_model_len,
+                           block_size=engine.block_size,
+                           max_num_batched_tokens=settings.max_num_batched_tokens,
+                           max_num_seqs=settings.max_num_seqs)
+    paged = [r for r in plan.ranks if r.num_slots and r.slot_page_bytes]
+    if not paged:
+        raise ConfigError("an elastic KV cache needs at least one paged layer")
+    k = lcm(*(blocks_per_page_for(r.slot_page_bytes, granularity) for r in paged))
+    known = [r.kv_capacity_bytes // r.bytes_per_block for r in paged
+             if r.kv_capacity_bytes is not None]
+    leader = paged[0]
+    limit = limit_bytes or leader.kv_budget_bytes
+    first = elastic_sizing(num_slots=leader.num_slots, block_slot_bytes=leader.slot_page_bytes,
+                           limit_bytes=limit, device_blocks=min(known) if known else None,
+                           useful=useful, granularity=granularity, blocks_per_page=k)
+    return [elastic_sizing(num_slots=r.num_slots, block_slot_bytes=r.slot_page_bytes,
+                           limit_bytes=limit, device_blocks=None, useful=useful,
+                           granularity=granularity, blocks_per_page=k,
+                           max_blocks=first.max_blocks) if r is not leader else first
+            for r in paged]
