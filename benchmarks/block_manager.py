@@ -8,6 +8,10 @@ look up the prefix, allocate the prompt's blocks, grow the output 16 tokens per 
 (allocating decode blocks as it grows, caching full blocks), then free. When a decode
 step finds no capacity, the newest running request is preempted and later restarts.
 
+Every backend runs in its own process and they take turns every ``--slice`` finished
+requests (1,000 by default), so that load from other jobs on a shared machine falls on all
+of them alike; only the time of each backend's own turns is counted.
+
 Figures (one line each; drawing the trace's random token ids is never timed):
 - ``kvmem xxh3``: kvmem's KVCacheManager, end to end: request construction, xxh3 hashing
   and all manager operations;
@@ -20,19 +24,22 @@ Figures (one line each; drawing the trace's random token ids is never timed):
   and manager calls only.
 
 Usage:
-    .venv/bin/python benchmarks/block_manager.py [--requests N] [--vllm-python PATH]
+    .venv/bin/python benchmarks/block_manager.py [--requests N] [--slice N] [--vllm-python PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -218,15 +225,19 @@ class Timed:
 
 # -- the replay ----------------------------------------------------------------------------
 
-def replay(backend, trace: Trace) -> dict:
-    """Serve the trace with at most MAX_IN_FLIGHT requests running."""
+def replay(backend, trace: Trace, pause_every: int = 0) -> Iterator[dict | None]:
+    """Serve the trace with at most MAX_IN_FLIGHT requests running.
+
+    Yields None after every ``pause_every`` finished requests (time spent paused is not
+    counted), then the result.
+    """
     n = trace.num_requests
     # [request, output tokens, output tokens appended, prompt length, not admitted yet]
     running: list[list] = []
     waiting: deque = deque()
     next_i = finished = 0
     prompt_tokens = hit_tokens = preemptions = blocks = 0
-    synth_seconds = 0.0
+    seconds = 0.0
     t0 = time.perf_counter()
     while finished < n:
         while len(running) < MAX_IN_FLIGHT and (waiting or next_i < n):
@@ -235,7 +246,7 @@ def replay(backend, trace: Trace) -> dict:
             else:
                 t = time.perf_counter()
                 prompt, output = trace.tokens(next_i)  # drawing the trace is not timed
-                synth_seconds += time.perf_counter() - t
+                seconds -= time.perf_counter() - t
                 item = [backend.build(next_i, prompt, output), output, 0, len(prompt), True]
                 next_i += 1
             req = item[0]
@@ -271,26 +282,75 @@ def replay(backend, trace: Trace) -> dict:
                 backend.free(req)
                 running.pop(i)
                 finished += 1
+                if pause_every and finished % pause_every == 0 and finished < n:
+                    seconds += time.perf_counter() - t0
+                    yield None
+                    t0 = time.perf_counter()
             else:
                 i += 1
-    seconds = time.perf_counter() - t0 - synth_seconds
-    return {"seconds": seconds, "requests": n,
-            "blocks": blocks, "prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
-            "preemptions": preemptions}
+    seconds += time.perf_counter() - t0
+    yield {"seconds": seconds, "requests": n,
+           "blocks": blocks, "prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
+           "preemptions": preemptions}
 
 
-def run_backend(name: str, trace: Trace) -> dict:
+def replay_backend(name: str, trace: Trace, pause_every: int = 0) -> Iterator[dict | None]:
+    """``replay`` over the named backend; the result adds ``manager_seconds`` where timed."""
     if name == "vllm":
         backend = Timed(VllmBackend())
-        result = replay(backend, trace)
-        result["manager_seconds"] = backend.seconds
-        return result
-    if name == "kvmem-precomputed":
+    elif name == "kvmem-precomputed":
         backend = Timed(KvmemBackend("precomputed"))
-        result = replay(backend, trace)
-        result["manager_seconds"] = backend.seconds
-        return result
-    return replay(KvmemBackend("sha256" if name == "kvmem-sha256" else "xxh3"), trace)
+    else:
+        backend = KvmemBackend("sha256" if name == "kvmem-sha256" else "xxh3")
+    for result in replay(backend, trace, pause_every):
+        if result is not None and isinstance(backend, Timed):
+            result["manager_seconds"] = backend.seconds
+        yield result
+
+
+def serve_backend(name: str, trace: Trace, pause_every: int) -> None:
+    """Child process: replay one slice per line read from stdin; answer each with a line
+    (``paused``, or the result as JSON at the end)."""
+    steps = replay_backend(name, trace, pause_every)
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        result = next(steps)
+        print("paused" if result is None else json.dumps(result), flush=True)
+        if result is not None:
+            return
+
+
+def run_interleaved(backends: dict[str, str], args: argparse.Namespace) -> dict[str, dict]:
+    """Run every backend in its own process, taking turns every ``args.slice`` finished
+    requests, so that load from other jobs on the machine falls on all of them alike."""
+    with contextlib.ExitStack() as stack:
+        children, logs = {}, {}
+        for name, python in backends.items():
+            logs[name] = stack.enter_context(tempfile.TemporaryFile("w+"))
+            children[name] = stack.enter_context(subprocess.Popen(
+                [python, __file__, "--backend", name, "--requests", str(args.requests),
+                 "--seed", str(args.seed), "--slice", str(args.slice)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[name], text=True,
+                bufsize=1))
+
+        def expect(name: str) -> str:
+            line = children[name].stdout.readline().strip()
+            if not line:
+                logs[name].seek(0)
+                raise RuntimeError(f"{name} backend exited early:\n{logs[name].read()[-2000:]}")
+            return line
+
+        for name in children:
+            expect(name)  # "ready": imports and setup done
+        results: dict[str, dict] = {}
+        while len(results) < len(children):
+            for name, child in children.items():
+                if name not in results:
+                    child.stdin.write("go\n")
+                    line = expect(name)
+                    if line != "paused":
+                        results[name] = json.loads(line)
+        return results
 
 
 def report(label: str, r: dict, seconds: float) -> str:
@@ -305,28 +365,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", help="interpreter with vLLM installed, for the comparison")
-    ap.add_argument("--backend", help=argparse.SUPPRESS)  # one backend, JSON out
+    ap.add_argument("--slice", type=int, default=1000,
+                    help="finished requests per turn when the backends take turns")
+    ap.add_argument("--backend", help=argparse.SUPPRESS)  # child process: one backend
     args = ap.parse_args(argv)
-    if args.requests <= 0:
-        ap.error("--requests must be positive")
+    if args.requests <= 0 or args.slice <= 0:
+        ap.error("--requests and --slice must be positive")
     trace = Trace(args.requests, args.seed)
     if args.backend:
-        print(json.dumps(run_backend(args.backend, trace)))
+        serve_backend(args.backend, trace, args.slice)
         return 0
 
     print(f"trace: {args.requests:,} requests, block size {BLOCK_SIZE}, {NUM_BLOCKS:,} blocks, "
-          f"{MAX_IN_FLIGHT} in flight, seed {args.seed}")
-    results = {}
-    for name in ("kvmem-xxh3", "kvmem-precomputed", "kvmem-sha256"):
-        results[name] = run_backend(name, trace)
+          f"{MAX_IN_FLIGHT} in flight, seed {args.seed}; backends take turns every "
+          f"{args.slice:,} finished requests")
+    backends = dict.fromkeys(("kvmem-xxh3", "kvmem-precomputed", "kvmem-sha256"),
+                             sys.executable)
     if args.vllm_python:
-        out = subprocess.run([args.vllm_python, __file__, "--backend", "vllm", "--requests",
-                              str(args.requests), "--seed", str(args.seed)],
-                             capture_output=True, text=True)
-        if out.returncode:
-            print(f"vllm run failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-        else:
-            results["vllm"] = json.loads(out.stdout.strip().splitlines()[-1])
+        backends["vllm"] = args.vllm_python
+    results = run_interleaved(backends, args)
 
     k, kp, ks = results["kvmem-xxh3"], results["kvmem-precomputed"], results["kvmem-sha256"]
     print(report("kvmem xxh3 (end to end)", k, k["seconds"]))
