@@ -1,0 +1,151 @@
+"""The scheduler with an offload connector, against the real block manager and CPU tier (no
+model): finished requests are offered, a tier hit parks the request while it loads (it
+counts toward max_num_seqs and can be aborted), and a lone request short of blocks that
+transfers hold is preempted to wait for them instead of failing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmem.cache import KVCacheManager
+from kvmem.engine.request import Request, RequestStatus
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.engine.scheduler import Scheduler
+from kvmem.memory.storage import SlotShape, TensorKVStorage
+from kvmem.spec import AttentionKind, KVGroup
+from kvmem.tiers import OffloadConfig, OffloadConnector, OffloadManager
+
+BLOCK = 4
+SHAPE = SlotShape(num_kv=2, block_size=BLOCK, num_heads=1, head_dim=4)
+
+
+class GatedConnector(OffloadConnector):
+    """The real connector whose transfers only complete (holds released, loads returned)
+    while the gate is open, so the test decides when in-flight work finishes."""
+
+    gate_open = False
+
+    def poll(self):
+        if not self.gate_open:
+            return []
+        assert self.offload.engine.wait_idle(10)  # every queued copy has run
+        return super().poll()
+
+
+@pytest.fixture
+def setup():
+    made = []
+
+    def make(num_blocks: int = 32, max_num_seqs: int = 8):
+        mgr = KVCacheManager([KVGroup(0, AttentionKind.FULL, None, (0,))], num_blocks, BLOCK,
+                             enable_prefix_caching=True, max_num_batched_tokens=64)
+        storage = TensorKVStorage(num_blocks, 1, SHAPE, torch.float32)
+        offload = OffloadManager(OffloadConfig(cpu_bytes=1 << 20), storage, 1, mgr,
+                                 model="m", layout="l")
+        connector = GatedConnector(offload, mgr)
+        made.append(connector)
+        sched = Scheduler(mgr, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                          offload=connector)
+        return sched, connector
+
+    yield make
+    for connector in made:
+        connector.shutdown()
+
+
+def req(rid: str, n: int, start: int = 0) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=100))
+
+
+def run_step(sched: Scheduler):
+    """Schedule, then play the model: advance computed tokens and sample a token."""
+    out = sched.schedule()
+    for r, n in out.scheduled:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output_token(1)
+    return out
+
+
+def finish(sched: Scheduler, request: Request) -> None:
+    """Run ``request`` until it samples its first token, then finish it."""
+    while not request.output_token_ids:
+        run_step(sched)
+    sched.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+
+def store_and_forget(sched: Scheduler, connector: GatedConnector, request: Request) -> None:
+    """Run ``request`` to the end, let its blocks reach the CPU tier, then drop them from
+    the device pool's prefix cache so that only the tier has them."""
+    sched.add_request(request)
+    finish(sched, request)
+    connector.gate_open = True
+    sched.schedule()  # polls: the copies finish and the holds are released
+    connector.gate_open = False
+    assert sched.kv_cache_manager.reset_prefix_cache()
+
+
+def test_finished_request_blocks_are_offered_to_the_tier(setup):
+    sched, connector = setup()
+    a = req("a", 13)
+    sched.add_request(a)
+    finish(sched, a)  # 14 tokens with the sampled one: 3 full blocks
+    assert sched.kv_cache_manager.usage().held == 3  # held until the copies are done
+    connector.gate_open = True
+    sched.schedule()
+    assert connector.stats()["cpu"].stored_blocks == 3
+    assert sched.kv_cache_manager.usage().held == 0
+
+
+def test_tier_hit_parks_the_request_and_counts_toward_max_num_seqs(setup):
+    sched, connector = setup(max_num_seqs=1)
+    store_and_forget(sched, connector, req("a", 13))
+    again, other = req("a-again", 13), req("other", 5, start=500)
+    sched.add_request(again)
+    sched.add_request(other)
+    out = sched.schedule()
+    assert not out.scheduled and sched.loading == [again] and sched.num_running == 0
+    assert sched.has_unfinished_requests() and list(sched.waiting) == [other]
+    connector.gate_open = True
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a-again", 1)]
+    assert again.num_computed_tokens == 12 and again.num_cached_tokens == 12
+    assert sched.stats.prefix_hit_tokens == 12
+    assert list(sched.waiting) == [other]  # max_num_seqs 1: still waiting
+    assert connector.stats()["cpu"].hits == 3
+
+
+def test_aborting_a_parked_request_frees_its_blocks(setup):
+    sched, connector = setup()
+    store_and_forget(sched, connector, req("a", 13))
+    again = req("a-again", 13)
+    sched.add_request(again)
+    sched.schedule()
+    assert sched.loading == [again] and sched.kv_cache_manager.usage().used == 3
+    assert sched.abort_requests(["a-again"]) == [again]
+    assert again.status is RequestStatus.FINISHED_ABORTED
+    assert not sched.loading and not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.usage().used == 0
+
+
+def test_lone_request_short_of_held_blocks_waits_instead_of_failing(setup):
+    """10 usable blocks, 3 held by a finished request's copies: a lone request that grows
+    to 8 blocks cannot get its 8th, is preempted rather than failed, and runs once the
+    copies are done."""
+    sched, connector = setup(num_blocks=11)
+    a = req("a", 13, start=900)
+    sched.add_request(a)
+    finish(sched, a)
+    assert sched.kv_cache_manager.usage().held == 3
+    r = req("r", 24)
+    sched.add_request(r)
+    for _ in range(8):  # prefill (6 blocks), then decodes into blocks 7 and 8
+        out = run_step(sched)
+        if out.preempted or out.failed:
+            break
+    assert not out.failed and out.preempted == [r] and r.status is RequestStatus.PREEMPTED
+    assert list(sched.waiting) == [r]
+    connector.gate_open = True
+    out = run_step(sched)
+    assert [x.request_id for x, _ in out.scheduled] == ["r"] and not out.failed
