@@ -11,9 +11,11 @@ Nothing here uses Python's ``hash()`` (salted per process) or pickle (version de
 
 from __future__ import annotations
 
+import functools
+import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from xxhash import xxh3_128_digest
 
@@ -38,6 +40,12 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()
+
+
+@functools.cache
+def _block_packer(block_size: int) -> Callable[..., bytes]:
+    """``pack(*token_ids)`` for one block: ``block_size`` little-endian uint32."""
+    return struct.Struct(f"<{block_size}I").pack
 
 
 def encode_extra_keys(lora_name: str | None = None, cache_salt: str | None = None,
@@ -83,12 +91,19 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], num_b
     start = len(hashes)
     if num_blocks <= start:
         return hashes
-    if len(token_ids) < num_blocks * block_size:
-        raise ValueError(f"{num_blocks} full blocks need {num_blocks * block_size} tokens, "
-                         f"got {len(token_ids)}")
-    packed = pack_token_ids(token_ids[start * block_size:num_blocks * block_size])
-    stride = 4 * block_size
+    end = num_blocks * block_size
+    if len(token_ids) < end:
+        raise ValueError(f"{num_blocks} full blocks need {end} tokens, got {len(token_ids)}")
     parent = hashes[-1] if hashes else ROOT_PARENT_HASH
+    if num_blocks == start + 1:  # one block (a decode step filled it): one struct.pack
+        try:
+            packed = _block_packer(block_size)(*token_ids[end - block_size:end])
+        except struct.error:
+            raise ValueError("token ids must be integers in [0, 2**32)") from None
+        hashes.append(xxh3_128_digest(parent + packed + extra_keys))
+        return hashes
+    packed = pack_token_ids(token_ids[start * block_size:end])
+    stride = 4 * block_size
     append = hashes.append
     if extra_keys:
         for offset in range(0, len(packed), stride):
