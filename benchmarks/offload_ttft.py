@@ -5,7 +5,9 @@ recomputed, on the embedded model, in one run.
 
 Each case runs the prompt once to fill the tier, evicts it from the device pool with a
 different prompt of the same length, then times a fresh request for the first prompt.
-"Recomputed" runs the same sequence with offloading off.
+"Recomputed" runs the same sequence with offloading off. Offloading is turned on the way
+a user does (``--cpu-offload-gib`` / ``--disk-offload-dir`` / ``--disk-offload-gib``,
+i.e. ``EngineConfig``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import time
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
-from kvmem.tiers import OffloadConfig
-from kvmem.tiers.integration import attach_offload
 
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M in fp32
 
@@ -39,14 +39,15 @@ def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, 
     return first, tokens, request.num_cached_tokens
 
 
-def run_case(name: str, tokens: int, repeats: int, offload: OffloadConfig | None):
+def run_case(name: str, tokens: int, repeats: int, **offload):
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(tokens)]
     evictor = [rng.randrange(100, 40000) for _ in range(tokens)]
     blocks = tokens // 16 + 8  # one prompt fits; a second one evicts the first
     engine = LLMEngine(EngineConfig(max_model_len=tokens + 64, max_num_batched_tokens=tokens,
-                                    kv_cache_memory_bytes=blocks * 16 * BYTES_PER_TOKEN))
-    connector = attach_offload(engine, offload) if offload else None
+                                    kv_cache_memory_bytes=blocks * 16 * BYTES_PER_TOKEN,
+                                    **offload))
+    connector = engine.offload
     times, outputs, cached = [], [], []
     try:
         for i in range(repeats):
@@ -61,8 +62,7 @@ def run_case(name: str, tokens: int, repeats: int, offload: OffloadConfig | None
             outputs.append(out)
             cached.append(hit)
     finally:
-        if connector:
-            connector.shutdown()
+        engine.shutdown()
     return {"case": name, "median_s": statistics.median(times), "runs": times,
             "cached_tokens": cached, "first_token": outputs[0]}
 
@@ -72,13 +72,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    gib = 1 << 30
     with tempfile.TemporaryDirectory() as disk_dir:
         results = [
-            run_case("recomputed", args.tokens, args.repeats, None),
-            run_case("CPU tier", args.tokens, args.repeats, OffloadConfig(cpu_bytes=gib)),
-            run_case("disk tier", args.tokens, args.repeats,
-                     OffloadConfig(disk_dir=disk_dir, disk_bytes=gib)),
+            run_case("recomputed", args.tokens, args.repeats),
+            run_case("CPU tier", args.tokens, args.repeats, cpu_offload_gib=1),
+            run_case("disk tier", args.tokens, args.repeats, disk_offload_dir=disk_dir,
+                     disk_offload_gib=1),
         ]
     base = results[0]["median_s"]
     print(f"TTFT of a repeated {args.tokens}-token prompt, median of {args.repeats}")

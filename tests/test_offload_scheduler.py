@@ -149,3 +149,17 @@ def test_lone_request_short_of_held_blocks_waits_instead_of_failing(setup):
     connector.gate_open = True
     out = run_step(sched)
     assert [x.request_id for x, _ in out.scheduled] == ["r"] and not out.failed
+
+
+def test_wait_blocks_until_the_parked_load_lands(setup):
+    """What an engine with nothing else to run does instead of spinning on poll."""
+    sched, connector = setup()
+    assert connector.wait(5) is False  # nothing parked: returns at once
+    store_and_forget(sched, connector, req("a", 13))
+    again = req("a-again", 13)
+    sched.add_request(again)
+    sched.schedule()
+    assert sched.loading == [again]
+    assert connector.wait(5) is True
+    connector.gate_open = True
+    assert [r.request_id for r, _ in sched.schedule().scheduled] == ["a-again"]

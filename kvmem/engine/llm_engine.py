@@ -293,6 +293,8 @@ class LLMEngine:
         if sched.is_empty:
             if self.elastic is not None and self.scheduler.num_waiting:
                 self.elastic.backoff()  # waiting for memory other engines hold
+            elif self.offload is not None and self.scheduler.loading:
+                self.offload.wait(0.05)  # nothing to run until a tier load lands
             return outputs
         sampled = self.model_runner.execute(sched.scheduled)
         self.stats.steps += 1

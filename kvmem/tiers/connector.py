@@ -106,6 +106,13 @@ class OffloadConnector:
             ready.append(request)
         return ready
 
+    def wait(self, timeout: float) -> bool:
+        """Block until the oldest parked load is done (or ``timeout`` s); True if it is.
+        For an engine with nothing else to run, instead of spinning on ``poll``."""
+        for _, handle in self._loading.values():
+            return handle.done.wait(timeout)
+        return False
+
     def cancel(self, request_id: str) -> Any | None:
         """Forget a parked request (e.g. aborted); waits for its load, frees its blocks."""
         parked = self._loading.pop(request_id, None)
