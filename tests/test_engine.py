@@ -40,6 +40,25 @@ def hf_greedy(model_dir, prompts, n=NEW_TOKENS):
     return outs
 
 
+def hf_greedy_forward(model_dir, prompts, n=NEW_TOKENS):
+    """Greedy tokens from transformers' forward with its KV cache, never stopping at EOS
+    (``generate`` falls back to the checkpoint's EOS when given none)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = model(torch.tensor([p]), use_cache=True)
+            tokens = []
+            for _ in range(n):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values,
+                            use_cache=True)
+            outs.append(tokens)
+    return outs
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
@@ -105,6 +124,17 @@ def test_prefix_hit_skips_computation(tmp_path):
     cold = LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128,
                enable_prefix_caching=False)
     assert cold.generate([shared + [3, 4]], GREEDY)[0].token_ids == second.token_ids
+
+
+def test_many_requests_of_spread_lengths_match_transformers(tiny):
+    """24 requests decode together; their rows are split into several padded batches by
+    context length (and prompts arrive over several steps, so decodes sit beside chunks)."""
+    path, _ = tiny
+    prompts = [[(i * 31 + j * 7) % 250 + 1 for j in range(3 + 4 * i)] for i in range(24)]
+    llm = LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128,
+              max_num_batched_tokens=256)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy_forward(path, prompts)
 
 
 @pytest.fixture(scope="module")
