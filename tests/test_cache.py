@@ -122,6 +122,21 @@ def test_bad_token_ids_are_rejected():
         hash_block_tokens(None, [2**32])
     with pytest.raises(ValueError, match="need"):
         extend_block_hashes([], [1, 2], 3, 2)  # not enough tokens for 3 blocks
+    for bad in ([-1, 2], [2**32, 2], [1.5, 2]):  # one new block takes its own packing path
+        with pytest.raises(ValueError, match="integers"):
+            extend_block_hashes([], bad, 1, 2)
+        with pytest.raises(ValueError, match="integers"):
+            extend_block_hashes([], bad * 2, 2, 2)
+
+
+def test_hashing_one_block_at_a_time_equals_one_shot():
+    tokens = [7, 2**32 - 1, 0, 65536] * 10
+    for extra in (b"", encode_extra_keys(cache_salt="t", lora_name="a")):
+        hashes: list[bytes] = []
+        for num_blocks in range(1, 11):
+            extend_block_hashes(hashes, tokens, num_blocks, 4, extra)
+        assert hashes == hash_request_tokens(tokens, 4, extra)
+        assert hashes[3] == hash_block_tokens(hashes[2], tokens[12:16], extra)
 
 
 # -- block pool ----------------------------------------------------------------------------
@@ -133,6 +148,16 @@ def test_null_block_is_never_handed_out():
     assert not pool.can_take(1)
     pool.free_blocks([NULL_BLOCK_ID, *ids])  # the null block is ignored
     assert pool.ref_cnt[NULL_BLOCK_ID] == 0 and pool.usage().free == 5
+
+
+def test_freeing_more_often_than_taken_is_refused():
+    pool = BlockPool(4)
+    a, b = pool.take_new_blocks(2, 0)
+    pool.touch([a])  # a second table holds block a
+    pool.free_blocks([a, b])
+    assert pool.ref_cnt[a] == 1 and pool.ref_cnt[b] == 0 and pool.usage().free == 2
+    with pytest.raises(ValueError, match="more often"):
+        pool.free_blocks([b])
 
 
 def test_uncached_free_blocks_are_reused_before_cached_ones_and_cached_evict_lru():
@@ -147,6 +172,7 @@ def test_uncached_free_blocks_are_reused_before_cached_ones_and_cached_evict_lru
     assert pool.usage().cached == 4
     evicted = pool.take_new_blocks(2, 0)
     assert evicted == [ids[0], ids[1]]  # freed first, evicted first
+    assert pool.free_queue.cached_ids() == [ids[2], ids[3]]
     assert pool.get_cached_block(0, bytes([0]) * 16) is None
     assert pool.get_cached_block(0, bytes([2]) * 16) == ids[2]
 
@@ -590,3 +616,100 @@ def test_cache_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout.strip()
     assert out == "False"
+
+
+# -- the flat decode path --------------------------------------------------------------------
+
+class _Recorder:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def on_blocks_allocated(self, ids):
+        self.log.append(("allocated", list(ids)))
+
+    def on_blocks_released(self, ids):
+        self.log.append(("released", list(ids)))
+
+
+def _wired_manager(flat: bool, log: list, limit: list[int]) -> KVCacheManager:
+    mgr = KVCacheManager([full()], 20, BS, max_num_batched_tokens=16)
+    mgr._flat_decode = flat  # the general path when False
+    pool = mgr.pool
+    pool.add_listener(_Recorder(log))
+    pool.evict_listener = lambda block_id, block_hash: log.append(("evict", block_id, block_hash))
+    pool.capacity_guard = lambda n: log.append(("guard", n)) or pool.usage().used + n <= limit[0]
+    return mgr
+
+
+def _outcome(res):
+    if res:
+        return ("ok", res.new_block_ids, res.num_computed_tokens)
+    return ("no", res.reason, res.needed_blocks, res.available_blocks, res.can_ever_fit)
+
+
+def test_flat_decode_path_matches_the_general_path():
+    """One full-attention group takes the flat path for running requests; the same random
+    walk on a manager forced onto the general path must give identical results, pool state,
+    events, listener calls, guard calls and evictions, running out of blocks often."""
+    import random
+
+    rng = random.Random(7)
+    prefixes = [list(range(12)), [5] * 9]
+    walks = []
+    for flat in (True, False):
+        log: list = []
+        limit = [19]
+        mgr = _wired_manager(flat, log, limit)
+        rng.seed(7)
+        running: dict[str, Req] = {}
+        holds: list[list[int]] = []
+        outcomes = []
+        for step in range(3000):
+            action = rng.random()
+            if action < 0.2:  # a new request, first chunk of its prompt
+                prompt = rng.choice(prefixes + [[]]) + [rng.randrange(20) for _ in
+                                                         range(rng.randrange(1, 12))]
+                req = Req(f"r{step}", prompt, cache_salt=rng.choice([None, "t"]))
+                hit = mgr.get_computed_blocks(req)
+                n = min(rng.randint(1, 16), req.num_tokens - hit.num_tokens)
+                res = mgr.allocate_slots(req, n, prefix_hit=hit)
+                outcomes.append(_outcome(res))
+                if res:
+                    running[req.request_id] = req
+            elif action < 0.65 and running:  # the rest of the prompt, or a decode step
+                req = running[rng.choice(sorted(running))]
+                done = mgr.num_computed_tokens(req.request_id)
+                lookahead = rng.choice([0, 0, 0, 2, 5])
+                if done < req.num_tokens:
+                    res = mgr.allocate_slots(req, min(rng.randint(1, 8), req.num_tokens - done),
+                                             num_lookahead_tokens=lookahead)
+                else:
+                    req.all_token_ids.extend(rng.randrange(20) for _ in range(rng.choice([1, 4])))
+                    res = mgr.allocate_slots(req, req.num_tokens - done,
+                                             num_lookahead_tokens=lookahead)
+                    if not res:
+                        del req.all_token_ids[done:]
+                outcomes.append(_outcome(res))
+            elif action < 0.78 and running:  # finish or preempt
+                mgr.free(running.pop(rng.choice(sorted(running))))
+            elif action < 0.84 and running:
+                req = running[rng.choice(sorted(running))]
+                ids = mgr.get_block_ids(req.request_id)[0][::2]
+                mgr.hold(ids)
+                holds.append(ids)
+            elif action < 0.9 and holds:
+                mgr.release(holds.pop(rng.randrange(len(holds))))
+            elif action < 0.95:
+                limit[0] = rng.choice([6, 12, 19, 19])
+            elif running:
+                req = running[rng.choice(sorted(running))]
+                mgr.cache_blocks(req, mgr.num_computed_tokens(req.request_id))
+            outcomes.append((pool_snapshot(mgr.pool), {
+                rid: (mgr.get_block_ids(rid), mgr.num_computed_tokens(rid)) for rid in running}))
+        walks.append((outcomes, mgr.take_events(), log))
+    flat_walk, general_walk = walks
+    assert flat_walk[0] == general_walk[0]
+    assert flat_walk[1] == general_walk[1] and flat_walk[2] == general_walk[2]
+    kinds = [o[0] for o in flat_walk[0] if isinstance(o[0], str)]
+    assert kinds.count("no") > 50 and kinds.count("ok") > 500  # both outcomes exercised
+    assert any(entry[0] == "evict" for entry in flat_walk[2])

@@ -1,6 +1,7 @@
 """kvmem.cache under random operation sequences: allocate / append / free / preempt / hold /
-release / cache / lookup / reset on a small hybrid pool, with every invariant checked after
-every step (from first principles, not from the pool's own counters)."""
+release / cache / lookup / reset on a small hybrid pool and on a single full-attention pool
+(whose running requests take the manager's flat decode path), with every invariant checked
+after every step (from first principles, not from the pool's own counters)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ from kvmem.cache.hashing import encode_extra_keys
 from kvmem.spec import AttentionKind, KVGroup
 
 BS = 4
-NUM_BLOCKS = 40
-GROUPS = [KVGroup(0, AttentionKind.FULL, None, (0,)),
-          KVGroup(1, AttentionKind.SLIDING, 9, (1,)),
-          KVGroup(2, AttentionKind.CHUNKED, 16, (2,))]
+HYBRID_GROUPS = [KVGroup(0, AttentionKind.FULL, None, (0,)),
+                 KVGroup(1, AttentionKind.SLIDING, 9, (1,)),
+                 KVGroup(2, AttentionKind.CHUNKED, 16, (2,))]
 PREFIXES = [[7] * 12, list(range(20)), list(range(5, 21))]
 STEPS = {"count": 0}
 
@@ -48,9 +48,12 @@ class Req:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    groups = HYBRID_GROUPS
+    num_blocks = 40
+
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(GROUPS, NUM_BLOCKS, BS, max_num_batched_tokens=12)
+        self.mgr = KVCacheManager(self.groups, self.num_blocks, BS, max_num_batched_tokens=12)
         self.pool = self.mgr.pool
         self.running: dict[str, Req] = {}
         self.computed: dict[str, int] = {}  # tokens computed (the engine's view)
@@ -87,8 +90,8 @@ class CacheMachine(RuleBasedStateMachine):
         need = -(-(start + num_new + lookahead) // BS)
         tables = self.mgr.get_block_ids(rid)
         assert [len(t) for t in tables] == [max(n, need) for n in prev_lengths]
-        old_tables = before[8].get(rid) or (hit.blocks if hit else [[] for _ in GROUPS])
-        for g, group in enumerate(GROUPS):
+        old_tables = before[8].get(rid) or (hit.blocks if hit else [[] for _ in self.groups])
+        for g, group in enumerate(self.groups):
             expected = list(old_tables[g])
             lo = min(first_needed(group, start), len(expected))  # out of the span: null
             expected[:lo] = [NULL_BLOCK_ID] * lo
@@ -99,7 +102,7 @@ class CacheMachine(RuleBasedStateMachine):
         hashes = req.true_hashes()
         assert hit.num_tokens % BS == 0 and hit.num_tokens < req.num_tokens
         n = hit.num_tokens // BS
-        for g, (blocks, group) in enumerate(zip(hit.blocks, GROUPS, strict=True)):
+        for g, (blocks, group) in enumerate(zip(hit.blocks, self.groups, strict=True)):
             assert len(blocks) == n
             lo = first_needed(group, hit.num_tokens)
             assert blocks[:lo] == [NULL_BLOCK_ID] * lo
@@ -238,7 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         pool, q = self.pool, self.pool.free_queue
-        everything = set(range(1, NUM_BLOCKS))
+        everything = set(range(1, self.num_blocks))
         free, cached = q.free_ids(), q.cached_ids()
         used = {b for b in everything if pool.ref_cnt[b] > 0}
         held = set(pool.held_idle)
@@ -248,15 +251,15 @@ class CacheMachine(RuleBasedStateMachine):
         assert set().union(*states) == everything
         u = self.mgr.usage()
         assert (u.free, u.cached, u.used, u.held) == tuple(len(s) for s in states)
-        assert u.free + u.cached + u.used + u.held == u.total == NUM_BLOCKS - 1
+        assert u.free + u.cached + u.used + u.held == u.total == self.num_blocks - 1
         assert pool.ref_cnt[NULL_BLOCK_ID] == 0 and pool.hold_cnt[NULL_BLOCK_ID] == 0
 
         # ref count = number of block tables holding the block; holds = outstanding holds
-        refs = [0] * NUM_BLOCKS
+        refs = [0] * self.num_blocks
         for rid, req in self.running.items():
             hashes = req.true_hashes()
             tables = self.mgr.get_block_ids(rid)
-            for g, (table, group) in enumerate(zip(tables, GROUPS, strict=True)):
+            for g, (table, group) in enumerate(zip(tables, self.groups, strict=True)):
                 assert len(table) >= -(-self.computed[rid] // BS)
                 lo = first_needed(group, self.released_upto[rid])
                 assert table[:lo] == [NULL_BLOCK_ID] * lo
@@ -269,7 +272,7 @@ class CacheMachine(RuleBasedStateMachine):
                     if pool.block_hash[b] is not None:  # cached content is the right content
                         assert i < len(hashes) and pool.block_hash[b] == hashes[i]
         assert refs[1:] == pool.ref_cnt[1:]
-        holds = [0] * NUM_BLOCKS
+        holds = [0] * self.num_blocks
         for ids in self.holds:
             for b in ids:
                 holds[b] += 1
@@ -287,18 +290,30 @@ class CacheMachine(RuleBasedStateMachine):
         assert mapped == sum(1 for b in everything if pool.block_hash[b] is not None)
 
 
+class FullAttentionCacheMachine(CacheMachine):
+    """One full-attention group, fewer blocks: running out is frequent."""
+
+    groups = [KVGroup(0, AttentionKind.FULL, None, (0,))]
+    num_blocks = 16
+
+
 def test_state_machine_hypothesis():
     run_state_machine_as_test(CacheMachine, settings=settings(
         max_examples=150, stateful_step_count=40, deadline=None))
 
 
-def test_long_random_walk_runs_at_least_10000_steps():
-    """A seeded walk over the same rules; together with the hypothesis run above well over
-    10,000 checked steps."""
-    rng = random.Random(1234)
+def test_state_machine_hypothesis_single_full_attention_group():
+    run_state_machine_as_test(FullAttentionCacheMachine, settings=settings(
+        max_examples=100, stateful_step_count=40, deadline=None))
+
+
+def random_walk(machine_type: type[CacheMachine], num_steps: int, seed: int) -> int:
+    """A seeded walk over the machine's rules with the invariants checked after every step;
+    returns the number of steps taken."""
+    rng = random.Random(seed)
     start = STEPS["count"]
-    while STEPS["count"] - start < 12_000:
-        machine = CacheMachine()
+    while STEPS["count"] - start < num_steps:
+        machine = machine_type()
         for _ in range(400):
             action = rng.random()
             idx = rng.randrange(100)
@@ -329,4 +344,13 @@ def test_long_random_walk_runs_at_least_10000_steps():
             else:
                 machine.reset()
             machine.consistent()
-    assert STEPS["count"] - start >= 12_000
+    return STEPS["count"] - start
+
+
+def test_long_random_walk_runs_at_least_10000_steps():
+    """Together with the hypothesis runs above well over 10,000 checked steps."""
+    assert random_walk(CacheMachine, 12_000, seed=1234) >= 12_000
+
+
+def test_long_random_walk_single_full_attention_group():
+    assert random_walk(FullAttentionCacheMachine, 6_000, seed=99) >= 6_000

@@ -83,7 +83,7 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(groups, pool, block_size)
         self._requests: dict[str, _RequestState] = {}
         # one group that never releases blocks early: decode steps take a flat path
-        self._single_full = len(groups) == 1 and not self.coordinator.managers[0].releases_blocks
+        self._flat_decode = len(groups) == 1 and not self.coordinator.managers[0].releases_blocks
 
     @classmethod
     def from_plan(cls, groups: list[KVGroup], plan: object, **kwargs) -> KVCacheManager:
@@ -136,7 +136,7 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
         state = self._requests.get(request.request_id)
-        if state is not None and prefix_hit is None and self._single_full:
+        if state is not None and prefix_hit is None and self._flat_decode:
             return self._extend_single_full(state, request, num_new_tokens, num_lookahead_tokens)
         hit = None
         if state is None:
