@@ -1,6 +1,6 @@
 """Decode-step latency of the paged SmolLM2 model vs transformers with its own KV cache.
 
-Run by hand: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/model_forward.py``.
+Run by hand: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/model_forward.py``.
 Both sides run the embedded SmolLM2-135M-Instruct in fp32 on CPU, one decode step for a
 batch of B sequences that each hold ``context`` tokens; the figure is the median step time.
 """
@@ -8,10 +8,13 @@ batch of B sequences that each hold ``context`` tokens; the figure is the median
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
@@ -70,7 +73,7 @@ def main() -> None:
     from kvmem.engine.loader import resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
