@@ -87,6 +87,8 @@ def test_mission3_repeated_long_prompt_comes_back_from_cpu_tier():
 def test_soak_random_requests_with_faults(tmp_path, tiny_model):
     """1,000 random requests with shared prefixes and random aborts against a 40-block pool,
     both tiers on, slow stores, failed reads, corrupted files and a disk that fills up.
+    About 5% of the requests are aborted a few steps after they arrive (waiting, running
+    or loading from a tier), whatever the timing of the transfers.
 
     The reference is the engine without offloading, run batched. fp32 sums in a different
     batch shape can flip a near-tied greedy choice, so an output that differs from the
@@ -95,12 +97,14 @@ def test_soak_random_requests_with_faults(tmp_path, tiny_model):
     rng = random.Random(7)
     prefixes = [[rng.randrange(0, 256) for _ in range(rng.randrange(32, 97))]
                 for _ in range(6)]
-    requests = []
+    requests, abort_after = [], {}
     for i in range(1000):
         prefix = rng.choice(prefixes)
         prompt = prefix[:rng.randrange(16, len(prefix) + 1)] + \
             [rng.randrange(0, 256) for _ in range(rng.randrange(0, 41))]
         requests.append((f"r{i}", prompt, rng.randrange(1, 5)))
+        if rng.random() < 0.05:
+            abort_after[f"r{i}"] = rng.randrange(0, 6)  # engine steps after it arrives
 
     tiny = dict(model=tiny_model, bytes_per_token=TINY_BYTES_PER_TOKEN)
     reference = make_engine(num_blocks=40, max_model_len=160, **tiny)
@@ -122,20 +126,26 @@ def test_soak_random_requests_with_faults(tmp_path, tiny_model):
         disk_bytes=200 * (block_bytes + 200)), faults=faults)
     finals: dict[str, object] = {}
     aborted: set[str] = set()
+    abort_at: dict[str, int] = {}  # request id -> loop iteration at which it is aborted
     pending = list(reversed(requests))
     try:
+        iteration = 0
         while pending or engine.has_unfinished_requests():
+            iteration += 1
             for _ in range(rng.randrange(0, 4)):
                 if pending:
                     rid, prompt, max_tokens = pending.pop()
                     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens,
                                                                    **GREEDY))
+                    if rid in abort_after:
+                        abort_at[rid] = iteration + abort_after[rid]
             faults.disk_full = 300 <= len(finals) < 500
-            if engine.requests and rng.random() < 0.05:
-                rid = rng.choice(sorted(engine.requests))
-                aborted.add(rid)
-                for out in engine.abort_request(rid):
-                    finals[out.request_id] = out
+            for rid in [r for r, at in abort_at.items() if at <= iteration]:
+                del abort_at[rid]
+                if rid in engine.requests:
+                    aborted.add(rid)
+                    for out in engine.abort_request(rid):
+                        finals[out.request_id] = out
             for out in engine.step():
                 if out.finished:
                     finals[out.request_id] = out
@@ -156,7 +166,7 @@ def test_soak_random_requests_with_faults(tmp_path, tiny_model):
                 flips += 1
                 _, solo = run_one(alone, f"alone-{rid}", prompt, max_tokens)
                 assert out.outputs[0].token_ids == solo.outputs[0].token_ids, rid
-        assert completed > 800 and flips <= completed // 100
+        assert completed > 800 and flips <= completed // 100 and len(aborted) >= 10
         stats = connector.offload.stats()
         assert stats["cpu"].hits > 0 and stats["disk"].hits > 0
         assert stats["cpu"].failed_loads + stats["disk"].failed_loads > 0
