@@ -100,6 +100,16 @@ def test_decode_rows_of_different_lengths_are_split_into_batches():
              for b, q in enumerate(query_lens) if q > 1]
 
 
+def test_sliding_window_decode_gathers_only_the_window():
+    query_lens, seq_lens = CASES["long decode"]  # 40 and 33 tokens in 4-token blocks
+    q, k, v, cache, meta, keys, values = random_step(query_lens, seq_lens)
+    assert step_plan(meta, 0, None).decodes[0].num_keys == 40
+    assert step_plan(meta, 0, 3).decodes[0].num_keys == 8  # 3 keys span at most 2 blocks
+    out = get_attention_backend("reference").forward(q, k, v, cache, meta, 0, 0.5, 3)
+    expected = dense_attention(q, keys, values, query_lens, seq_lens, 0.5, 3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_length_buckets():
     lens = [50, 10, 40, 20, 30, 60, 70, 80] * 2
     buckets = length_buckets(list(range(16)), lens)

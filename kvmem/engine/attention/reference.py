@@ -9,7 +9,7 @@ layer then only gathers and calls SDPA:
   one ``index_select`` over the block dimension for K and one for V (each a contiguous
   ``[B, L, Hkv, D]`` result, no second copy), then one SDPA call per batch with the
   query heads that share a KV head folded into the query dimension, so each K/V head is
-  read once;
+  read once; under a sliding window only the blocks the window can see are gathered;
 - a prefill chunk with no cached prefix attends over its own new K/V with ``is_causal``
   (nothing is read back from the cache); a chunk after a cached prefix gathers its
   blocks and uses an explicit mask.
@@ -174,6 +174,17 @@ def _decode_batch(rows: torch.Tensor | None, block_table: torch.Tensor, seq_lens
                   ) -> DecodeBatch:
     n = -(-max_seq_len // block_size)
     pos = (seq_lens.long() - 1).view(-1, 1)  # each sequence's new token
+    window_blocks = n if sliding_window is None else -(-(sliding_window - 1) // block_size) + 1
+    if window_blocks < n:  # gather only the blocks the window can see
+        first = (pos - sliding_window + 1).clamp(min=0) // block_size  # [B, 1]
+        cols = first + torch.arange(window_blocks, device=pos.device)
+        # columns past the table only hold keys after the query; they are masked
+        block_ids = block_table.gather(1, cols.clamp(max=block_table.shape[1] - 1))
+        keys = first * block_size + torch.arange(window_blocks * block_size, device=pos.device)
+        mask = (keys <= pos) & (keys > pos - sliding_window)  # [B, L]
+        return DecodeBatch(rows=rows, block_ids=block_ids.long().flatten(),
+                           num_seqs=block_table.shape[0], num_keys=window_blocks * block_size,
+                           mask=mask.view(mask.shape[0], 1, 1, -1))
     mask = attention_mask(pos, n * block_size, sliding_window)  # [B, 1, L]
     return DecodeBatch(rows=rows, block_ids=block_table[:, :n].long().flatten(),
                        num_seqs=block_table.shape[0], num_keys=n * block_size,
