@@ -178,7 +178,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             h = hidden_states
         offset = 0 if len(kv_caches) == len(self.layers) else self.layer_ids.start
-        cos, sin = self.rotary.cos_sin(positions)
+        # once per step for all layers, already in the activations' dtype
+        cos, sin = (t.to(h.dtype) for t in self.rotary.cos_sin(positions))
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, metadata, kv_caches[offset + i])
         return self.norm(h) if self.norm is not None else h
