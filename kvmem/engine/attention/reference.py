@@ -76,7 +76,6 @@ class DecodeBatch:
 
     rows: torch.Tensor | None  # int64 token rows of these sequences; None: every row, in order
     block_ids: torch.Tensor  # int64 [B * n]: each sequence's first n block ids, 0-padded
-    num_seqs: int
     num_keys: int  # n * block_size keys per sequence (padding masked)
     mask: torch.Tensor  # bool [B, 1, 1, num_keys]
 
@@ -183,12 +182,11 @@ def _decode_batch(rows: torch.Tensor | None, block_table: torch.Tensor, seq_lens
         keys = first * block_size + torch.arange(window_blocks * block_size, device=pos.device)
         mask = (keys <= pos) & (keys > pos - sliding_window)  # [B, L]
         return DecodeBatch(rows=rows, block_ids=block_ids.long().flatten(),
-                           num_seqs=block_table.shape[0], num_keys=window_blocks * block_size,
+                           num_keys=window_blocks * block_size,
                            mask=mask.view(mask.shape[0], 1, 1, -1))
     mask = attention_mask(pos, n * block_size, sliding_window)  # [B, 1, L]
     return DecodeBatch(rows=rows, block_ids=block_table[:, :n].long().flatten(),
-                       num_seqs=block_table.shape[0], num_keys=n * block_size,
-                       mask=mask.unsqueeze(1))
+                       num_keys=n * block_size, mask=mask.unsqueeze(1))
 
 
 def _prefill_chunk(b: int, start: int, q_len: int, seq_len: int, block_table: torch.Tensor,
@@ -233,7 +231,7 @@ class ReferenceBackend:
         keys = keys.view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
         values = values.view(shape).transpose(1, 2).to(q.dtype)
         # the query heads of one KV head act as that head's query rows: [B, Hkv, G, D]
-        grouped = q.view(batch, kv_heads, num_heads // kv_heads, dim)
+        grouped = q.reshape(batch, kv_heads, num_heads // kv_heads, dim)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask,
                                              scale=scale)
         return out.reshape(batch, num_heads, dim)
