@@ -37,6 +37,9 @@ class SharedKVStorage:
 
 def shared_kv_storage(driver: Any) -> SharedKVStorage:
     """Every rank's KV as the driver maps it; a one-line error when the ranks do not share."""
+    if driver.shared_slots is None and driver.ctx.config.kv_memory == "elastic":
+        raise ConfigError("CPU/disk offload with tensor/pipeline parallelism needs "
+                          "--kv-memory plain (elastic KV is private to each rank)")
     if driver.shared_slots is None:
         raise ConfigError("CPU/disk offload with tensor/pipeline parallelism needs every rank "
                           "on this machine's CPU, started by the engine (not torchrun), with "
