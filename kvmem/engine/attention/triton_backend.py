@@ -94,10 +94,10 @@ def _paged_attention_kernel(
                  out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _dot_precision(cache_dtype: torch.dtype) -> str:
-    """fp32 caches multiply in full precision (exact against the reference); "tf32" is
-    Triton's default and only affects fp32 operands."""
-    return "ieee" if cache_dtype == torch.float32 else "tf32"
+def _dot_precision(cache_dtype: torch.dtype) -> str | None:
+    """Full-precision matmuls over fp32 caches (exact against the reference); otherwise
+    Triton's default for the device."""
+    return "ieee" if cache_dtype == torch.float32 else None
 
 
 def _supported_block_size(block_size: int) -> bool:
