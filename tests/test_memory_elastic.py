@@ -165,12 +165,15 @@ def test_lowered_limit_trims_free_pages(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
     page = 3 * 4 * 8192
     storage = fake_storage(budget=ledger.register("eng"), reserve_pages=6, start=True)
-    storage.settle()
-    assert storage.stats().mapped_pages == 7
-    ledger.set_limit("eng", 3 * page)
-    storage._heartbeat()
-    storage.settle()
-    assert storage.stats().held_bytes <= 3 * page
+    try:
+        storage.settle()
+        assert storage.stats().mapped_pages == 7
+        ledger.set_limit("eng", 3 * page)
+        storage._heartbeat()
+        storage.settle()
+        assert storage.stats().held_bytes <= 3 * page
+    finally:
+        storage.close()
 
 
 def test_followers_replay_the_leaders_page_map():

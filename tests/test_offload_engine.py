@@ -48,13 +48,15 @@ def run_one(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: i
     return request, final
 
 
-def kvmem_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("kvmem-")]
+def kvmem_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """kvmem threads started since ``before`` that are still running."""
+    return [t for t in threading.enumerate() if t.name.startswith("kvmem-") and t not in before]
 
 
 def test_mission3_repeated_long_prompt_comes_back_from_cpu_tier():
     """A pool that one long prompt mostly fills, slow stores holding the first prompt's blocks
     while the second arrives, then the first prompt again: no crash, exact tokens, CPU hit."""
+    threads_before = set(threading.enumerate())
     rng = random.Random(3)
     first = [rng.randrange(100, 40000) for _ in range(300)]
     second = [rng.randrange(100, 40000) for _ in range(300)]
@@ -80,7 +82,7 @@ def test_mission3_repeated_long_prompt_comes_back_from_cpu_tier():
         assert engine.kv_usage().held == 0 and engine.kv_usage().used == 0
     finally:
         connector.shutdown()
-    assert not kvmem_threads()
+    assert not kvmem_threads(threads_before)
 
 
 @pytest.mark.slow
@@ -94,6 +96,7 @@ def test_soak_random_requests_with_faults(tmp_path, tiny_model):
     batch shape can flip a near-tied greedy choice, so an output that differs from the
     batched reference must equal the prompt computed alone (no batch, no cache), and such
     flips must stay rare."""
+    threads_before = set(threading.enumerate())
     rng = random.Random(7)
     prefixes = [[rng.randrange(0, 256) for _ in range(rng.randrange(32, 97))]
                 for _ in range(6)]
@@ -175,7 +178,7 @@ def test_soak_random_requests_with_faults(tmp_path, tiny_model):
         connector.shutdown()  # stores still copying are dropped and their holds released
     usage = engine.kv_usage()
     assert usage.used == 0 and usage.held == 0 and usage.free + usage.cached == usage.total
-    assert not kvmem_threads()
+    assert not kvmem_threads(threads_before)
 
 
 _RESTART_SCRIPT = """

@@ -58,7 +58,8 @@ def test_sliding_window_patterns(model, sliding, full, window):
     kinds = [layer.kind for layer in spec.layers]
     assert kinds.count(AttentionKind.SLIDING) == sliding
     assert kinds.count(AttentionKind.FULL) == full
-    assert all(layer.window == window for layer in spec.layers if layer.kind is AttentionKind.SLIDING)
+    sliding_layers = [layer for layer in spec.layers if layer.kind is AttentionKind.SLIDING]
+    assert all(layer.window == window for layer in sliding_layers)
 
 
 def test_gemma3_every_sixth_layer_is_global():
