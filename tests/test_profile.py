@@ -5,6 +5,8 @@ the suggested kv_cache_memory_bytes allocating exactly the blocks the plan predi
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -128,8 +130,14 @@ def test_cpu_meter_falls_back_to_sampling(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def embedded_profile() -> MemoryProfile:
-    return profile_memory(EngineConfig(model=None, device="cpu", **SETTINGS))
+def embedded_profile(tmp_path_factory) -> MemoryProfile:
+    """`kvmem profile` in its own process, as users run it: resident-memory figures taken
+    inside the test process would include what earlier tests left in its heap."""
+    out = tmp_path_factory.mktemp("profile") / "smollm2.json"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
+    subprocess.run([sys.executable, "-m", "kvmem", "profile", "--device", "cpu", *flags,
+                    "--output", str(out)], check=True, capture_output=True, timeout=600)
+    return MemoryProfile.load(out)
 
 
 def test_cpu_profile_of_the_embedded_model_measures_every_component(embedded_profile):
