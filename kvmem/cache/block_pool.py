@@ -173,12 +173,7 @@ class BlockPool:
                     cached.append(block_id)
             else:
                 raise ValueError(f"block {block_id} freed more often than it was taken")
-        if cached:
-            self.free_queue.push_cached(cached)
-        if uncached:
-            self.free_queue.push_free(uncached)
-            for listener in self.listeners:
-                listener.on_blocks_released(uncached)
+        self._return_free(uncached, cached)
 
     # -- prefix cache ----------------------------------------------------------------------
 
@@ -278,6 +273,11 @@ class BlockPool:
                     uncached.append(block_id)
                 else:
                     cached.append(block_id)
+        self._return_free(uncached, cached)
+
+    def _return_free(self, uncached: list[int], cached: list[int]) -> None:
+        """Blocks nobody uses or holds any more: cached ones become evictable, the others
+        free (and elastic memory may unmap their pages)."""
         if cached:
             self.free_queue.push_cached(cached)
         if uncached:

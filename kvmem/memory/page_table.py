@@ -343,12 +343,7 @@ class PageTable:
             return None
         if not self.credit_pages and self._over_cap(1):
             return None
-        while self._unmapped_heap:
-            page = self._unmapped_heap[0]
-            if self.state[page] is PageState.UNMAPPED and self._free[page]:
-                return page
-            heapq.heappop(self._unmapped_heap)
-        return None
+        return self._lowest_unmapped()
 
     def _pick_trim(self) -> int | None:
         k = self.geo.blocks_per_page
