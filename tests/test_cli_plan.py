@@ -106,6 +106,7 @@ def test_check_fails_with_the_per_rank_message(capsys):
     (["plan", "qwen3-32b", "--pp", "2", "--layer-partition", "60,8", "--gpu", "H100"],
      "sums to 68"),
     (["plan", "qwen3-32b", "--pp", "2", "--layer-partition", "64,0", "--gpu", "H100"], "empty"),
+    (["plan", "qwen3-32b", "--pp", "2", "--layer-partition", "60,8"], "sums to 68"),
     (["plan", "qwen3-32b", "--pp", "2", "--layer-partition", "a,b", "--gpu", "H100"],
      "whole numbers"),
     (["plan", "qwen3-32b", "--gpu", "H1000"], "unknown GPU"),

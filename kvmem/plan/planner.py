@@ -67,6 +67,9 @@ class _Planner:
     def __init__(self, spec: ModelSpec, layout: Layout, settings: EngineSettings, policy: str,
                  profile: list[RankProfile] | None, checkpoint_dir: str | Path | None) -> None:
         check_layout(spec, layout)
+        if layout.layer_partition is not None:  # before memory: the layout error comes first
+            validate_partition(layout.layer_partition, spec.num_layers,
+                               layout.pipeline_parallel_size)
         self.kv_dtype, self.max_model_len = check_settings(spec, settings, policy)
         self.spec, self.layout, self.settings, self.policy = spec, layout, settings, policy
         self.tp, self.pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
