@@ -23,10 +23,6 @@ class KVCacheSetup:
     kv_caches: list[torch.Tensor]  # one slot tensor per layer
     num_blocks: int
 
-    @property
-    def num_gpu_blocks(self) -> int:  # vLLM's name, used in logs
-        return self.num_blocks
-
 
 def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device,
                   kv_dtype: str, max_model_len: int, profile=None,

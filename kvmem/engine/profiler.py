@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmem.errors import ConfigError
-from kvmem.units import MiB, format_bytes
+from kvmem.units import GiB, MiB
 
 PROFILE_HEADROOM_BYTES = 150 * MiB
 PROFILE_FORMAT = "kvmem-memory-profile/1"
@@ -183,7 +183,7 @@ class MemoryProfile:
 
 
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f}"
+    return f"{n / GiB:.2f}"
 
 
 def _check_utilization(value: Any, source: str = "gpu_memory_utilization") -> None:
@@ -502,8 +502,3 @@ def scratch_kv_caches(spec, block_size: int, dtype, device) -> list:
         caches.append(torch.zeros((2, 2, block_size, heads, head_dim), dtype=dtype,
                                   device=device))
     return caches
-
-
-def format_profile_bytes(n: int) -> str:
-    """``151,519,866,880 B (141.11 GiB)``."""
-    return f"{n:,} B ({format_bytes(n)})"

@@ -159,8 +159,3 @@ class DetokenizerState:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]
-
-
-def decode_incremental(state: DetokenizerState, token_id: int) -> str:
-    """Functional spelling of ``state.step(token_id)``."""
-    return state.step(token_id)

@@ -202,9 +202,6 @@ class PageTable:
             del self._free[page][block]
             self._on_free_count_change(page, -1)
 
-    def is_free(self, block: int) -> bool:
-        return block in self._free[self.geo.page_of(block)]
-
     def free_ids(self) -> list[int]:
         with self.cond:
             return [b for page in self._free for b in page]

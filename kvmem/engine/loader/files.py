@@ -30,10 +30,6 @@ class ModelFiles:
     config: dict[str, Any]
     weight_files: list[Path] = field(default_factory=list)
 
-    @property
-    def tokenizer_path(self) -> Path:
-        return self.path / "tokenizer.json"
-
     @cached_property
     def tokenizer(self) -> Tokenizer:
         from kvmem.engine.tokenizer import Tokenizer
