@@ -6,6 +6,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from kvmem.errors import ConfigError
+from kvmem.plan.partition import format_partition
 from kvmem.plan.types import Plan
 
 ENGINES = ("vllm", "sglang", "kvmem")
@@ -26,7 +27,7 @@ class EngineCommand:
 
 def _partition(plan: Plan) -> str | None:
     parts = plan.engine.layer_partition
-    return ",".join(map(str, parts)) if len(parts) > 1 else None
+    return format_partition(parts) if len(parts) > 1 else None
 
 
 def _uniform_budget(plan: Plan) -> tuple[int, bool]:

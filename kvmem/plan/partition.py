@@ -20,14 +20,15 @@ def even_partition(num_layers: int, pp: int) -> list[int]:
 
 def validate_partition(partition: list[int], num_layers: int, pp: int) -> list[int]:
     parts = list(partition)
+    shown = format_partition(parts)
     if len(parts) != pp:
-        raise ConfigError(f"layer partition {_fmt(parts)} has {len(parts)} stages but "
+        raise ConfigError(f"layer partition {shown} has {len(parts)} stages but "
                           f"pipeline_parallel_size is {pp}")
     if any(not isinstance(p, int) or isinstance(p, bool) or p <= 0 for p in parts):
-        raise ConfigError(f"layer partition {_fmt(parts)} has an empty or negative stage; "
+        raise ConfigError(f"layer partition {shown} has an empty or negative stage; "
                           "every stage needs at least one layer")
     if sum(parts) != num_layers:
-        raise ConfigError(f"layer partition {_fmt(parts)} sums to {sum(parts)} but the model "
+        raise ConfigError(f"layer partition {shown} sums to {sum(parts)} but the model "
                           f"has {num_layers} layers")
     return parts
 
@@ -37,7 +38,8 @@ def stage_layers(partition: list[int]) -> list[range]:
     return [range(a, a + n) for a, n in zip(starts, partition, strict=True)]
 
 
-def _fmt(parts: list) -> str:
+def format_partition(parts: list) -> str:
+    """A partition as the engines' flags and environment variables spell it: ``56,8``."""
     return ",".join(str(p) for p in parts)
 
 

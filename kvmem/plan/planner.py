@@ -26,6 +26,7 @@ from kvmem.plan.geometry import KVGeometry, StageKV
 from kvmem.plan.partition import (
     best_partition,
     even_partition,
+    format_partition,
     greedy_partition,
     partition_fits,
     stage_layers,
@@ -206,8 +207,8 @@ class _Planner:
         notes = []
         if self.policy == "optimal" and partition != default \
                 and self.layout.layer_partition is None:
-            notes.append(f"optimal layer partition {_fmt(partition)} (default "
-                         f"{_fmt(default)}); pass it to the engine")
+            notes.append(f"optimal layer partition {format_partition(partition)} (default "
+                         f"{format_partition(default)}); pass it to the engine")
         if None in self.memory:
             notes.append("GPU memory not given: only kv_cache_memory_bytes sizes the KV cache")
         return Plan(self.spec.hf_id or self.spec.name, self.layout, self.settings, ranks,
@@ -290,8 +291,3 @@ class _Planner:
             block_size=self.settings.block_size, kv_dtype=self.kv_dtype,
             num_kv_groups=len(self.geometry.groups),
         )
-
-
-def _fmt(parts: list[int]) -> str:
-    return ",".join(str(p) for p in parts)
-
