@@ -174,10 +174,10 @@ class LLMEngine:
             from kvmem.engine.distributed import ParallelModelRunner
 
             self.model_runner = ParallelModelRunner(self.parallel, self.kv_cache_manager,
-                                                    num_kv_groups=len(self.spec.kv_groups()))
+                                                    num_kv_groups=len(groups))
         else:
             self.model_runner = ModelRunner(model, kv.kv_caches, self.kv_cache_manager,
-                                            num_kv_groups=len(self.spec.kv_groups()),
+                                            num_kv_groups=len(groups),
                                             block_size=config.block_size, device=self.device,
                                             sampler=Sampler(config.seed))
         if self.parallel is None and self.device.type == "cuda" and \
