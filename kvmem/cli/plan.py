@@ -110,17 +110,9 @@ def _gib_list(text: str, what: str) -> list[int]:
     return out
 
 
-def _partition(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"layer partition {text!r}: give whole numbers such as 56,8") from None
-
-
 def _inputs(args: argparse.Namespace):
     from kvmem.plan import EngineSettings, Layout
+    from kvmem.plan.partition import parse_partition
     from kvmem.units import GiB, parse_size
 
     gpus = [g.strip() for item in args.gpu for g in item.split(",") if g.strip()] \
@@ -133,9 +125,10 @@ def _inputs(args: argparse.Namespace):
                           f"got {args.weight_offload_gib}")
     kv_bytes = (parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
                 if args.kv_cache_memory_bytes is not None else None)
+    partition = (parse_partition(args.layer_partition)
+                 if args.layer_partition is not None else None)
     layout = Layout(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                    layer_partition=_partition(args.layer_partition), gpus=gpus,
-                    gpu_memory_bytes=memory)
+                    layer_partition=partition, gpus=gpus, gpu_memory_bytes=memory)
     settings = EngineSettings(
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
         block_size=args.block_size, max_model_len=args.max_model_len,

@@ -1,7 +1,7 @@
 """EngineConfig: every engine option in one place, shared by ``LLM``, the CLI and the server.
 
-Later features (offload tiers, elastic memory, parallelism, profiling) add their options
-here and in ``add_engine_arguments`` so that every entry point gets them at once.
+Each option (sizing, parallelism, offload tiers, elastic memory) is a field here and a flag
+in ``add_engine_arguments``, so every entry point takes the same options with the same checks.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from kvmem.errors import ConfigError
+from kvmem.plan.partition import parse_partition
 from kvmem.tiers.config import POLICIES as OFFLOAD_POLICIES
 from kvmem.units import GiB, parse_size
 
@@ -105,11 +106,7 @@ class EngineConfig:
         if self.layer_partition is not None:
             parts = self.layer_partition
             if isinstance(parts, str):
-                try:
-                    parts = [int(p) for p in parts.split(",")]
-                except ValueError:
-                    raise ConfigError(f"layer_partition {parts!r}: give layer counts per "
-                                      "stage, e.g. 3,1") from None
+                parts = parse_partition(parts, "layer_partition")
             self.layer_partition = list(parts)
             if len(parts) != self.pipeline_parallel_size:
                 raise ConfigError(f"layer_partition {parts} has {len(parts)} stages but "

@@ -38,6 +38,14 @@ def stage_layers(partition: list[int]) -> list[range]:
     return [range(a, a + n) for a, n in zip(starts, partition, strict=True)]
 
 
+def parse_partition(text: str, what: str = "layer partition") -> list[int]:
+    """Layers per stage from their comma spelling, e.g. ``"56,8"`` -> ``[56, 8]``."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: give whole numbers such as 56,8") from None
+
+
 def format_partition(parts: list) -> str:
     """A partition as the engines' flags and environment variables spell it: ``56,8``."""
     return ",".join(str(p) for p in parts)
