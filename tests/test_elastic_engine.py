@@ -15,7 +15,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ import time
 import httpx
 import psutil
 import pytest
+from serve_process import ServeProcess, free_port
 from tiny_models import make_tiny_checkpoint
 
 from kvmem.engine.config import EngineConfig
@@ -300,44 +300,16 @@ def test_two_engine_processes_share_one_budget(wide, tmp_path, ledger_dir):
 
 
 # -- tensor-parallel serving ----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``kvmem serve -tp 2 --kv-memory elastic`` in a subprocess, up within ``start_s``."""
-
-    def __init__(self, model_dir, ledger_dir, start_s: float = 120) -> None:
-        self.port = _free_port()
-        cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", str(self.port),
-               "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB", "-tp", "2",
-               "--kv-memory", "elastic", "--engine-name", "served"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "KVMEM_LEDGER_DIR": str(ledger_dir)}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + start_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        self.proc.kill()
-        raise AssertionError(f"no /health 200 within {start_s} s:\n" + "".join(self.lines))
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
+def serve_elastic_tp2(model_dir, ledger_dir) -> ServeProcess:
+    """``kvmem serve -tp 2 --kv-memory elastic`` in a subprocess."""
+    return ServeProcess(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB",
+                        "-tp", "2", "--kv-memory", "elastic", "--engine-name", "served",
+                        env={"KVMEM_LEDGER_DIR": str(ledger_dir)})
 
 
 def test_tp2_serve_reaches_health_and_serves(tiny, ledger_dir):
     """Two requests in turn, so rank 0 maps and trims pages that rank 1 replays."""
-    server = Server(tiny, ledger_dir)
+    server = serve_elastic_tp2(tiny, ledger_dir)
     try:
         llm = LLM(str(tiny), kv_cache_memory_bytes="4MiB", max_model_len=256)
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -375,8 +347,8 @@ def test_rank_that_never_joins_the_page_map_fails_startup_clearly(tiny, tmp_path
     script.write_text(STUCK_RANK)
     args = ["serve", str(tiny), "--max-model-len", "128", "--kv-cache-memory-bytes", "4MiB",
             "-tp", "2", "--kv-memory", "elastic", "--distributed-timeout", "3",
-            "--port", str(_free_port())]
-    master = str(_free_port())
+            "--port", str(free_port())]
+    master = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": master}
     rank0 = subprocess.Popen([sys.executable, "-m", "kvmem", *args],

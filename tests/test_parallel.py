@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
+from serve_process import ServeProcess
 from tiny_models import make_tiny_checkpoint
 
 from kvmem.engine.config import EngineConfig
@@ -175,38 +172,12 @@ def test_config_errors_and_torchrun_environment():
 
 
 # -- a served engine ----------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServeProcess):
     """``kvmem serve`` with tp 2 in a subprocess; collects its log lines."""
 
     def __init__(self, model_dir) -> None:
-        self.port = _free_port()
-        cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", str(self.port),
-               "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB", "-tp", "2",
-               "--log-level", "info"]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError("server did not start:\n" + "".join(self.lines))
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
+        super().__init__(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB",
+                         "-tp", "2", "--log-level", "info")
 
     def worker_pid(self) -> int:
         line = next(x for x in self.lines if "rank 1 (pp stage 0, tp rank 1): worker pid" in x)
