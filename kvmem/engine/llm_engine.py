@@ -213,7 +213,7 @@ class LLMEngine:
             self.parallel.shutdown()
         if self.elastic is not None:
             self.elastic.close()  # stops pre-mapping, leaves the ledger, unmaps the KV
-            self._closed = True
+            self._closed = True  # a later step would touch unmapped KV memory: refuse it
 
     @staticmethod
     def max_model_len_for(spec, config: EngineConfig) -> int:
