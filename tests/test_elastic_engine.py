@@ -240,7 +240,9 @@ ENGINE = textwrap.dedent("""
             time.sleep(0.05)
         result = dict(outputs=outputs, max_held=max_held, blocked=blocked,
                       preemptions=engine.num_preemptions)
-        (control / f"{phase}-{name}.json").write_text(json.dumps(result))
+        partial = control / f"{phase}-{name}.partial"  # renamed whole: never read half-written
+        partial.write_text(json.dumps(result))
+        partial.rename(control / f"{phase}-{name}.json")
     engine.shutdown()
 """)
 
@@ -275,7 +277,11 @@ def test_two_engine_processes_share_one_budget(wide, tmp_path, ledger_dir):
         deadline = time.monotonic() + 300
         while not all((control / f"{name}-{e}.json").exists() for e in engines):
             assert time.monotonic() < deadline
-            assert all(p.poll() is None for p in procs.values()), "an engine exited"
+            # after the last phase an engine that has written its results exits 0 while the
+            # other still runs; an engine that fails, or exits without its results, does not
+            exited = {e: p.returncode for e, p in procs.items() if p.poll() is not None}
+            assert all(code == 0 and (control / f"{name}-{e}.json").exists()
+                       for e, code in exited.items()), f"an engine exited: {exited}"
             time.sleep(0.05)
         return {e: json.loads((control / f"{name}-{e}.json").read_text()) for e in engines}
 
