@@ -1,14 +1,15 @@
 """The scheduler with an offload connector, against the real block manager and CPU tier (no
 model): finished requests are offered, a tier hit parks the request while it loads (it
 counts toward max_num_seqs and can be aborted), and a lone request short of blocks that
-transfers hold is preempted to wait for them instead of failing."""
+transfers hold is preempted to wait for them instead of failing. A hybrid model (full +
+sliding-window groups) loads only the blocks each group needs for the hit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvmem.cache import KVCacheManager
+from kvmem.cache import NULL_BLOCK_ID, KVCacheManager
 from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.scheduler import Scheduler
@@ -18,6 +19,10 @@ from kvmem.tiers import OffloadConfig, OffloadConnector, OffloadManager
 
 BLOCK = 4
 SHAPE = SlotShape(num_kv=2, block_size=BLOCK, num_heads=1, head_dim=4)
+FULL = [KVGroup(0, AttentionKind.FULL, None, (0,))]
+# layer 0 full attention, layer 1 a sliding window of one block: at a hit of L blocks the
+# window needs only block L - 1
+HYBRID = [*FULL, KVGroup(1, AttentionKind.SLIDING, BLOCK, (1,))]
 
 
 class GatedConnector(OffloadConnector):
@@ -37,13 +42,16 @@ class GatedConnector(OffloadConnector):
 def setup():
     made = []
 
-    def make(num_blocks: int = 32, max_num_seqs: int = 8):
-        mgr = KVCacheManager([KVGroup(0, AttentionKind.FULL, None, (0,))], num_blocks, BLOCK,
-                             enable_prefix_caching=True, max_num_batched_tokens=64)
+    def make(num_blocks: int = 32, max_num_seqs: int = 8, groups=FULL):
+        mgr = KVCacheManager(groups, num_blocks, BLOCK, enable_prefix_caching=True,
+                             max_num_batched_tokens=64)
         storage = TensorKVStorage(num_blocks, 1, SHAPE, torch.float32)
+        storage.slot_tensor(0).copy_(torch.randn(storage.slot_tensor(0).shape,
+                                                 generator=torch.Generator().manual_seed(0)))
         offload = OffloadManager(OffloadConfig(cpu_bytes=1 << 20), storage, 1, mgr,
                                  model="m", layout="l")
         connector = GatedConnector(offload, mgr)
+        connector.storage = storage
         made.append(connector)
         sched = Scheduler(mgr, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                           offload=connector)
@@ -163,3 +171,67 @@ def test_wait_blocks_until_the_parked_load_lands(setup):
     assert connector.wait(5) is True
     connector.gate_open = True
     assert [r.request_id for r, _ in sched.schedule().scheduled] == ["a-again"]
+
+
+def test_hybrid_hit_loads_only_the_blocks_each_group_needs(setup):
+    """Full attention needs blocks 0..2 of a 3-block hit, the sliding window only block 2;
+    the window's earlier entries are null, and the loaded rows are the stored ones."""
+    sched, connector = setup(groups=HYBRID)
+    mgr, slot = sched.kv_cache_manager, connector.storage.slot_tensor(0)
+    a = req("a", 13)
+    sched.add_request(a)
+    finish(sched, a)
+    stored = [{i: slot[b].clone() for i, b in enumerate(table[:3])}
+              for table in mgr.get_block_ids("a")]
+    connector.gate_open = True
+    sched.schedule()
+    connector.gate_open = False
+    assert mgr.reset_prefix_cache() and connector.stats()["cpu"].stored_blocks == 6
+
+    again = req("a-again", 13)
+    sched.add_request(again)
+    assert not sched.schedule().scheduled and sched.loading == [again]
+    full, sliding = mgr.get_block_ids("a-again")
+    assert len(full) == 3 and sliding[:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID]
+    assert mgr.usage().used == 4 and connector.stats()["cpu"].hits == 4
+    # blocks on their way are not findable by hash
+    assert mgr.get_computed_blocks(req("peek", 13)).num_tokens == 0
+
+    connector.gate_open = True
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a-again", 1)]
+    assert again.num_cached_tokens == 12 and sched.stats.prefix_hit_tokens == 12
+    for g, table in enumerate((full, sliding)):
+        for i, expected in stored[g].items():
+            if table[i] != NULL_BLOCK_ID:
+                assert torch.equal(slot[table[i]], expected)
+    assert mgr.get_computed_blocks(req("peek", 13)).num_tokens == 12  # loaded: now cached
+
+
+def test_hybrid_hit_mixes_pool_and_tier_blocks(setup):
+    """The device pool holds the first two blocks of each group again (a 2-block hit), the
+    tier the third: the hit adopts the pool's blocks and loads only the third ones."""
+    sched, connector = setup(groups=HYBRID)
+    mgr = sched.kv_cache_manager
+    store_and_forget(sched, connector, req("a", 13))
+    b = req("b", 9)  # a's first 9 tokens: brings blocks 0 and 1 back into the pool
+    sched.add_request(b)
+    connector.gate_open = True
+    finish(sched, b)
+    sched.schedule()
+    connector.gate_open = False
+    pooled = [mgr.lookup_hash(0, h) for h in mgr.request_block_hashes(req("peek", 13), 2)]
+    assert None not in pooled
+    assert mgr.get_computed_blocks(req("peek", 13)).num_tokens == 8  # the pool alone
+    hits_before = connector.stats()["cpu"].hits
+    again = req("a-again", 13)
+    sched.add_request(again)
+    sched.schedule()
+    assert sched.loading == [again]
+    full, sliding = mgr.get_block_ids("a-again")
+    assert full[:2] == pooled and full[2] not in pooled
+    assert sliding[:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID] and sliding[2] != NULL_BLOCK_ID
+    assert connector.stats()["cpu"].hits - hits_before == 2
+    connector.gate_open = True
+    assert [(r.request_id, n) for r, n in sched.schedule().scheduled] == [("a-again", 1)]
+    assert again.num_computed_tokens == 12

@@ -8,6 +8,8 @@
   first (blocks that the request releases from a window count as coming back; cached-free
   blocks that a prefix hit revives count as taken; held blocks are not free), and only
   when all of it fits is anything changed.
+- A hit may name ``LOAD_BLOCK`` instead of a block id (a block an offload tier holds): a
+  new block is taken for it, counted with the rest, and its data is loaded afterwards.
 """
 
 from __future__ import annotations
@@ -18,6 +20,41 @@ from kvmem.cache.managers import SingleTypeManager, make_manager
 from kvmem.cache.results import NULL_BLOCK_ID, NoCapacity
 from kvmem.spec.layout import KVGroup
 
+LOAD_BLOCK = -1  # in a hit: take a new block here (its data comes from an offload tier)
+
+
+def longest_common_hit(managers: list[SingleTypeManager], hashes: list[BlockHash],
+                       max_blocks: int) -> tuple[int, tuple[list[int], ...]]:
+    """Longest hit (in blocks, at most ``max_blocks``) valid for every manager's group, and
+    its block table prefix per group (``managers[i].group_index == i``).
+
+    Each group's rule gives its longest valid hit up to a limit; the limit is lowered to the
+    shortest answer and asked again until every group agrees. The managers may look blocks
+    up anywhere (``make_manager`` over any mapping with ``get``), not only in the pool.
+    """
+    if len(managers) == 1:
+        blocks = managers[0].find_longest_cache_hit(hashes, max_blocks)
+        return len(blocks), (blocks,)
+    # cheap, cuttable answers first: they lower the limit for the others
+    search_order = sorted(managers, key=lambda m: not m.prefix_closed)
+    limit = max_blocks
+    results: list[list[int] | None] = [None] * len(managers)
+    while True:
+        stable = True
+        for manager in search_order:
+            found = results[manager.group_index]
+            if found is None or len(found) > limit:
+                if found is not None and manager.prefix_closed:
+                    found = found[:limit]
+                else:
+                    found = manager.find_longest_cache_hit(hashes, limit)
+                results[manager.group_index] = found
+            if len(found) < limit:
+                limit = len(found)
+                stable = False
+        if stable:
+            return limit, tuple(results)  # type: ignore[arg-type]
+
 
 class KVCacheCoordinator:
     def __init__(self, groups: list[KVGroup], pool: BlockPool, block_size: int) -> None:
@@ -27,34 +64,13 @@ class KVCacheCoordinator:
         self.managers: list[SingleTypeManager] = [
             make_manager(group, i, block_size, pool.cached[i]) for i, group in enumerate(groups)]
         self.num_groups = len(groups)
-        # cheap, cuttable answers first: they lower the limit for the others
-        self._search_order = sorted(self.managers, key=lambda m: not m.prefix_closed)
         self._releasing = [m for m in self.managers if m.releases_blocks]
 
     def find_longest_cache_hit(self, hashes: list[BlockHash],
                                max_blocks: int) -> tuple[int, tuple[list[int], ...]]:
         """Longest hit (in blocks, at most ``max_blocks``) valid for every group, and its
         block table prefix per group."""
-        if self.num_groups == 1:
-            blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks)
-            return len(blocks), (blocks,)
-        limit = max_blocks
-        results: list[list[int] | None] = [None] * self.num_groups
-        while True:
-            stable = True
-            for manager in self._search_order:
-                found = results[manager.group_index]
-                if found is None or len(found) > limit:
-                    if found is not None and manager.prefix_closed:
-                        found = found[:limit]
-                    else:
-                        found = manager.find_longest_cache_hit(hashes, limit)
-                    results[manager.group_index] = found
-                if len(found) < limit:
-                    limit = len(found)
-                    stable = False
-            if stable:
-                return limit, tuple(results)  # type: ignore[arg-type]
+        return longest_common_hit(self.managers, hashes, max_blocks)
 
     def allocate(self, tables: list[list[int]], skipped: list[int], num_computed: int,
                  num_tokens: int, hit: tuple[list[int], ...] | None
@@ -62,7 +78,8 @@ class KVCacheCoordinator:
         """Make every group's table cover ``num_tokens`` tokens, or change nothing.
 
         ``num_computed`` tokens are already computed (blocks wholly before their attention
-        span are released first); ``hit`` is a prefix hit to adopt into empty tables.
+        span are released first); ``hit`` is a prefix hit to adopt into empty tables (its
+        ``LOAD_BLOCK`` entries become new blocks).
         Returns the new block ids per group, or ``NoCapacity``.
         """
         pool = self.pool
@@ -75,7 +92,8 @@ class KVCacheCoordinator:
             hit_lengths = [0] * self.num_groups
             new_counts = [num_required - len(table) if num_required > len(table) else 0
                           for table in tables]
-        taken = sum(new_counts)
+        to_load = [blocks.count(LOAD_BLOCK) for blocks in hit] if hit else [0] * self.num_groups
+        taken = sum(new_counts) + sum(to_load)
         if not taken and not hit and not self._releasing:
             return tuple([] for _ in tables)
 
@@ -91,7 +109,7 @@ class KVCacheCoordinator:
                         reclaimed += 1
             for blocks in hit or ():
                 for block_id in blocks:
-                    if block_id and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
+                    if block_id > 0 and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
                         revived += 1  # a cached-free block leaves the free queue
             taken += revived
         if taken > len(pool.free_queue) + reclaimed or (
@@ -107,18 +125,23 @@ class KVCacheCoordinator:
             table[skipped[g]:end] = [NULL_BLOCK_ID] * (end - skipped[g])
             skipped[g] = end
             pool.free_blocks(released)
+        new_ids: list[list[int]] = [[] for _ in tables]
         if hit:
+            for blocks in hit:  # revive the hit's cached blocks before taking new ones
+                pool.touch(b for b in blocks if b != LOAD_BLOCK)
             for g, blocks in enumerate(hit):
-                pool.touch(blocks)
+                if to_load[g]:
+                    new_ids[g] = pool.take_new_blocks(to_load[g], g)
+                    loaded = iter(new_ids[g])
+                    blocks = [next(loaded) if b == LOAD_BLOCK else b for b in blocks]
                 tables[g].extend(blocks)
                 manager = self.managers[g]
                 if manager.releases_blocks:
                     skipped[g] = manager.first_needed_block(num_computed)
-        new_ids = []
         for g, n in enumerate(new_counts):
             ids = pool.take_new_blocks(n, g) if n else []
             tables[g].extend(ids)
-            new_ids.append(ids)
+            new_ids[g] += ids
         return tuple(new_ids)
 
     def _releases(self, tables: list[list[int]], skipped: list[int],

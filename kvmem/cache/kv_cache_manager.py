@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvmem.cache.block_pool import BlockPool
-from kvmem.cache.coordinator import KVCacheCoordinator
+from kvmem.cache.coordinator import LOAD_BLOCK, KVCacheCoordinator
 from kvmem.cache.hashing import BlockHash, extend_block_hashes, request_extra_keys
 from kvmem.cache.results import (
     NULL_BLOCK_ID,
@@ -130,8 +130,11 @@ class KVCacheManager:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens (plus lookahead slots).
 
         On the first call, ``prefix_hit`` (from ``get_computed_blocks``) is adopted: its
-        tokens count as computed. All-or-nothing across groups; ``NoCapacity`` when the
-        blocks are not there, with nothing changed.
+        tokens count as computed. Its ``LOAD_BLOCK`` entries (blocks an offload tier holds)
+        get new blocks; such a hit schedules no new tokens, and its blocks become findable
+        by hash only when later tokens are scheduled (after the caller has loaded them).
+        All-or-nothing across groups; ``NoCapacity`` when the blocks are not there, with
+        nothing changed.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
@@ -139,6 +142,9 @@ class KVCacheManager:
         if state is not None and prefix_hit is None and self._flat_decode:
             return self._extend_single_full(state, request, num_new_tokens, num_lookahead_tokens)
         hit = None
+        loading = prefix_hit is not None and any(LOAD_BLOCK in b for b in prefix_hit.blocks)
+        if loading and num_new_tokens:
+            raise ValueError("a prefix hit with blocks still to load schedules no new tokens")
         if state is None:
             num_computed = 0
             if prefix_hit is not None and prefix_hit.num_tokens:
@@ -169,10 +175,12 @@ class KVCacheManager:
             state = _RequestState(len(self.groups), hashes, request_extra_keys(request))
             state.tables, state.skipped = tables, skipped
             if hit:
-                state.num_cached = [len(blocks) for blocks in hit]
+                state.num_cached = [blocks.index(LOAD_BLOCK) if LOAD_BLOCK in blocks
+                                    else len(blocks) for blocks in hit]
             self._requests[request.request_id] = state
         state.num_computed = num_computed = num_computed + num_new_tokens
-        if self.enable_prefix_caching and num_computed // self.block_size > min(state.num_cached):
+        if self.enable_prefix_caching and not loading and \
+                num_computed // self.block_size > min(state.num_cached):
             self._cache_full_blocks(state, request, min(num_computed, request.num_tokens))
         return Allocation(result, num_computed - num_new_tokens)
 
@@ -220,7 +228,7 @@ class KVCacheManager:
         block_hash, block_group = pool.block_hash, pool.block_group
         for g, blocks in enumerate(hit.blocks):
             for i, block_id in enumerate(blocks):
-                if block_id != NULL_BLOCK_ID and (block_hash[block_id] != hit.block_hashes[i]
+                if block_id > NULL_BLOCK_ID and (block_hash[block_id] != hit.block_hashes[i]
                                                   or block_group[block_id] != g):
                     return False
         return True

@@ -7,19 +7,25 @@ duck-typed requests (``request_id``, ``all_token_ids``, ``num_tokens``,
 - ``offer(request)`` just before ``kv_cache_manager.free(request)`` (finish, preempt,
   abort): the request's cached blocks are held and copied to the tiers;
 - ``start_load(request, hit)`` when admitting a waiting request, after the device pool's
-  prefix hit: if the tiers hold the next blocks, blocks for them are allocated (all or
-  nothing), the load starts, and the request is parked here (True is returned);
+  prefix hit: if the pool and the tiers together give a longer hit, blocks for it are
+  allocated (all or nothing), the load starts, and the request is parked here (True is
+  returned);
 - ``poll()`` at the start of every step: finishes transfers and returns parked requests
   whose load is done, with ``num_computed_tokens`` set past what loaded correctly;
 - ``cancel(request_id)`` for a parked request that is aborted.
 
-Loaded blocks are allocated as lookahead slots, so they are not findable by hash until
-the load has succeeded: no other request can read a block whose bytes are still on their
-way, and blocks after a failed one are simply computed. The pool's ``evict_listener`` is
-pointed at ``OffloadManager.on_evict``, so cached blocks reused for new data are kept too.
-
-Loads need every KV group to be full attention (a sliding-window group's hit is not a
-plain prefix); with other groups, blocks are still stored but never loaded.
+The hit must be valid for every KV group, by each group's own rule (``kvmem.cache``'s
+managers, here looking blocks up in the pool and then the tiers): full attention needs
+every block of the prefix, a sliding-window or chunked group only the blocks its window
+sees at the hit length (null blocks before). Blocks to load enter the block table as
+``LOAD_BLOCK`` entries of the hit, so they are not findable by hash until the request's
+next tokens are scheduled, after the load: no other request can read a block whose bytes
+are still on their way. When a block fails, the blocks that loaded intact are made
+findable, the request's blocks are freed, and its hit is looked up again (pool, then
+tiers, where the failed block no longer is): it goes on from the longest length still
+valid for every group. The pool's
+``evict_listener`` is pointed at ``OffloadManager.on_evict``, so cached blocks reused for
+new data are kept too.
 """
 
 from __future__ import annotations
@@ -27,11 +33,33 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvmem.spec.layout import AttentionKind
+from kvmem.cache.coordinator import LOAD_BLOCK, longest_common_hit
+from kvmem.cache.hashing import BlockHash
+from kvmem.cache.managers import SingleTypeManager, make_manager
+from kvmem.cache.results import PrefixHit
 from kvmem.tiers.manager import OffloadManager
 from kvmem.tiers.transfer import LoadHandle
 
 log = logging.getLogger("kvmem.tiers")
+
+Position = tuple[int, int]  # (block index, group)
+
+
+class _PoolThenTiers:
+    """One group's blocks by hash for a hit: the pool's cached block, else ``LOAD_BLOCK``
+    when a tier holds it, else None (the ``get`` a manager's hit search calls)."""
+
+    def __init__(self, group_id: int, pool_blocks: dict[BlockHash, int],
+                 offload: OffloadManager) -> None:
+        self.group_id = group_id
+        self.pool_blocks = pool_blocks
+        self.offload = offload
+
+    def get(self, block_hash: BlockHash) -> int | None:
+        block_id = self.pool_blocks.get(block_hash)
+        if block_id is not None:
+            return block_id
+        return LOAD_BLOCK if self.offload.contains((self.group_id, block_hash)) else None
 
 
 class OffloadConnector:
@@ -39,13 +67,17 @@ class OffloadConnector:
         self.offload = offload
         self.kv = kv_cache_manager
         self.block_size: int = kv_cache_manager.block_size
-        self.num_groups = len(kv_cache_manager.groups)
-        self.loads_enabled = all(g.kind is AttentionKind.FULL for g in kv_cache_manager.groups)
-        self._loading: dict[str, tuple[Any, LoadHandle]] = {}
+        # parked requests: the request, its load, and the (block, group) of each loaded block
+        self._loading: dict[str, tuple[Any, LoadHandle, list[Position]]] = {}
         kv_cache_manager.pool.evict_listener = self._on_evict
 
     def _on_evict(self, block_id: int, block_hash: bytes) -> None:
         self.offload.on_evict(block_id, (self.kv.pool.block_group[block_id], block_hash))
+
+    def _managers(self, lookups: list[Any]) -> list[SingleTypeManager]:
+        """Each group's hit rule over ``lookups[g]`` instead of the pool's cache."""
+        return [make_manager(group, g, self.block_size, lookups[g])
+                for g, group in enumerate(self.kv.groups)]
 
     # -- stores ---------------------------------------------------------------------------
     def offer(self, request: Any) -> int:
@@ -61,29 +93,33 @@ class OffloadConnector:
         return self.offload.offer(ids, keys) if ids else 0
 
     # -- loads ----------------------------------------------------------------------------
-    def start_load(self, request: Any, hit: Any) -> bool:
-        """Continue ``hit`` (a ``PrefixHit``) from the tiers; True if the request now waits
-        here for its load (its blocks are allocated). False: admit it as usual."""
-        if not self.loads_enabled or request.request_id in self._loading:
+    def start_load(self, request: Any, hit: PrefixHit) -> bool:
+        """Continue ``hit`` (the device pool's ``PrefixHit``) from the tiers; True if the
+        request now waits here for its load (its blocks are allocated). False: admit it as
+        usual."""
+        if request.request_id in self._loading:
             return False
-        bs, groups = self.block_size, self.num_groups
-        start = hit.num_tokens // bs
+        bs = self.block_size
         end = (request.num_tokens - 1) // bs  # always leave a prompt token to compute
-        if end <= start:
+        if end <= hit.num_tokens // bs:
             return False
         hashes = self.kv.request_block_hashes(request, end)
-        keys = [(g, h) for h in hashes[start:end] for g in range(groups)]
-        found = self.offload.lookup(keys) // groups
-        if not found:
+        lookups = [_PoolThenTiers(g, self.kv.pool.cached[g], self.offload)
+                   for g in range(len(self.kv.groups))]
+        length, blocks = longest_common_hit(self._managers(lookups), hashes, end)
+        if length * bs <= hit.num_tokens:
             return False
-        if not self.kv.allocate_slots(request, 0, prefix_hit=hit,
-                                      num_lookahead_tokens=found * bs):
+        loads = [(i, g) for i in range(length) for g, table in enumerate(blocks)
+                 if table[i] == LOAD_BLOCK]
+        combined = PrefixHit(length * bs, blocks, hashes, self.kv.pool.epoch)
+        if not self.kv.allocate_slots(request, 0, prefix_hit=combined):
             return False
+        keys = [(g, hashes[i]) for i, g in loads]
+        self.offload.lookup(keys)  # counts the hits of the load
         tables = self.kv.get_block_ids(request.request_id)
-        block_ids = [tables[g][start + i] for i in range(found) for g in range(groups)]
-        handle = self.offload.load(request.request_id, keys[:found * groups], block_ids)
+        handle = self.offload.load(request.request_id, keys, [tables[g][i] for i, g in loads])
         request.num_computed_tokens = hit.num_tokens
-        self._loading[request.request_id] = (request, handle)
+        self._loading[request.request_id] = (request, handle, loads)
         return True
 
     def poll(self) -> list[Any]:
@@ -93,23 +129,41 @@ class OffloadConnector:
             parked = self._loading.pop(handle.request_id, None)
             if parked is None:  # cancelled meanwhile
                 continue
-            request = parked[0]
-            loaded = handle.num_loaded // self.num_groups
-            if handle.error:
-                log.warning("offload: request %s: %s; recomputing from block %d",
-                            request.request_id, handle.error, loaded)
-            if loaded:
-                # The blocks were allocated with the load: this only advances and caches.
-                done = self.kv.allocate_slots(request, loaded * self.block_size)
-                assert done, "loaded blocks were allocated before the load"
+            request, _, loads = parked
+            if handle.num_loaded < len(loads) and self._retry_after_failure(
+                    request, loads, handle.num_loaded,
+                    handle.error or "block no longer in a tier"):
+                continue  # parked again for a shorter load
             request.num_computed_tokens = self.kv.num_computed_tokens(request.request_id)
             ready.append(request)
         return ready
 
+    def _retry_after_failure(self, request: Any, loads: list[Position], num_loaded: int,
+                             error: str) -> bool:
+        """``loads[num_loaded:]`` did not load (a failed block is dropped from its tier).
+        The blocks that did are made findable by hash, the request's blocks are freed, and
+        its hit is looked up again, in the pool and then the tiers: the longest length
+        still valid for every group. True if it is parked again for a new load."""
+        rid = request.request_id
+        tables = self.kv.get_block_ids(rid)
+        hashes = self.kv.request_block_hashes(request, len(tables[0]))
+        for i, g in loads[:num_loaded]:
+            self.kv.pool.cache_table_blocks(g, tables[g], hashes, i, i + 1)
+        self.kv.free(rid)
+        hit = self.kv.get_computed_blocks(request)
+        parked = self.start_load(request, hit)
+        if not parked and hit.num_tokens and not self.kv.allocate_slots(request, 0,
+                                                                         prefix_hit=hit):
+            hit = None  # no room to adopt it now: the request computes from the start
+        log.warning("offload: request %s: %s; %s", rid, error,
+                    "loading a shorter hit" if parked else
+                    f"recomputing from token {self.kv.num_computed_tokens(rid)}")
+        return parked
+
     def wait(self, timeout: float) -> bool:
         """Block until the oldest parked load is done (or ``timeout`` s); True if it is.
         For an engine with nothing else to run, instead of spinning on ``poll``."""
-        for _, handle in self._loading.values():
+        for _, handle, _ in self._loading.values():
             return handle.done.wait(timeout)
         return False
 
@@ -128,7 +182,7 @@ class OffloadConnector:
 
     @property
     def loading(self) -> list[Any]:
-        return [request for request, _ in self._loading.values()]
+        return [parked[0] for parked in self._loading.values()]
 
     def shutdown(self, flush: bool = False) -> None:
         """Cancel parked requests and stop the tiers (finishing queued stores when ``flush``)."""

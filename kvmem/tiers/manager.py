@@ -133,6 +133,11 @@ class OffloadManager:
         return not enabled or name in self._pending or all(t.contains(name) for t in enabled)
 
     # -- lookups and loads ----------------------------------------------------------------
+    def contains(self, key: Hashable) -> bool:
+        """Whether an enabled tier holds ``key`` (no stats counted: ``lookup`` counts)."""
+        name = key_name(key)
+        return any(t.enabled and t.contains(name) for t in self.tiers)
+
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many leading ``keys`` a tier holds (CPU first, then disk); counts hits/misses.
 
