@@ -2,14 +2,16 @@
 model): finished requests are offered, a tier hit parks the request while it loads (it
 counts toward max_num_seqs and can be aborted), and a lone request short of blocks that
 transfers hold is preempted to wait for them instead of failing. A hybrid model (full +
-sliding-window groups) loads only the blocks each group needs for the hit."""
+sliding-window groups) loads only the blocks each group needs for the hit, into blocks
+that the block manager takes all-or-nothing and makes findable only after the load."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvmem.cache import NULL_BLOCK_ID, KVCacheManager
+from kvmem.cache import NULL_BLOCK_ID, KVCacheManager, PrefixHit
+from kvmem.cache.coordinator import LOAD_BLOCK
 from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.scheduler import Scheduler
@@ -235,3 +237,27 @@ def test_hybrid_hit_mixes_pool_and_tier_blocks(setup):
     connector.gate_open = True
     assert [(r.request_id, n) for r, n in sched.schedule().scheduled] == [("a-again", 1)]
     assert again.num_computed_tokens == 12
+
+
+def test_a_hit_with_blocks_to_load_is_all_or_nothing_and_cached_only_after():
+    mgr = KVCacheManager(HYBRID, 7, BLOCK)  # 6 usable blocks
+    r = req("r", 13)
+    hashes = mgr.request_block_hashes(r, 3)
+    hit = PrefixHit(12, ([LOAD_BLOCK] * 3, [NULL_BLOCK_ID, NULL_BLOCK_ID, LOAD_BLOCK]),
+                    hashes, mgr.pool.epoch)
+    with pytest.raises(ValueError, match="no new tokens"):
+        mgr.allocate_slots(r, 1, prefix_hit=hit)
+    other = req("other", 7, start=500)
+    assert mgr.allocate_slots(other, 7)  # two blocks in each group: 2 of 6 left
+    refused = mgr.allocate_slots(r, 0, prefix_hit=hit)
+    assert not refused and refused.needed_blocks == 4
+    assert not mgr.has_request("r") and mgr.usage().used == 4
+    mgr.free(other)
+    new_ids = mgr.allocate_slots(r, 0, prefix_hit=hit).new_block_ids
+    full, sliding = (list(table) for table in mgr.get_block_ids("r"))
+    assert new_ids == (full, [sliding[2]]) and len(set(full) | {sliding[2]}) == 4
+    assert sliding[:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID] and mgr.num_computed_tokens("r") == 12
+    peek = req("peek", 13)
+    assert mgr.get_computed_blocks(peek).num_tokens == 0  # not findable while loading
+    assert mgr.allocate_slots(r, 1)  # the next token: the loaded blocks become findable
+    assert mgr.get_computed_blocks(peek).blocks == (full, [NULL_BLOCK_ID] * 2 + sliding[2:3])
