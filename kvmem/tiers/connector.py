@@ -107,10 +107,10 @@ class OffloadConnector:
         lookups = [_PoolThenTiers(g, self.kv.pool.cached[g], self.offload)
                    for g in range(len(self.kv.groups))]
         length, blocks = longest_common_hit(self._managers(lookups), hashes, end)
-        if length * bs <= hit.num_tokens:
-            return False
         loads = [(i, g) for i in range(length) for g, table in enumerate(blocks)
                  if table[i] == LOAD_BLOCK]
+        if length * bs <= hit.num_tokens or not loads:
+            return False
         combined = PrefixHit(length * bs, blocks, hashes, self.kv.pool.epoch)
         if not self.kv.allocate_slots(request, 0, prefix_hit=combined):
             return False
@@ -152,9 +152,9 @@ class OffloadConnector:
         self.kv.free(rid)
         hit = self.kv.get_computed_blocks(request)
         parked = self.start_load(request, hit)
-        if not parked and hit.num_tokens and not self.kv.allocate_slots(request, 0,
-                                                                         prefix_hit=hit):
-            hit = None  # no room to adopt it now: the request computes from the start
+        if not parked and hit.num_tokens:
+            # NoCapacity (no room to adopt it now) leaves it to compute from the start
+            self.kv.allocate_slots(request, 0, prefix_hit=hit)
         log.warning("offload: request %s: %s; %s", rid, error,
                     "loading a shorter hit" if parked else
                     f"recomputing from token {self.kv.num_computed_tokens(rid)}")
