@@ -127,8 +127,11 @@ def test_mission1_whole_model_need_exceeds_a_rank_but_each_rank_fits(model_dir, 
         assert llm.engine.num_blocks == 20
         outs = [llm.generate([p], params)[0] for p in (first, second, first)]
         again = outs[2]
-        assert again.num_cached_tokens >= 7 * 16  # reloaded: the second prompt evicted it
-        assert connector.offload.stats()["cpu"].hits >= 7
+        # The second prompt evicted the tail of the first from the GPU pool: the head still
+        # hits there and the evicted blocks come back from CPU, together the whole prefix.
+        assert again.num_cached_tokens >= 7 * 16
+        cpu = connector.offload.stats()["cpu"]
+        assert cpu.hits >= 1 and cpu.bytes_loaded > 0 and cpu.failed_loads == 0
     finally:
         connector.shutdown()
         llm.engine.shutdown()

@@ -8,6 +8,7 @@ managers, the hybrid-model coordinator and ``KVCacheManager``, the engine's inte
 """
 
 from kvmem.cache.block_pool import BlockPool
+from kvmem.cache.coordinator import LOAD_BLOCK, longest_common_hit
 from kvmem.cache.free_queue import FreeBlockQueue
 from kvmem.cache.hashing import BlockHash, hash_block_tokens, hash_request_tokens
 from kvmem.cache.kv_cache_manager import KVCacheManager
@@ -21,7 +22,7 @@ from kvmem.cache.results import (
 )
 
 __all__ = [
-    "NULL_BLOCK_ID", "Allocation", "BlockHash", "BlockPool", "CacheUsage", "FreeBlockQueue",
-    "KVCacheEvent", "KVCacheManager", "NoCapacity", "PrefixHit", "hash_block_tokens",
-    "hash_request_tokens",
+    "LOAD_BLOCK", "NULL_BLOCK_ID", "Allocation", "BlockHash", "BlockPool", "CacheUsage",
+    "FreeBlockQueue", "KVCacheEvent", "KVCacheManager", "NoCapacity", "PrefixHit",
+    "hash_block_tokens", "hash_request_tokens", "longest_common_hit",
 ]

@@ -58,10 +58,13 @@ def run(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     engine = LLMEngine(EngineConfig.from_args(args))
-    prompt = args.prompt
-    if args.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    stream_text(engine, "generate-0", prompt, params)
-    print()
+    try:
+        prompt = args.prompt
+        if args.chat:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        stream_text(engine, "generate-0", prompt, params)
+        print()
+    finally:
+        engine.shutdown()  # writes queued offload stores, stops worker ranks
     return 0
