@@ -69,6 +69,34 @@ def test_engine_vllm_prints_flags_and_partition_env(capsys):
         assert flag in out
 
 
+def test_vllm_budget_fits_the_smallest_rank_when_the_largest_does_not(capsys):
+    d = _json(capsys, ["plan", "Qwen/Qwen3-14B", "--pp", "2", "--gpu", "V100-16GB,V100-32GB",
+                       "--kv-budget", "optimal", "--max-model-len", "32768", "--engine", "vllm"])
+    argv, ranks = d["engine_command"]["argv"], d["ranks"]
+    budget = int(argv[argv.index("--kv-cache-memory-bytes") + 1])
+    assert budget == min(r["kv_capacity_bytes"] for r in ranks)
+    assert budget < max(r["kv_budget_bytes"] for r in ranks)
+    blocks = min(budget // r["bytes_per_block"] for r in ranks)
+    note = d["engine_command"]["notes"][0]
+    assert f"{budget:,} bytes" in note and "smallest rank's KV capacity" in note
+    assert f"gives {blocks:,} blocks ({blocks * 16:,} tokens)" in note
+    assert f"reaches the plan's {d['engine']['num_blocks']:,} blocks" in note
+
+
+def test_vllm_budget_is_the_largest_when_every_rank_holds_it(capsys):
+    argv = PROBLEM2[:]
+    argv[argv.index("5GiB")] = "2.5GiB"
+    d = _json(capsys, argv + ["--kv-budget", "proportional", "--engine", "vllm"])
+    cmd, ranks = d["engine_command"], d["ranks"]
+    budget = int(cmd["argv"][cmd["argv"].index("--kv-cache-memory-bytes") + 1])
+    assert budget == max(r["kv_budget_bytes"] for r in ranks)
+    blocks = min(budget // r["bytes_per_block"] for r in ranks)
+    assert blocks == d["engine"]["num_blocks"] == 2560
+    note = cmd["notes"][0]
+    assert f"{budget:,} bytes (the largest per-rank budget" in note
+    assert "gives 2,560 blocks (40,960 tokens)" in note
+
+
 def test_engine_sglang_and_kvmem(capsys):
     argv = ["plan", "qwen3-14b", "--pp", "2", "--gpu", "V100-16GB,V100-32GB", "--kv-budget",
             "optimal", "--max-model-len", "32768"]

@@ -31,9 +31,33 @@ def _partition(plan: Plan) -> str | None:
 
 
 def _uniform_budget(plan: Plan) -> tuple[int, bool]:
-    """(the one KV budget an engine with a single setting needs, whether ranks differ)."""
-    budgets = {r.kv_budget_bytes for r in plan.ranks}
-    return max(budgets), len(budgets) > 1
+    """(one KV budget every rank can hold, whether it is the largest per-rank budget).
+
+    The largest per-rank budget when every rank has room for it, else the smallest KV
+    capacity over the ranks (a rank without a known capacity holds anything)."""
+    largest = max(r.kv_budget_bytes for r in plan.ranks)
+    caps = [max(0, r.kv_capacity_bytes) for r in plan.ranks if r.kv_capacity_bytes is not None]
+    if all(largest <= c for c in caps):
+        return largest, True
+    return min(caps), False
+
+
+def _uniform_blocks(plan: Plan, budget: int) -> int:
+    """Blocks one budget on every rank gives: the least over the ranks with paged layers."""
+    blocks = [budget // r.bytes_per_block for r in plan.ranks if r.bytes_per_block]
+    return min(blocks) if blocks else 0
+
+
+def _uniform_note(plan: Plan, budget: int, largest: bool) -> str:
+    e = plan.engine
+    blocks = _uniform_blocks(plan, budget)
+    tokens = blocks * e.block_size // max(1, e.num_kv_groups)
+    source = ("the largest per-rank budget; every rank reserves all of it" if largest
+              else "the smallest rank's KV capacity; the largest per-rank budget does not fit "
+                   "on every rank")
+    return (f"vLLM takes one KV budget for every rank: {budget:,} bytes ({source}) gives "
+            f"{blocks:,} blocks ({tokens:,} tokens); `kvmem serve` with per-rank budgets "
+            f"reaches the plan's {e.num_blocks:,} blocks ({e.tokens:,} tokens)")
 
 
 def engine_command(plan: Plan, engine: str, model: str) -> EngineCommand:
@@ -52,14 +76,13 @@ def _vllm(plan: Plan, model: str) -> EngineCommand:
             "--kv-cache-dtype", kv_dtype, "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
     cmd = EngineCommand("vllm", argv)
-    budget, differ = _uniform_budget(plan)
     if s.kv_cache_memory_bytes is not None or plan.engine.policy != "uniform":
+        budget, largest = _uniform_budget(plan)
         argv += ["--kv-cache-memory-bytes", str(budget)]
+        if len({r.kv_budget_bytes for r in plan.ranks}) > 1 or not largest:
+            cmd.notes.append(_uniform_note(plan, budget, largest))
     else:
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
-    if differ:
-        cmd.notes.append("vLLM takes one KV budget for every rank: the largest per-rank budget "
-                         "is given; the smaller stages leave part of it unused")
     if s.cpu_offload_bytes:
         argv += ["--cpu-offload-gb", f"{s.cpu_offload_bytes / (1 << 30):g}"]
     if not s.cuda_graphs:
