@@ -163,6 +163,37 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     assert err.startswith("kvmem: error:") and re.search(match, err), err
 
 
+BASE_CONFIG = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+               "vocab_size": 10}
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"kv_lora_rank": "a"}, "'kv_lora_rank' must be an integer, got 'a'"),
+    ({"intermediate_size": "x"}, "'intermediate_size' must be an integer, got 'x'"),
+    ({"num_experts": 8, "num_experts_per_tok": "two"}, "'num_experts_per_tok'.*'two'"),
+    ({"sliding_window": "big"}, "'sliding_window' must be an integer, got 'big'"),
+    ({"quantization_config": {"bits": "four"}}, "'quantization_config.bits'.*'four'"),
+    ({"model_type": "gemma3_text", "sliding_window": 0}, "'sliding_window' must be positive"),
+    ({"model_type": "gemma2", "sliding_window": -4096}, "'sliding_window'.*-4096"),
+    ({"model_type": "mistral", "sliding_window": -1}, "'sliding_window' must be positive"),
+    ({"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": -128},
+     "'sliding_window'.*-128"),
+    ({"attention_chunk_size": -8192}, "'attention_chunk_size' must not be negative"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' must be positive, got 0"),
+    ({"head_dim": 0}, "'head_dim' must be positive, got 0"),
+    ({"max_position_embeddings": "long"}, "'max_position_embeddings'"),
+])
+def test_bad_config_fields_are_one_line_errors(tmp_path, capsys, fields, match):
+    import re
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**BASE_CONFIG, **fields}))
+    assert main(["plan", str(path), "--kv-cache-memory-bytes", "1GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("kvmem: error:") and re.search(match, err), err
+
+
 def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,47 @@ def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
+def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None,
+         low: int | None = 0) -> int | None:
+    """An integer field (``default`` when absent or null); a wrong type or a value below
+    ``low`` is a one-line ConfigError naming the field and the value."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: field {key!r} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        need = {0: "not be negative", 1: "be positive"}.get(low, f"be >= {low}")
+        raise ConfigError(f"{where}: field {key!r} must {need}, got {value!r}")
+    return value
+
+
+def _window(cfg: dict[str, Any], where: str, used: bool) -> int | None:
+    """``sliding_window``; it must be positive when the family slides (``used``)."""
+    window = _int(cfg, "sliding_window", where, low=None)
+    if window is not None and (window < 0 or (used and window == 0)):
+        raise ConfigError(f"{where}: field 'sliding_window' must be positive, got {window!r}")
+    return window
+
+
+def _slides(cfg: dict[str, Any]) -> bool:
+    """Whether the model's family uses ``sliding_window`` (when it is set)."""
+    model_type = str(cfg.get("model_type", ""))
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return "sliding_attention" in types
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        return bool(cfg.get("use_sliding_window"))
+    return not cfg.get("full_attention_interval") and not cfg.get("attention_chunk_size")
+
+
 def _layer_kinds(cfg: dict[str, Any], n: int, where: str) -> list[tuple[AttentionKind, int | None]]:
     """Each layer's attention kind and window, from whichever pattern field the family uses."""
     model_type = str(cfg.get("model_type", ""))
-    window = cfg.get("sliding_window")
+    window = _window(cfg, where, _slides(cfg))
+    chunk = _int(cfg, "attention_chunk_size", where)
     sliding = (AttentionKind.SLIDING, window)
     full = (AttentionKind.FULL, None)
 
@@ -42,7 +80,6 @@ def _layer_kinds(cfg: dict[str, Any], n: int, where: str) -> list[tuple[Attentio
     if isinstance(layer_types, list):
         if len(layer_types) != n:
             raise ConfigError(f"{where}: layer_types has {len(layer_types)} entries for {n} layers")
-        chunk = cfg.get("attention_chunk_size")
         names = {
             "full_attention": full, "sliding_attention": sliding,
             "chunked_attention": (AttentionKind.CHUNKED, chunk),
@@ -53,51 +90,60 @@ def _layer_kinds(cfg: dict[str, Any], n: int, where: str) -> list[tuple[Attentio
         except KeyError as e:
             raise ConfigError(f"{where}: unknown layer type {e.args[0]!r} in layer_types") from None
 
-    if cfg.get("full_attention_interval"):  # Qwen3-Next: linear attention, every n-th full
-        step = int(cfg["full_attention_interval"])
+    if step := _int(cfg, "full_attention_interval", where):  # Qwen3-Next: every n-th full
         return [full if (i + 1) % step == 0 else (AttentionKind.LINEAR, None) for i in range(n)]
 
-    if cfg.get("attention_chunk_size"):  # Llama 4: chunked layers, NoPE layers are global
-        chunk = int(cfg["attention_chunk_size"])
+    if chunk:  # Llama 4: chunked layers, NoPE layers are global
         rope = cfg.get("no_rope_layers")
         if not isinstance(rope, list) or len(rope) != n:
-            step = int(cfg.get("no_rope_layer_interval", 4))
+            step = _int(cfg, "no_rope_layer_interval", where, 4, low=1)
             rope = [0 if (i + 1) % step == 0 else 1 for i in range(n)]
         return [(AttentionKind.CHUNKED, chunk) if r else full for r in rope]
 
     if model_type.startswith("gemma3") and window:
-        step = int(cfg.get("sliding_window_pattern") or 6)
+        step = _int(cfg, "sliding_window_pattern", where) or 6
         return [full if (i + 1) % step == 0 else sliding for i in range(n)]
     if model_type == "gemma2" and window:
         return [sliding if i % 2 == 0 else full for i in range(n)]
     if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         if cfg.get("use_sliding_window") and window:
-            start = int(cfg.get("max_window_layers", n))
+            start = _int(cfg, "max_window_layers", where, n)
             return [sliding if i >= start else full for i in range(n)]
         return [full] * n
-    if window and window < int(cfg.get("max_position_embeddings") or 1 << 62):
+    if window and window < (_int(cfg, "max_position_embeddings", where) or 1 << 62):
         return [sliding] * n  # Mistral v0.1, Phi-3: every layer slides
     return [full] * n
 
 
-def _moe(cfg: dict[str, Any]) -> MoE | None:
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+def _first_int(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> int:
+    """The first of ``keys`` that is set and non-zero (0 when none is)."""
+    for key in keys:
+        if value := _int(cfg, key, where):
+            return value
+    return 0
+
+
+def _moe(cfg: dict[str, Any], where: str) -> MoE | None:
+    experts = _first_int(cfg, ("num_experts", "num_local_experts", "n_routed_experts"), where)
     if not experts:
         return None
-    per_tok = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 1
-    # Llama 4 calls its expert size intermediate_size (intermediate_size_mlp is the dense MLP)
-    inter = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0
+    shared = _first_int(cfg, ("n_shared_experts", "num_shared_experts"), where)
+    if not shared and _int(cfg, "shared_expert_intermediate_size", where):
+        shared = 1
     return MoE(
-        num_experts=int(experts), experts_per_token=int(per_tok),
-        moe_intermediate_size=int(inter),
-        num_shared_experts=int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts")
-                               or (1 if cfg.get("shared_expert_intermediate_size") else 0)),
-        first_k_dense=int(cfg.get("first_k_dense_replace") or 0),
-        interleave_step=int(cfg.get("interleave_moe_layer_step") or 1),
+        num_experts=experts,
+        experts_per_token=_first_int(cfg, ("num_experts_per_tok", "experts_per_token"),
+                                     where) or 1,
+        # Llama 4 calls its expert size intermediate_size (intermediate_size_mlp is dense)
+        moe_intermediate_size=_first_int(cfg, ("moe_intermediate_size", "intermediate_size"),
+                                         where),
+        num_shared_experts=shared,
+        first_k_dense=_int(cfg, "first_k_dense_replace", where, 0),
+        interleave_step=_int(cfg, "interleave_moe_layer_step", where) or 1,
     )
 
 
-def _weight_bits(cfg: dict[str, Any]) -> float | None:
+def _weight_bits(cfg: dict[str, Any], where: str) -> float | None:
     quant = cfg.get("quantization_config")
     if not isinstance(quant, dict):
         return None
@@ -106,8 +152,59 @@ def _weight_bits(cfg: dict[str, Any]) -> float | None:
         return 8.0
     if method == "mxfp4":
         return 4.25
-    bits = quant.get("bits") or quant.get("w_bit")
-    return float(bits) + 0.25 if bits else None
+    for key in ("bits", "w_bit"):
+        bits = quant.get(key)
+        if bits is None:
+            continue
+        if isinstance(bits, bool) or not isinstance(bits, (int, float)) \
+                or not math.isfinite(bits) or not 0 <= bits <= 64:
+            raise ConfigError(f"{where}: field 'quantization_config.{key}' must be a number "
+                              f"of bits, got {bits!r}")
+        if bits:
+            return float(bits) + 0.25
+    return None
+
+
+def _mla(cfg: dict[str, Any], where: str) -> MLA | None:
+    """DeepSeek's multi-head latent attention, when ``kv_lora_rank`` is set."""
+    rank = _int(cfg, "kv_lora_rank", where)
+    if not rank:
+        return None
+    return MLA(
+        kv_lora_rank=rank,
+        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", where) or 64,
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", where) or 128,
+        v_head_dim=_int(cfg, "v_head_dim", where) or 128,
+        q_lora_rank=_int(cfg, "q_lora_rank", where),
+    )
+
+
+def _linear_state(cfg: dict[str, Any], where: str) -> int:
+    """Elements of one linear-attention (gated delta net) state per request (0: none)."""
+    if not _int(cfg, "linear_num_value_heads", where):
+        return 0
+    kh, vh, kd, vd = (_int(cfg, f"linear_{k}", where, low=1) for k in
+                      ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+    if None in (kh, kd, vd):
+        raise ConfigError(f"{where}: linear attention needs linear_num_key_heads, "
+                          "linear_key_head_dim and linear_value_head_dim")
+    conv = (_int(cfg, "linear_conv_kernel_dim", where) or 4) - 1
+    return vh * kd * vd + (2 * kh * kd + vh * vd) * conv
+
+
+def _layers(cfg: dict[str, Any], n: int, kv_heads: int, head_dim: int, mla: MLA | None,
+            where: str) -> list[LayerKV]:
+    if mla is not None:
+        latent = mla.kv_lora_rank + mla.qk_rope_head_dim
+        return [LayerKV(i, AttentionKind.MLA, 1, 0, latent_dim=latent) for i in range(n)]
+    state = _linear_state(cfg, where)
+    layers = []
+    for i, (kind, window) in enumerate(_layer_kinds(cfg, n, where)):
+        if kind in (AttentionKind.SLIDING, AttentionKind.CHUNKED) and not window:
+            raise ConfigError(f"{where}: layer {i} is {kind.value} but no window size is set")
+        layers.append(LayerKV(i, kind, kv_heads, head_dim, window=window,
+                              state_elements=state if kind is AttentionKind.LINEAR else 0))
+    return layers
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
@@ -122,40 +219,13 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     hidden = _positive_int(cfg, "hidden_size", name)
     heads = _positive_int(cfg, "num_attention_heads", name)
     vocab = _positive_int(cfg, "vocab_size", name)
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    if not isinstance(kv_heads, int) or kv_heads <= 0:
-        raise ConfigError(f"{name}: field 'num_key_value_heads' must be a positive integer")
-    head_dim = cfg.get("head_dim") or hidden // heads
-    if not isinstance(head_dim, int) or head_dim <= 0:
+    kv_heads = _int(cfg, "num_key_value_heads", name, heads, low=1)
+    head_dim = _int(cfg, "head_dim", name, hidden // heads, low=1)
+    if not head_dim:
         raise ConfigError(f"{name}: cannot determine head_dim")
+    mla = _mla(cfg, name)
 
-    mla = None
-    if cfg.get("kv_lora_rank"):
-        mla = MLA(
-            kv_lora_rank=int(cfg["kv_lora_rank"]),
-            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 64),
-            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 128),
-            v_head_dim=int(cfg.get("v_head_dim") or 128),
-            q_lora_rank=cfg.get("q_lora_rank"),
-        )
-
-    layers: list[LayerKV] = []
-    if mla is not None:
-        latent = mla.kv_lora_rank + mla.qk_rope_head_dim
-        layers = [LayerKV(i, AttentionKind.MLA, 1, 0, latent_dim=latent) for i in range(n)]
-    else:
-        state = 0
-        if cfg.get("linear_num_value_heads"):
-            kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
-            kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-            conv = int(cfg.get("linear_conv_kernel_dim") or 4) - 1
-            state = vh * kd * vd + (2 * kh * kd + vh * vd) * conv
-        for i, (kind, window) in enumerate(_layer_kinds(cfg, n, name)):
-            if kind in (AttentionKind.SLIDING, AttentionKind.CHUNKED) and not window:
-                raise ConfigError(f"{name}: layer {i} is {kind.value} but no window size is set")
-            layers.append(LayerKV(i, kind, kv_heads, head_dim, window=window,
-                                  state_elements=state if kind is AttentionKind.LINEAR else 0))
-
+    layers = _layers(cfg, n, kv_heads, head_dim, mla, name)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     try:
         dtype = canonical_dtype(dtype)
@@ -171,16 +241,16 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
+        intermediate_size=_int(cfg, "intermediate_size", name) or 4 * hidden,
         vocab_size=vocab,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=dtype,
-        max_position_embeddings=cfg.get("max_position_embeddings"),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", name) or None,
         layers=tuple(layers),
-        moe=_moe(cfg),
+        moe=_moe(cfg, name),
         mla=mla,
-        total_params=cfg.get("total_params"),
-        weight_bits=_weight_bits(cfg),
+        total_params=_int(cfg, "total_params", name) or None,
+        weight_bits=_weight_bits(cfg, name),
         hf_id=cfg.get("_name_or_path") or None,
         extra={"config": cfg},
     )
