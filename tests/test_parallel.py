@@ -178,12 +178,12 @@ def test_config_errors_and_torchrun_environment():
 class Server(ServeProcess):
     """``kvmem serve`` with tp 2 in a subprocess; collects its log lines."""
 
-    def __init__(self, model_dir) -> None:
+    def __init__(self, model_dir, layout: tuple[str, ...] = ("-tp", "2")) -> None:
         super().__init__(model_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB",
-                         "-tp", "2", "--log-level", "info")
+                         *layout, "--log-level", "info")
 
-    def worker_pid(self) -> int:
-        line = next(x for x in self.lines if "rank 1 (pp stage 0, tp rank 1): worker pid" in x)
+    def worker_pid(self, name: str = "rank 1 (pp stage 0, tp rank 1)") -> int:
+        line = next(x for x in self.lines if f"{name}: worker pid" in x)
         return int(line.split()[-1])
 
 
@@ -194,10 +194,15 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_killed_worker_is_named_and_stops_the_server(model_dir):
-    server = Server(model_dir)
+@pytest.mark.parametrize("layout,name", [(("-tp", "2"), "rank 1 (pp stage 0, tp rank 1)"),
+                                         (("-pp", "2"), "rank 1 (pp stage 1, tp rank 0)")],
+                         ids=["tp2", "pp2"])
+def test_killed_worker_is_named_and_stops_the_server(model_dir, layout, name):
+    """A worker killed mid-request (a tp peer, or the last pipeline stage that samples)
+    fails the request, is named with its exit code, and `kvmem serve` exits 2."""
+    server = Server(model_dir, layout)
     try:
-        pid = server.worker_pid()
+        pid = server.worker_pid(name)
         body = {"model": str(model_dir), "prompt": "hello there", "max_tokens": 200,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}
         killed_at = None
@@ -214,9 +219,9 @@ def test_killed_worker_is_named_and_stops_the_server(model_dir):
                        for c in chunks)  # the request did not complete as if nothing happened
         code = server.proc.wait(timeout=30)
         assert time.monotonic() - killed_at < 30
-        assert code != 0
+        assert code == 2
         log = "".join(server.lines)
-        assert "rank 1 (pp stage 0, tp rank 1)" in log and "died" in log
+        assert f"{name} (pid {pid}) died with exit code -9" in log
         assert "kvmem: error:" in log
     finally:
         if server.proc.poll() is None:

@@ -227,10 +227,7 @@ class ParallelDriver:
         for proc in self.processes.values():
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.processes.values():
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
+            if proc.is_alive():  # local workers ignore SIGTERM: only SIGKILL stops them
                 proc.kill()
                 proc.join(2.0)
         destroy_distributed()

@@ -6,7 +6,9 @@ Groups (every rank creates all of them, in the same order):
   TCP store that the elastic KV cache's page-map startup also uses;
 - ``startup``: gloo, for the ranks' agreement on plans and allocations at start;
 - ``control``: gloo, for the driver's step broadcasts; a worker may wait on it for as
-  long as the engine stays idle, so its bound is long (a dead driver still closes it);
+  long as the engine stays idle, so its bound is long (``IDLE_TIMEOUT``): a dead driver
+  ends the wait sooner, by its parent watch (local workers, ``worker.py``) or by the
+  closed connection (torchrun ranks);
 - ``step``: stage-to-stage hidden states and sampled tokens, bounded by ``timeout_s``;
 - ``tp``: this rank's pipeline stage, for the row-parallel all-reduces and the LM head's
   all-gather, bounded by ``timeout_s``.
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from kvmem.engine.distributed.config import ParallelConfig
 
-IDLE_TIMEOUT = timedelta(days=7)
+IDLE_TIMEOUT = timedelta(days=7)  # an idle server is legitimate: not a failure
 
 _tp_group: dist.ProcessGroup | None = None
 

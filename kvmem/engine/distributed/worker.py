@@ -1,8 +1,11 @@
 """A worker rank: set itself up like the driver, then run every step the driver broadcasts.
 
-Local launch: ``worker_main`` is the entry of a spawned process (one per rank > 0); it
-exits as soon as its parent (the driver) is gone. torchrun launch: ``run_worker`` runs
-in the ranks > 0 that torchrun started.
+Local launch: ``worker_main`` is the entry of a spawned process (one per rank > 0). It
+ignores SIGINT and SIGTERM, so that a signal sent to the whole process group (Ctrl-C in a
+terminal, ``systemctl stop``, ``timeout``) reaches the driver, which stops every worker
+cleanly, instead of killing the worker first and looking like a crash; and it exits as
+soon as its parent (the driver) is gone, however the driver ended, so it is never left
+behind. torchrun launch: ``run_worker`` runs in the ranks > 0 that torchrun started.
 """
 
 from __future__ import annotations
@@ -26,10 +29,14 @@ from kvmem.errors import KvmemError
 
 logger = logging.getLogger("kvmem.engine.distributed")
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PARENT_POLL_S = 0.5  # how often a local worker checks that its driver is still there
+
 
 def worker_main(ctx: RankContext, handoff: Any) -> None:
     """Process entry of a locally launched worker (multiprocessing spawn)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops us
+    for sig in STOP_SIGNALS:  # the driver stops us; a group-wide signal is not a crash
+        signal.signal(sig, signal.SIG_IGN)
     _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     sys.exit(run_worker(ctx, handoff))
@@ -84,15 +91,18 @@ def _shared_slots(storage, num_slots: int, ctx: RankContext) -> list | None:
     return slots
 
 
-def _exit_with_parent(poll_s: float = 0.5) -> None:
-    """Exit at once when the driver process is gone (however it ended)."""
-    parent = os.getppid()
+def _exit_with_parent(poll_s: float = PARENT_POLL_S) -> None:
+    """Exit within ``poll_s`` once the driver process is gone (however it ended): the
+    worker is then re-parented, so its parent pid changes."""
+    import multiprocessing
+
+    spawner = multiprocessing.parent_process()  # the driver, even if it is already gone
+    parent = spawner.pid if spawner is not None else os.getppid()
 
     def watch() -> None:
-        while True:
+        while os.getppid() == parent:
             threading.Event().wait(poll_s)
-            if os.getppid() != parent:
-                os._exit(1)
+        os._exit(1)
 
     threading.Thread(target=watch, name="kvmem-parent-watch", daemon=True).start()
 
