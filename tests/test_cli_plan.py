@@ -149,6 +149,16 @@ def test_check_fails_with_the_per_rank_message(capsys):
     (["plan", "qwen3-32b"], "give each rank's GPU"),
     (["plan", "qwen3-32b", "--gpu", "H100", "--cpu-offload-gib", "-1"], "negative"),
     (["plan", "qwen3-32b", "--gpu", "H100", "--tp", "x"], "invalid int"),
+    (["plan", "qwen3-32b", "--gpu-memory", "inf"], "not a usable size"),
+    (["plan", "qwen3-32b", "--gpu-memory", "1e400"], "not a usable size"),
+    (["plan", "qwen3-32b", "--gpu-memory", "80,nan"], "positive number of GiB"),
+    (["plan", "qwen3-32b", "--kv-cache-memory-bytes", "1e400"], "not a usable size"),
+    (["plan", "qwen3-32b", "--kv-cache-memory-bytes", "2e15"], "not a usable size"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--kv-memory", "elastic", "--kv-memory-limit",
+      "1e400"], "not a usable size"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--weight-offload-gib", "inf"], "not a usable size"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--weight-offload-gib", "nan"], "non-negative"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--weight-offload-gib", "-1"], "non-negative"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     import re

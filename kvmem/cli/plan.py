@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _gib_list(text: str, what: str) -> list[int]:
-    from kvmem.units import GiB
+    from kvmem.units import gib_bytes
 
     out = []
     for item in text.split(","):
@@ -105,24 +105,25 @@ def _gib_list(text: str, what: str) -> list[int]:
         except ValueError:
             raise ConfigError(f"{what}: cannot read {item!r} as GiB") from None
         if not value > 0:
-            raise ConfigError(f"{what} must be positive, got {item!r}")
-        out.append(round(value * GiB))
+            raise ConfigError(f"{what} must be a positive number of GiB, got {item!r}")
+        out.append(gib_bytes(value, what, text=item.strip()))
     return out
 
 
 def _inputs(args: argparse.Namespace):
     from kvmem.plan import EngineSettings, Layout
     from kvmem.plan.partition import parse_partition
-    from kvmem.units import GiB, parse_size
+    from kvmem.units import gib_bytes, parse_size
 
     gpus = [g.strip() for item in args.gpu for g in item.split(",") if g.strip()] \
         if args.gpu else None
     memory = _gib_list(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     if memory is not None and len(memory) == 1:
         memory = memory[0]
-    if args.weight_offload_gib < 0:
-        raise ConfigError("--weight-offload-gib must not be negative, "
+    if not args.weight_offload_gib >= 0:
+        raise ConfigError("--weight-offload-gib must be a non-negative number of GiB, "
                           f"got {args.weight_offload_gib}")
+    offload = gib_bytes(args.weight_offload_gib, "--weight-offload-gib", allow_zero=True)
     kv_bytes = (parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
                 if args.kv_cache_memory_bytes is not None else None)
     partition = (parse_partition(args.layer_partition)
@@ -133,7 +134,7 @@ def _inputs(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graphs=not args.enforce_eager, cpu_offload_bytes=round(args.weight_offload_gib * GiB),
+        cuda_graphs=not args.enforce_eager, cpu_offload_bytes=offload,
         kv_cache_dtype=args.kv_cache_dtype)
     return layout, settings
 
