@@ -294,3 +294,11 @@ def test_bad_input_is_one_config_error_line(layout, settings, policy, match):
     with pytest.raises(ConfigError, match=match) as err:
         plan(load_spec("Qwen/Qwen3-32B"), layout, settings, policy=policy)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["H1000", "h100-sx", "H100-SXM4"])
+def test_unknown_gpu_hint_names_each_gpu_once(name):
+    with pytest.raises(ConfigError, match="did you mean") as err:
+        plan(load_spec("qwen3-8b"), Layout(gpus=[name]), EngineSettings())
+    hint = str(err.value).split("did you mean ")[1].split("?")[0].split(", ")
+    assert len(hint) == len(set(hint)) and "H100" in hint

@@ -57,8 +57,9 @@ def canonical_gpu(name: str) -> str:
     """Resolve a GPU name or alias (case-insensitive) to its catalog name."""
     found = _INDEX.get(_key(name))
     if found is None:
-        close = difflib.get_close_matches(_key(name), list(_INDEX), n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(_INDEX[c] for c in close)}?" if close else ""
+        close = difflib.get_close_matches(_key(name), list(_INDEX), n=8, cutoff=0.6)
+        names = list(dict.fromkeys(_INDEX[c] for c in close))[:3]  # aliases share a name
+        hint = f"; did you mean {', '.join(names)}?" if names else ""
         raise ConfigError(f"unknown GPU {name!r}{hint} (known: {', '.join(GPU_MEMORY_GIB)}; "
                           "or give --gpu-memory GiB)")
     return found
