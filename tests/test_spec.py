@@ -18,6 +18,20 @@ def test_catalog_has_25_models_and_all_parse():
         assert load_spec(e.aliases[0]).num_layers == spec.num_layers
 
 
+@pytest.mark.parametrize("columns", ["80", "40"])
+def test_models_table_shows_full_ids_and_aliases(monkeypatch, capsys, columns):
+    from kvmem.cli import main
+
+    monkeypatch.setenv("COLUMNS", columns)
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    words = set(out.replace(",", " ").split())
+    for e in catalog():
+        assert e.hf_id in words
+        assert set(e.aliases) <= words, e.aliases
+
+
 def test_explicit_head_dim_wins_over_hidden_over_heads():
     spec = load_spec("Qwen/Qwen3-0.6B")  # hidden 1024 / 16 heads = 64, but head_dim is 128
     assert spec.head_dim == 128
