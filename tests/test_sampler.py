@@ -7,7 +7,7 @@ import torch
 
 from kvmem.engine.errors import InvalidRequestError
 from kvmem.engine.sampler import Sampler, filter_top_k_top_p
-from kvmem.engine.sampling_params import SamplingParams
+from kvmem.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]]))
 
@@ -68,12 +68,20 @@ def test_shared_generator_follows_engine_seed():
 @pytest.mark.parametrize(("field", "value"), [
     ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", -3), ("max_tokens", 0), ("max_tokens", 2.5), ("seed", "x"), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("temperature", True),
+    ("stop_token_ids", [-1]), ("temperature", True), ("seed", 2**64), ("seed", -2**63 - 1),
 ])
 def test_bad_values_raise_with_the_parameter_named(field, value):
     with pytest.raises(InvalidRequestError, match=field) as info:
         SamplingParams(**{field: value})
     assert info.value.param == field
+
+
+def test_seed_range_is_what_torch_generators_accept():
+    for seed in (SEED_MIN, -1, 0, SEED_MAX):
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+    for seed in (SEED_MIN - 1, SEED_MAX + 1):
+        with pytest.raises((ValueError, RuntimeError)):
+            torch.Generator().manual_seed(seed)
 
 
 def test_stop_accepts_one_string_and_greedy_flag():

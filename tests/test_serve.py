@@ -158,6 +158,13 @@ def test_bad_requests_get_4xx_and_engine_keeps_serving(server, client):
     error = error_of(httpx.post(url, json={"prompt": "hi"}), 400)
     assert error["param"] == "model"
     chat = f"{server}/v1/chat/completions"
+    for seed in (2**64, -2**63 - 1):  # beyond what torch.Generator.manual_seed takes
+        error = error_of(httpx.post(url, json={"model": MODEL, "prompt": "hi", "seed": seed}), 400)
+        assert error["param"] == "seed"
+        messages = [{"role": "user", "content": "hi"}]
+        error = error_of(httpx.post(chat, json={"model": MODEL, "messages": messages,
+                                                "seed": seed}), 400)
+        assert error["param"] == "seed"
     error_of(httpx.post(chat, json={"model": MODEL, "messages": []}), 400)
     error_of(httpx.post(chat, json={"model": MODEL, "messages": [{"role": "robot"}]}), 400)
     error_of(httpx.get(f"{server}/v1/nothing"), 404)

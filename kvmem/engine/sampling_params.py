@@ -9,6 +9,11 @@ from kvmem.engine.errors import InvalidRequestError
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
 
+# The seeds torch.Generator.manual_seed accepts: any value that fits in 64 bits, signed or
+# unsigned (a negative seed is taken modulo 2**64).
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1
+
 
 @dataclass
 class SamplingParams:
@@ -16,7 +21,7 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those
     filters. ``seed`` gives the request its own random generator, so its samples do not
-    depend on what else is in the batch.
+    depend on what else is in the batch; it must lie in [-2**63, 2**64 - 1].
     """
 
     max_tokens: int | None = 16
@@ -48,8 +53,9 @@ class SamplingParams:
             raise bad("top_p", "must be a number in (0, 1]")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise bad("top_k", "must be -1 or 0 (disabled) or an integer >= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and not (_is_int(self.seed) and
+                                          SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
