@@ -5,9 +5,12 @@ the suggested kv_cache_memory_bytes allocating exactly the blocks the plan predi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from math import ceil
 
 import pytest
 import torch
@@ -96,8 +99,10 @@ def test_json_round_trip_and_bad_files(tmp_path):
 
 def test_to_rank_profile_carries_the_measured_figures():
     r = mission_example(sampler_peak_bytes=gib(12)).to_rank_profile()
+    # the planner keeps no headroom of its own: it travels with the non-torch figure
     assert (r.weights_bytes, r.activation_bytes, r.non_torch_bytes, r.cuda_graph_bytes,
-            r.total_bytes) == (gib(8.58), gib(12), gib(0.07), gib(0.65), gib(178.36))
+            r.total_bytes) == (gib(8.58), gib(12), gib(0.07) + 150 * MiB, gib(0.65),
+                               gib(178.36))
 
 
 # ------------------------------------------------------------------ CPU measurement
@@ -158,13 +163,19 @@ def test_cpu_profile_of_the_embedded_model_measures_every_component(embedded_pro
     assert "not captured (CPU)" in p.summary()
 
 
-def test_cpu_profile_arithmetic_holds(embedded_profile):
-    p = embedded_profile
-    left = (p.requested_bytes - p.weights_bytes - p.activation_bytes - p.non_torch_bytes
-            - p.cuda_graph_bytes - p.headroom_bytes)
-    assert p.suggested_kv_bytes_fit == left
-    assert p.suggested_kv_bytes_whole == (p.free_bytes_at_start - p.non_kv_bytes
-                                          - p.headroom_bytes)
+def test_cpu_profile_arithmetic_against_hand_computed_figures():
+    """A CPU profile of round figures, its budgets worked out by hand: requested 8 GiB of
+    16 GiB, non-KV 1,024 + 300 + 250 = 1,574 MiB (the forward peak, not the sampler's)."""
+    p = MemoryProfile(model="m", device="cpu", total_bytes=16 * GiB, free_bytes_at_start=10 * GiB,
+                      gpu_memory_utilization=0.5, weights_bytes=1 * GiB,
+                      forward_peak_bytes=300 * MiB, sampler_peak_bytes=200 * MiB,
+                      non_torch_bytes=250 * MiB, cuda_graph_bytes=0)
+    assert p.requested_bytes == 8192 * MiB
+    assert p.non_kv_bytes == 1574 * MiB
+    assert p.suggested_kv_bytes_fit == 6468 * MiB  # 8,192 - 1,574 - 150
+    assert p.suggested_kv_bytes_whole == 8516 * MiB  # 10,240 - 1,574 - 150
+    # the request is rounded up to a whole byte: ceil(1,001 x 0.5) = 501
+    assert replace(p, total_bytes=1001).requested_bytes == 501
 
 
 def _plan_json(capsys, argv) -> dict:
@@ -187,13 +198,14 @@ def test_engine_with_the_suggested_budget_allocates_the_planned_blocks(
     common = ["plan", p.checkpoint, "--profile", str(path), "--kv-cache-dtype", p.dtype,
               "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens",
               "512", "--gpu-memory-utilization", repr(util)]
-    # the plan with the measured figures leaves exactly the fit value plus the headroom
+    # the plan with the measured figures leaves exactly the fit value
     measured = _plan_json(capsys, common)
     rank = measured["ranks"][0]
     assert rank["weights_bytes"] == p.weights_bytes
     assert rank["activation_bytes"] == p.activation_bytes
-    assert rank["non_torch_bytes"] == p.non_torch_bytes and rank["cuda_graph_bytes"] == 0
-    assert rank["kv_budget_bytes"] == fit + p.headroom_bytes
+    assert rank["non_torch_bytes"] == p.non_torch_bytes + p.headroom_bytes
+    assert rank["cuda_graph_bytes"] == 0
+    assert rank["kv_budget_bytes"] == fit
     explicit = _plan_json(capsys, common + ["--kv-cache-memory-bytes", str(fit)])
     predicted = explicit["engine"]["num_blocks"]
     assert predicted > 0
@@ -241,6 +253,36 @@ def test_profile_command_errors_are_one_line(tmp_path, capsys):
     assert "not a kvmem memory profile" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,says", [
+    (["-tp", "2"], "cannot profile the ranks of -tp 2 -pp 1"),
+    (["-pp", "2"], "size the ranks with `kvmem plan`'s estimates or an explicit "
+                   "--kv-cache-memory-bytes"),
+    (["--kv-cache-memory-bytes", "1GiB"], "--kv-cache-memory-bytes would only be ignored"),
+    (["--kv-memory", "elastic"], "does not measure --kv-memory elastic"),
+    (["--cpu-offload-gib", "1"], "does not measure the KV offload tiers"),
+    (["--output", "/nonexistent/dir/x.json"], "directory /nonexistent/dir does not exist"),
+])
+def test_profile_refuses_before_loading_what_it_cannot_do(tmp_path, capsys, flags, says):
+    """Settings a one-process profile would get wrong or ignore, and an --output that could
+    not be written, fail with one line and exit 2 before any weights load."""
+    start = time.monotonic()
+    assert main(["profile", str(tmp_path / "not-loaded"), "--device", "cpu", *flags]) == 2
+    assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith("kvmem: error:") and err.count("\n") == 1 and says in err
+
+
+def test_profile_output_that_is_a_directory_or_read_only(tmp_path, capsys):
+    assert main(["profile", "--device", "cpu", "--output", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # running as root: permissions do not apply
+        pytest.skip("directory permissions are not enforced for this user")
+    assert main(["profile", "--device", "cpu", "--output", str(locked / "p.json")]) == 2
+    assert "not writable" in capsys.readouterr().err
+
+
 def test_plan_profile_replaces_the_estimates(tmp_path, capsys):
     path = tmp_path / "gemma.json"
     mission_example(cuda_graph_bytes=gib(1.3)).save(path)
@@ -251,7 +293,34 @@ def test_plan_profile_replaces_the_estimates(tmp_path, capsys):
     assert measured["weights_bytes"] == gib(8.58) != estimated["weights_bytes"]
     assert measured["memory_bytes"] == gib(178.36)
     assert measured["kv_budget_bytes"] == (measured["budget_bytes"] - gib(8.58) - gib(9.96)
-                                           - gib(0.07) - gib(1.3))
+                                           - gib(0.07) - gib(1.3) - 150 * MiB)
+
+
+def test_suggested_fit_plan_profile_and_engine_budgets_are_one_value(
+        tmp_path, capsys, monkeypatch):
+    """One profile, three consumers: the fit value `kvmem profile` prints, the KV budget of
+    `kvmem plan --profile`, and the budget the engine plans on a GPU from a measured
+    profile (LLMEngine: plan_kv_cache with the profile's RankProfile) are the same bytes."""
+    from types import SimpleNamespace
+
+    from kvmem.engine.kv_cache_setup import plan_kv_cache
+    from kvmem.spec import load_spec
+
+    model = make_tiny_checkpoint(tmp_path)
+    p = mission_example(checkpoint=str(model), max_model_len=256)
+    expected = (ceil(gib(178.36) * 0.9) - gib(8.58) - gib(9.96) - gib(0.07) - gib(0.65)
+                - 150 * MiB)  # requested - weights - activation - non-torch - graphs - 150 MiB
+    assert p.suggested_kv_bytes_fit == expected
+    path = tmp_path / "p.json"
+    p.save(path)
+    planned = _plan_json(capsys, ["plan", str(model), "--profile", str(path),
+                                  "--max-model-len", "256"])["ranks"][0]["kv_budget_bytes"]
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=p.total_bytes))
+    engine_plan = plan_kv_cache(load_spec(str(model)), EngineConfig(model=str(model)),
+                                device=torch.device("cuda", 0), kv_dtype="float32",
+                                max_model_len=256, profile=p.to_rank_profile())
+    assert planned == engine_plan.ranks[0].kv_budget_bytes == expected
 
 
 # ------------------------------------------------------------------ CUDA graphs (settings)

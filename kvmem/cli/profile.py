@@ -4,13 +4,18 @@ Loads the weights, runs a dummy forward of max_num_batched_tokens tokens and the
 over max_num_seqs rows, captures the decode CUDA graphs (GPU, unless --enforce-eager), and
 prints what each part takes and two kv_cache_memory_bytes values: one that fits the
 requested gpu_memory_utilization and one that uses all the memory free at start.
-``--output FILE.json`` saves the profile for ``kvmem plan MODEL --profile FILE.json``.
+``--output FILE.json`` saves the profile for ``kvmem plan MODEL --profile FILE.json``; the
+path is checked before the model loads. The profile is of one process holding the whole
+model: tensor/pipeline parallelism, an explicit KV budget, elastic KV memory and the
+offload tiers are refused with a one-line error (``check_profilable``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 _EPILOG = """\
 examples:
@@ -79,14 +84,41 @@ def report_table(profile):
     return table
 
 
+def check_output(path: str) -> None:
+    """Refuse an --output the profile could not be written to, before profiling."""
+    from kvmem.errors import ConfigError
+
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise ConfigError(f"--output {path}: is a directory; give a file name")
+    if not parent.is_dir():
+        raise ConfigError(f"--output {path}: directory {parent} does not exist")
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(parent, os.W_OK)
+    if not writable:
+        raise ConfigError(f"--output {path}: not writable")
+
+
+def _save(profile, path: str) -> None:
+    from kvmem.errors import KvmemError
+
+    try:
+        profile.save(path)
+    except OSError as e:  # e.g. the disk filled up while profiling
+        raise KvmemError(f"--output {path}: cannot write the profile ({e.strerror})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvmem.engine.config import EngineConfig
-    from kvmem.engine.profiler import profile_memory
+    from kvmem.engine.profiler import check_profilable, profile_memory
 
     config = EngineConfig.from_args(args)
+    check_profilable(config)
+    if args.output:
+        check_output(args.output)
     profile = profile_memory(config)
     if args.output:
-        profile.save(args.output)
+        _save(profile, args.output)
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
         return 0

@@ -21,7 +21,10 @@ The suggestions follow the arithmetic of vLLM's start-up report:
 ``whole`` starts from the memory free when the process started, not the device total: what
 other processes (and this process's CUDA context) held then is not the engine's to use.
 ``headroom`` (150 MiB) absorbs what a profiling step cannot see (allocator fragmentation,
-kernels' workspaces). This module imports torch only inside the measuring functions, so
+kernels' workspaces). ``fit`` is the one definition of a profiled device's KV budget: the
+engine sizing its KV cache from a measured profile and ``kvmem plan --profile`` get the
+same value, because ``to_rank_profile`` hands the planner the headroom with non-torch.
+This module imports torch only inside the measuring functions, so
 ``kvmem plan --profile`` can read a saved profile without it.
 """
 
@@ -106,12 +109,18 @@ class MemoryProfile:
                                 gpu_memory_utilization})
 
     def to_rank_profile(self):
-        """The planner's view (kvmem.plan.RankProfile): measured figures replace estimates."""
+        """The planner's view (kvmem.plan.RankProfile): measured figures replace estimates.
+
+        The headroom travels as part of the non-torch figure (the planner has no headroom
+        of its own), so the planner's KV capacity of this device, and hence the budget of
+        an engine sized from this profile and of ``kvmem plan --profile``, is exactly
+        ``suggested_kv_bytes_fit``.
+        """
         from kvmem.plan import RankProfile
 
         return RankProfile(weights_bytes=self.weights_bytes,
                            activation_bytes=self.activation_bytes,
-                           non_torch_bytes=self.non_torch_bytes,
+                           non_torch_bytes=self.non_torch_bytes + self.headroom_bytes,
                            cuda_graph_bytes=self.cuda_graph_bytes, total_bytes=self.total_bytes)
 
     def summary(self) -> str:
@@ -384,8 +393,34 @@ class LoadedModel:
     checkpoint: str | None = None
 
 
+def check_profilable(config) -> None:
+    """Refuse, with one line naming what to do instead, the settings a profile of one
+    process cannot measure or that it would silently ignore."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"kvmem profile measures one process holding the whole model; it cannot profile "
+            f"the ranks of -tp {config.tensor_parallel_size} -pp "
+            f"{config.pipeline_parallel_size} (its figures would be wrong for a rank): size "
+            f"the ranks with `kvmem plan`'s estimates or an explicit --kv-cache-memory-bytes")
+    if config.kv_cache_memory_bytes is not None:
+        raise ConfigError("kvmem profile measures what is left for the KV cache; "
+                          "--kv-cache-memory-bytes would only be ignored: drop it")
+    if config.kv_memory != "plain":
+        raise ConfigError(f"kvmem profile does not measure --kv-memory {config.kv_memory}: "
+                          f"profile without it and pass the suggested budget to the engine "
+                          f"that uses it")
+    if config.cpu_offload_gib or config.disk_offload_dir or config.disk_offload_gib:
+        raise ConfigError("kvmem profile does not measure the KV offload tiers (host memory "
+                          "and disk, not device memory): profile without --cpu-offload-gib "
+                          "and --disk-offload-*")
+
+
 def profile_memory(config) -> MemoryProfile:
-    """Load ``config``'s model and measure its memory on the engine's device (see module doc)."""
+    """Load ``config``'s model and measure its memory on the engine's device (see module doc).
+
+    Raises ConfigError for settings a one-process profile cannot measure (``check_profilable``).
+    """
+    check_profilable(config)
     from kvmem.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
     from kvmem.engine.loader import resolve_model
     from kvmem.engine.models import build_model
