@@ -23,6 +23,16 @@ def kvmem(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def test_one_cpu_thread_here_and_in_subprocesses():
+    import torch
+
+    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
+    code = "import os; print(os.environ['OMP_NUM_THREADS'])"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, check=True)  # the inherited environment, no env=
+    assert child.stdout.split() == ["1"]
+
+
 ENGINE_FLAGS = ["--max-model-len", "64", "--kv-cache-memory-bytes", "1MiB"]
 
 
