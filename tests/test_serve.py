@@ -236,3 +236,23 @@ def test_api_key_and_not_ready_in_process(model_dir):
         assert http.get("/health").status_code == 200  # health and metrics stay open
     # after shutdown the engine is not ready: health says so
     assert TestClient(app).get("/health").status_code == 503
+
+
+def test_serve_binds_loopback_by_default(monkeypatch):
+    from kvmem.cli import build_parser
+    from kvmem.cli import serve as serve_cli
+
+    parser, module = build_parser(["serve"])
+    args = parser.parse_args(["serve"])
+    assert module is serve_cli and (args.host, args.port) == ("127.0.0.1", 8000)
+    bound, real_listen = [], serve_cli._listen
+
+    def listen(host: str, port: int):  # the real bind, on a free port; then stop before loading
+        with real_listen(host, 0) as sock:
+            bound.append((host, port, sock.getsockname()[0]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_cli, "_listen", listen)
+    with pytest.raises(KeyboardInterrupt):
+        serve_cli.run(args)
+    assert bound == [("127.0.0.1", 8000, "127.0.0.1")]
