@@ -1,7 +1,9 @@
 """Property tests of kvmem.plan over random valid layouts (hypothesis)."""
 
 import os
+from itertools import combinations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -105,3 +107,38 @@ def test_proportional_and_optimal_share_one_explicit_total(deployment, gib):
         assert sum(r.kv_budget_bytes for r in p.ranks) <= total
     uniform = plan(spec, plain, explicit, policy="uniform").engine.tokens
     assert plan(spec, plain, explicit, policy="optimal").engine.tokens >= uniform
+
+
+def _exhaustive_best(spec, layout, engine):
+    """Most engine blocks over every partition (each planned with optimal budgets)."""
+    best = -1
+    for cuts in combinations(range(1, spec.num_layers), layout.pipeline_parallel_size - 1):
+        bounds = [0, *cuts, spec.num_layers]
+        parts = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+        fixed = Layout(**{**layout.__dict__, "layer_partition": parts})
+        best = max(best, plan(spec, fixed, engine, policy="optimal").engine.num_blocks)
+    return best
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("model, tp, pp, gpus, kv_bytes, max_len", [
+    ("google/gemma-3-4b-it", 1, 2, None, 2 * GiB, 32768),
+    ("google/gemma-3-4b-it", 2, 2, ["L4", "L4", "A10G", "L4"], 2 * GiB, 32768),
+    ("google/gemma-3-4b-it", 2, 2, ["L4", "T4", "V100-16GB", "L4"], GiB, 8192),
+    ("google/gemma-3-4b-it", 1, 3, ["T4", "L4", "A10G"], None, 32768),
+    ("openai/gpt-oss-20b", 1, 3, ["L4", "A10G", "L4"], 4 * GiB, 32768),
+    ("openai/gpt-oss-20b", 1, 3, None, 3 * GiB, 65536),
+    ("openai/gpt-oss-20b", 1, 2, ["L4", "RTX-4090"], None, 32768),
+    ("Qwen/Qwen3-Coder-Next", 2, 2, None, 8 * GiB, 32768),
+    ("Qwen/Qwen3-14B", 1, 2, ["V100-16GB", "V100-32GB"], 3 * GiB, 32768),
+    ("Qwen/Qwen3-8B", 1, 3, ["L4", "T4", "A10G"], None, 8192),
+])
+def test_optimal_matches_an_exhaustive_search_over_partitions(model, tp, pp, gpus, kv_bytes,
+                                                              max_len):
+    spec = SPECS.get(model) or load_spec(model)
+    layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, gpus=gpus)
+    engine = EngineSettings(kv_cache_memory_bytes=kv_bytes, max_model_len=max_len)
+    found = plan(spec, layout, engine, policy="optimal").engine.num_blocks
+    assert found == _exhaustive_best(spec, layout, engine)

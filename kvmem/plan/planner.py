@@ -25,6 +25,7 @@ from kvmem.plan import estimates
 from kvmem.plan.geometry import KVGeometry, StageKV
 from kvmem.plan.partition import (
     best_partition,
+    cheapest_partition,
     even_partition,
     format_partition,
     greedy_partition,
@@ -90,6 +91,7 @@ class _Planner:
         explicit = settings.kv_cache_memory_bytes
         self.pool = None if explicit is None else explicit * self.world  # total KV bytes
         self.limit = max(self.max_model_len, spec.max_position_embeddings or 0)
+        self._rows: dict[tuple[int, int], list[tuple[int, int, int | None]]] = {}
 
     # ------------------------------------------------------------------ per-rank memory
     def non_kv(self, rank: int, stage: int, start: int, end: int) -> _NonKV:
@@ -165,7 +167,11 @@ class _Planner:
         return max(0, left) // per_block if per_block else 0
 
     def optimal_partition(self, default: list[int]) -> list[int]:
-        if self.pp == 1 or all(m is None for m in self.memory):
+        if self.pp == 1:
+            return default
+        if self.pool is not None and not self._additive():
+            return self._pool_partition(default)
+        if all(m is None for m in self.memory):
             return default
         smallest = min((b for b in self.geometry.layer_bytes_per_token if b), default=0)
         if not smallest:
@@ -181,6 +187,73 @@ class _Planner:
                                      self.geometry.stage(range(start, end)))
 
         return default if partition_fits(default, holds) else parts
+
+    # ------------------------------------------------------------------ shared total
+    def _additive(self) -> bool:
+        """Whether a stage's bytes per block is the sum of its layers' (one KV group, equal
+        layers): then every partition costs the shared total the same per block, and the
+        greedy search, which ignores that total, is exact."""
+        geo = self.geometry
+        pages = {geo.layer_bytes_per_token[i] for i in geo.slots}
+        return len(set(geo.slots.values())) == len(geo.slots) and len(pages) <= 1
+
+    def _stage_capacity(self, stage: int, start: int, end: int) -> int | None:
+        """Least KV capacity over the stage's ranks holding layers [start, end)."""
+        caps, shared = [], None
+        for rank in self.ranks_of(stage):
+            if self.budget[rank] is None:
+                continue
+            if self.profiles[rank] is None:  # estimates: the same for every rank of a stage
+                shared = shared or self.non_kv(rank, stage, start, end)
+                caps.append(self.budget[rank] - shared.total)
+            else:
+                caps.append(self.capacity(rank, self.non_kv(rank, stage, start, end)))
+        return min(caps) if caps else None
+
+    def _row(self, stage: int, start: int) -> list[tuple[int, int, int | None]]:
+        """(states, bytes per block, capacity) of stage intervals [start, end), end ascending."""
+        key = (stage, start)
+        if key not in self._rows:
+            geo, row, slots, page, states = self.geometry, [], set(), 0, 0
+            for i in range(start, self.spec.num_layers):
+                if i in geo.slots:
+                    slots.add(geo.slots[i])
+                    page = max(page, geo.block_size * geo.layer_bytes_per_token[i])
+                states += geo.layer_state_bytes[i]
+                row.append((self.settings.max_num_seqs * states, len(slots) * page,
+                            self._stage_capacity(stage, start, i + 1)))
+            self._rows[key] = row
+        return self._rows[key]
+
+    def _cheapest(self, blocks: int) -> list[int] | None:
+        """A partition holding ``blocks`` on every rank within the shared total, if any."""
+        found = cheapest_partition(self.spec.num_layers, self.pp, self._row, blocks)
+        if found is None or self.tp * found[0] > (self.pool or 0):
+            return None
+        return found[1]
+
+    def _holds_within_pool(self, parts: list[int], blocks: int) -> bool:
+        paid = 0
+        for s, r in enumerate(stage_layers(parts)):
+            fixed, per_block, cap = self._row(s, r.start)[len(r) - 1]
+            need = fixed + blocks * per_block
+            if cap is not None and need > cap:
+                return False
+            paid += need
+        return self.tp * paid <= (self.pool or 0)
+
+    def _pool_partition(self, default: list[int]) -> list[int]:
+        """Exact search when the shared total's cost per block depends on the partition
+        (hybrid models: stages share slot tensors across KV groups)."""
+        smallest = min((b for b in self.geometry.layer_bytes_per_token if b), default=0)
+        if not smallest:
+            return default
+        hi = (self.pool or 0) // (self.tp * smallest * self.settings.block_size) + 1
+        found = best_partition(hi, self._cheapest)
+        if found is None:
+            return default
+        blocks, parts = found
+        return default if self._holds_within_pool(default, blocks) else parts
 
     # ------------------------------------------------------------------ budgets and plan
     def run(self) -> Plan:
