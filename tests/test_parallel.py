@@ -1,9 +1,10 @@
 """Tensor and pipeline parallelism on CPU (gloo) with tiny random-weight models.
 
 Every parallel engine spawns worker processes, so the engines here are few and small:
-greedy (and seeded) tokens against the single-process engine for tp 2, pp 2, tp 2 x pp 2
-and an uneven partition; MISSION.md problems 1 and 2 in the real engine; a per-rank fit
-error; and a served engine whose killed worker is named and stops the server.
+greedy (and seeded) tokens against the single-process engine for tp 2, pp 2, tp 2 x pp 2,
+an uneven partition (uniform and optimal budgets) and tp 4 over 2 KV heads; MISSION.md
+problems 1 and 2 in the real engine; a per-rank fit error; and a served engine whose
+killed worker (tp or pp) is named and stops the server with exit 2.
 """
 
 from __future__ import annotations
@@ -50,21 +51,28 @@ def reference(model_dir):
     return generate(llm, [GREEDY, SEEDED, GREEDY])
 
 
-@pytest.mark.parametrize("tp,pp,partition", [(2, 1, None), (1, 2, None), (2, 2, None),
-                                             (1, 2, [3, 1])])
-def test_tokens_match_single_process(model_dir, reference, tp, pp, partition):
+@pytest.mark.parametrize("tp,pp,partition,policy", [
+    (2, 1, None, "uniform"), (1, 2, None, "uniform"), (2, 2, None, "uniform"),
+    (1, 2, [3, 1], "uniform"), (1, 2, [3, 1], "optimal"), (4, 1, None, "uniform")],
+    ids=["tp2", "pp2", "tp2xpp2", "pp2-3+1", "pp2-3+1-optimal", "tp4-replicated-kv"])
+def test_tokens_match_single_process(model_dir, reference, tp, pp, partition, policy):
     """Greedy and seeded-sampling tokens equal the single-process engine's, with chunked
-    prefill (32-token steps); each rank holds its stage's layers and its share of heads."""
+    prefill (32-token steps); each rank holds its stage's layers and its share of heads.
+    tp 4 over 2 KV heads replicates each KV head on two ranks; `optimal` gives each stage
+    just what the agreed blocks need."""
     llm = LLM(str(model_dir), kv_cache_memory_bytes="4MiB", max_model_len=128,
               max_num_batched_tokens=32, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              layer_partition=partition)
+              layer_partition=partition, kv_budget=policy)
     try:
         assert generate(llm, [GREEDY, SEEDED, GREEDY]) == reference
         allocations = llm.engine.parallel.state.allocations
         stages = partition or [4 // pp] * pp
         assert [len(a.layers) for a in allocations] == [n for n in stages for _ in range(tp)]
-        assert {a.kv_heads_on_rank for a in allocations} == {2 // tp}
+        assert {a.kv_heads_on_rank for a in allocations} == {max(1, 2 // tp)}
         assert {a.num_blocks for a in allocations} == {llm.engine.num_blocks}
+        if policy == "optimal":  # no rank is given more than its blocks need
+            assert [a.kv_budget_bytes for a in allocations] == [
+                llm.engine.num_blocks * n * BLOCK_BYTES_PER_LAYER for n in stages]
     finally:
         llm.engine.shutdown()
     assert not llm.engine.parallel.processes[1].is_alive()

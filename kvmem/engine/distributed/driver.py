@@ -223,7 +223,8 @@ class ParallelDriver:
         if healthy:
             with contextlib.suppress(Exception):  # a worker already gone is stopped below
                 broadcast_step(None, self.groups.control, timeout)
-        deadline = time.monotonic() + timeout
+        # after a failure no stop broadcast comes: the workers left would wait for it
+        deadline = time.monotonic() + (timeout if self.error is None else 0.0)
         for proc in self.processes.values():
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.processes.values():
