@@ -142,3 +142,23 @@ def test_optimal_matches_an_exhaustive_search_over_partitions(model, tp, pp, gpu
     engine = EngineSettings(kv_cache_memory_bytes=kv_bytes, max_model_len=max_len)
     found = plan(spec, layout, engine, policy="optimal").engine.num_blocks
     assert found == _exhaustive_best(spec, layout, engine)
+
+
+HYBRID = ["google/gemma-3-4b-it", "openai/gpt-oss-20b", "Qwen/Qwen3-Coder-Next"]
+
+
+@settings(max_examples=int(os.environ.get("KVMEM_SEARCH_EXAMPLES", 12)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(HYBRID), st.sampled_from([1, 2]), st.sampled_from([2, 3]), st.data())
+def test_optimal_matches_exhaustive_search_on_random_hybrid_deployments(model, tp, pp, data):
+    spec = SPECS[model]
+    gpus = data.draw(st.one_of(st.none(), st.lists(st.sampled_from(GPUS), min_size=tp * pp,
+                                                   max_size=tp * pp)))
+    kv_bytes = data.draw(st.sampled_from([1, 2, 5, 16]).map(lambda g: g << 30)
+                         if gpus is None else st.sampled_from([None, 1 << 30, 4 << 30]))
+    layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, gpus=gpus)
+    engine = EngineSettings(kv_cache_memory_bytes=kv_bytes,
+                            max_model_len=data.draw(st.sampled_from([4096, 32768])),
+                            max_num_seqs=data.draw(st.sampled_from([16, 256])))
+    found = plan(spec, layout, engine, policy="optimal").engine.num_blocks
+    assert found == _exhaustive_best(spec, layout, engine)
