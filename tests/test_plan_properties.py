@@ -129,6 +129,8 @@ GiB = 1 << 30
     ("google/gemma-3-4b-it", 2, 2, ["L4", "T4", "V100-16GB", "L4"], GiB, 8192),
     ("google/gemma-3-4b-it", 1, 3, ["T4", "L4", "A10G"], None, 32768),
     ("openai/gpt-oss-20b", 1, 3, ["L4", "A10G", "L4"], 4 * GiB, 32768),
+    ("openai/gpt-oss-20b", 1, 3, ["T4", "A100-80GB", "A10"], 8 * GiB, 32768),
+    ("openai/gpt-oss-20b", 1, 3, ["RTX-4090", "A10G", "A100-40GB"], 16 * GiB, 32768),
     ("openai/gpt-oss-20b", 1, 3, None, 3 * GiB, 65536),
     ("openai/gpt-oss-20b", 1, 2, ["L4", "RTX-4090"], None, 32768),
     ("Qwen/Qwen3-Coder-Next", 2, 2, None, 8 * GiB, 32768),
