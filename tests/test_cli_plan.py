@@ -173,6 +173,24 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     assert err.startswith("kvmem: error:") and re.search(match, err), err
 
 
+ELASTIC = ["plan", "qwen3-8b", "--gpu", "H100", "--kv-memory", "elastic", "--engine", "kvmem"]
+
+
+def test_check_fails_when_the_elastic_limit_cannot_hold_one_request(capsys):
+    """The planner refuses what the engine would refuse at start-up: 100 MiB maps one
+    72 MiB page (32 blocks) but a 40,960-token request needs 2,561 blocks."""
+    assert main(ELASTIC + ["--kv-memory-limit", "100MiB", "--check"]) == 2
+    captured = capsys.readouterr()
+    assert "needs 2,561 (incl. the null block)" in captured.err
+    assert "--kv-memory elastic --kv-memory-limit 104857600" in captured.out
+
+
+def test_elastic_limit_that_holds_a_request_passes_the_check(capsys):
+    assert main(ELASTIC + ["--kv-memory-limit", "10GiB", "--max-model-len", "8192",
+                           "--check"]) == 0
+    assert "elastic KV memory limit" not in capsys.readouterr().out
+
+
 BASE_CONFIG = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                "vocab_size": 10}
 

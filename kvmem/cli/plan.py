@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from kvmem.errors import ConfigError
+from kvmem.plan.types import FitError
 
 _EPILOG = """\
 examples:
@@ -214,6 +215,25 @@ def _elastic(args: argparse.Namespace, result, spec):
     return plan_elastic(result, spec, limit)
 
 
+def _elastic_fit_error(result, spec, sizings) -> str | None:
+    """Why one request of max_model_len cannot run under the elastic limit, if it cannot
+    (the engine refuses to start with the same figures)."""
+    from kvmem.memory.sizing import useful_blocks
+    from kvmem.units import format_bytes
+
+    lead, engine = sizings[0], result.engine
+    need = useful_blocks(spec.kv_groups(), max_model_len=engine.max_model_len,
+                         block_size=engine.block_size,
+                         max_num_batched_tokens=result.settings.max_num_batched_tokens,
+                         max_num_seqs=1)
+    if lead.limit_blocks >= need:
+        return None
+    return (f"the elastic KV memory limit {format_bytes(lead.limit_bytes)} holds "
+            f"{lead.limit_blocks:,} blocks (whole pages of {lead.blocks_per_page}) but one "
+            f"request of max_model_len {engine.max_model_len:,} needs {need:,} (incl. the null "
+            "block); raise --kv-memory-limit or lower --max-model-len")
+
+
 def _print_elastic(sizings) -> None:
     from kvmem.units import format_bytes
 
@@ -262,6 +282,13 @@ def run(args: argparse.Namespace) -> int:
 
         save_plot(result, args.plot)
     elastic = _elastic(args, result, spec)
+    elastic_error = _elastic_fit_error(result, spec, elastic) if elastic is not None else None
+    if elastic_error is not None:
+        result.notes.append(elastic_error)
+    if command is not None and args.engine == "kvmem" and elastic is not None:
+        command.argv += ["--kv-memory", "elastic"]
+        if args.kv_memory_limit is not None:
+            command.argv += ["--kv-memory-limit", str(elastic[0].limit_bytes)]
     if args.json:
         out = result.to_dict()
         if elastic is not None:
@@ -282,4 +309,6 @@ def run(args: argparse.Namespace) -> int:
             _print_elastic(elastic)
     if args.check:
         result.check_fit()
+        if elastic_error is not None:
+            raise FitError(elastic_error)
     return 0
