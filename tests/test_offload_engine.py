@@ -300,3 +300,30 @@ def test_hybrid_failed_load_still_gives_exact_tokens(hybrid_run, fail_at):
     assert cpu.failed_loads == 1
     assert results[2][0].num_cached_tokens == (fail_at - 1) * 16
     assert usage.used == 0 and usage.held == 0
+
+
+def test_disk_tier_is_keyed_by_the_weights_not_the_model_path(tmp_path, monkeypatch):
+    """Two random checkpoints reached by the same relative path share one disk directory:
+    the second must not read the first's KV, and gives its own no-offload tokens."""
+    for name, seed in (("a", 1), ("b", 2)):
+        make_tiny_checkpoint(tmp_path / name, "llama", seed=seed)
+    prompt = list(range(40, 90))
+    disk = OffloadConfig(disk_dir=str(tmp_path / "tier"), disk_bytes=64 << 20)
+
+    def run(where: str, offload: bool):
+        monkeypatch.chdir(tmp_path / where)
+        engine = make_engine(num_blocks=16, max_model_len=128, model="tiny-llama",
+                             bytes_per_token=TINY_BYTES_PER_TOKEN)
+        connector = attach_offload(engine, disk) if offload else None
+        try:
+            request, out = run_one(engine, "r", prompt)
+            hits = connector.stats()["disk"].hits if connector else 0
+        finally:
+            if connector is not None:
+                connector.shutdown(flush=True)
+        return request.num_cached_tokens, hits, out.outputs[0].token_ids
+
+    run("a", offload=True)
+    assert run("a", offload=True)[:2] == (48, 3)  # the same weights do reuse the tier
+    expected = run("b", offload=False)[2]
+    assert run("b", offload=True) == (0, 0, expected)

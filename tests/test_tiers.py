@@ -431,3 +431,24 @@ def test_config_from_gib_and_describe():
     assert config.cpu_bytes == 4 << 30 and config.disk_bytes == 512 << 20
     assert config.describe() == "CPU 4.00 GiB, disk 512.00 MiB in /d (lru)"
     assert OffloadConfig().describe() == "off" and not OffloadConfig().enabled
+
+
+def test_weights_digest_sees_tensor_data_with_the_same_header(tmp_path):
+    """A checkpoint whose header is unchanged but one tensor holds other values (updated
+    in place, or another seed of the same shapes) digests differently; a copy does not."""
+    from safetensors.torch import save_file
+
+    from kvmem.tiers.weights import weights_digest
+
+    tensors = {f"w{i}": torch.zeros(64, 64) for i in range(4)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    before = weights_digest([tmp_path / "model.safetensors"])
+    (tmp_path / "copy").mkdir()
+    shutil.copy(tmp_path / "model.safetensors", tmp_path / "copy" / "model.safetensors")
+    assert weights_digest([tmp_path / "copy" / "model.safetensors"]) == before
+    tensors["w2"] += 1
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert weights_digest([tmp_path / "model.safetensors"]) != before
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(3 << 20))
+    assert weights_digest([gguf]) != weights_digest([tmp_path / "model.safetensors"])

@@ -19,6 +19,7 @@ engine that is never shut down (``kvmem generate``).
 from __future__ import annotations
 
 import atexit
+from pathlib import Path
 from typing import Any
 
 from kvmem.errors import ConfigError
@@ -27,6 +28,7 @@ from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.connector import OffloadConnector
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.manager import OffloadManager
+from kvmem.tiers.weights import weights_digest
 
 
 def offload_storage(engine: Any) -> tuple[KVStorage, int]:
@@ -42,14 +44,39 @@ def offload_storage(engine: Any) -> tuple[KVStorage, int]:
     return engine.kv_storage, engine.kv_plan.ranks[0].num_slots
 
 
+def weight_files(source: str | None) -> list[Path]:
+    """The files holding the weights of ``source`` (``EngineConfig.model``): a checkpoint
+    directory's safetensors files, or the GGUF file (the embedded model's included)."""
+    from kvmem.engine.loader import EMBEDDED_NAMES, resolve_model
+    from kvmem.engine.loader.gguf_convert import embedded_gguf
+
+    if source is None or str(source).lower() in EMBEDDED_NAMES:
+        return [embedded_gguf()]
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    return resolve_model(source).weight_files
+
+
+def model_identity(engine: Any) -> str:
+    """The model part of a tier's identity: architecture, model dtype and a digest of the
+    weights themselves (not the path they were loaded from, which may hold other weights
+    later or elsewhere)."""
+    spec = engine.spec
+    dtype = str(engine.dtype).removeprefix("torch.")
+    digest = weights_digest(weight_files(engine.config.model))
+    return f"{spec.name}|{spec.architecture}|dtype={dtype}|weights={digest}"
+
+
 def engine_identity(engine: Any) -> tuple[str, str]:
     """(model, layout): what an engine's stored KV blocks depend on besides their tokens.
 
-    The layout names the real tensor/pipeline layout and layer partition, so a disk tier
-    written by one layout is never read by another.
+    The model names the weights by their digest; the layout names the real
+    tensor/pipeline layout and layer partition, so a disk tier written by one model or
+    layout is never read by another.
     """
     spec = engine.spec
-    model = f"{spec.name}|{spec.architecture}|{engine.config.model or 'embedded'}"
+    model = model_identity(engine)
     groups = ";".join(f"{g.kind.value}:{g.window}:{','.join(map(str, g.layers))}"
                       for g in spec.kv_groups())
     if engine.parallel is not None:

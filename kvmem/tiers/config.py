@@ -80,10 +80,10 @@ class OffloadConfig:
 class TierIdentity:
     """What a stored block depends on besides its tokens.
 
-    ``model`` names the weights (e.g. checkpoint name plus file size); ``layout`` names this
-    rank's share (tensor/pipeline rank, its layers and KV groups). The slot shape and dtype
-    come from the KV storage itself, so a different head count or block size can never
-    read another layout's blocks.
+    ``model`` names the weights (architecture, model dtype and a digest of the weight files,
+    ``kvmem.tiers.weights``); ``layout`` names this rank's share (tensor/pipeline rank,
+    its layers and KV groups). The slot shape and dtype come from the KV storage itself,
+    so a different head count or block size can never read another layout's blocks.
     """
 
     model: str
