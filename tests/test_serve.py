@@ -62,8 +62,9 @@ def stop_server(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("serve"), "llama")
+def model_dir(tmp_path_factory):  # long positions: a request can run for seconds
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("serve"), "llama",
+                                max_position_embeddings=8192)
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +204,43 @@ def test_metrics_count_requests_tokens_and_blocks(server, client):
     assert f'kvmem_preemptions_total{label}' in after
 
 
+def scrape(base: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_a_client_that_hangs_up_aborts_its_non_streaming_request(model_dir):
+    """~8000 tokens would take seconds; the client gives up after 0.3 s and closes the
+    connection, so the engine must abort the request and free its blocks."""
+    proc, base = start_server(model_dir, "--max-model-len", "8192",
+                              "--kv-cache-memory-bytes", "8MiB")
+    label = f'{{model_name="{MODEL}"}}'
+    aborted = f'kvmem_requests_finished_total{{finish_reason="abort",model_name="{MODEL}"}}'
+    try:
+        bodies = {"completions": {"prompt": "go"},
+                  "chat/completions": {"messages": [{"role": "user", "content": "go"}]}}
+        for n, (route, body) in enumerate(bodies.items(), start=1):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{base}/v1/{route}", timeout=httpx.Timeout(5, read=0.3), json={
+                    "model": MODEL, "max_tokens": 8000, "ignore_eos": True, **body})
+            deadline = time.monotonic() + 3
+            while scrape(base)[aborted] < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+            values = scrape(base)
+            assert values[aborted] == n, route
+            assert values[f"kvmem_num_requests_running{label}"] == 0
+            assert values[f'kvmem_kv_blocks{{model_name="{MODEL}",state="used"}}'] == 0
+            assert values[f"kvmem_generation_tokens_total{label}"] < 8000 * n
+    finally:
+        code = stop_server(proc)
+    log = proc.stdout.read().decode()
+    assert code == 0 and "Traceback" not in log and "CancelledError" not in log, log
+
+
 def test_sigint_with_a_stream_in_flight_exits_cleanly(model_dir):
     proc, base = start_server(model_dir)
     try:
@@ -256,3 +294,41 @@ def test_serve_binds_loopback_by_default(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         serve_cli.run(args)
     assert bound == [("127.0.0.1", 8000, "127.0.0.1")]
+
+
+def test_a_request_cancelled_at_shutdown_gets_a_503_and_is_aborted(model_dir):
+    """uvicorn cancels what still runs when its graceful-shutdown time is over: the request
+    is aborted in the engine and answered with an error body, not a CancelledError."""
+    import asyncio
+
+    from kvmem.engine.async_engine import AsyncLLMEngine
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.llm_engine import LLMEngine
+    from kvmem.serve import create_app
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(
+        model=str(model_dir), served_model_name=MODEL, max_model_len=8192,
+        kv_cache_memory_bytes=8 << 20)))
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 8000, "ignore_eos": True}
+
+    async def cancelled_request() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvmem") as http:
+            task = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            while engine.snapshot.num_running == 0:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            return await task
+
+    engine.start()
+    try:
+        response = asyncio.run(cancelled_request())
+        deadline = time.monotonic() + 3
+        while engine.snapshot.finished_requests.get("abort", 0) == 0 and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        snapshot = engine.snapshot
+    finally:
+        engine.shutdown()
+    assert error_of(response, 503)["message"].startswith("the server is shutting down")
+    assert snapshot.finished_requests.get("abort") == 1 and snapshot.kv_blocks_used == 0

@@ -2,7 +2,8 @@
 
 Bad input never reaches the engine: bodies are validated by pydantic and SamplingParams,
 prompts are tokenized and checked against max_model_len before a request is queued, and
-every failure becomes a 4xx with an OpenAI-style ``{"error": {...}}`` body.
+every failure becomes a 4xx with an OpenAI-style ``{"error": {...}}`` body. A client that
+disconnects, streaming or not, aborts its requests and frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from kvmem.serve.protocol import (
     error_body,
     error_response,
 )
+
+# How often a non-streaming request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.2
+# The status logged for a response nobody receives (nginx's "client closed request").
+_CLIENT_CLOSED = 499
 
 
 class _HTTPError(Exception):
@@ -101,7 +107,7 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
             "max_model_len": engine.engine.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(body.model)
         prompts = body.prompts()
         if body.stream and len(prompts) > 1:
@@ -110,7 +116,9 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
             return _sse(_completion_chunks(engine, requests[0], meta, body.include_usage))
-        finals = await asyncio.gather(*(_final(engine, r) for r in requests))
+        finals = await _finals_unless_disconnected(engine, requests, http)
+        if finals is None:
+            return Response(status_code=_CLIENT_CLOSED)
         choices = [{"index": i, "text": out.text, "logprobs": None,
                     "finish_reason": out.outputs[0].finish_reason}
                    for i, out in enumerate(finals)]
@@ -118,7 +126,7 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
                              "usage": _usage(finals)})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model)
         messages = [m.as_template_message() for m in body.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -127,7 +135,10 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
             return _sse(_chat_chunks(engine, request, meta, body.include_usage))
-        out = await _final(engine, request)
+        finals = await _finals_unless_disconnected(engine, [request], http)
+        if finals is None:
+            return Response(status_code=_CLIENT_CLOSED)
+        out = finals[0]
         return JSONResponse({**meta, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": out.text},
             "logprobs": None, "finish_reason": out.outputs[0].finish_reason}],
@@ -144,6 +155,32 @@ async def _final(engine: AsyncLLMEngine, request: EngineRequest) -> RequestOutpu
     if out.error:
         raise _HTTPError(400, out.error, code="kv_cache_too_small")
     return out
+
+
+async def _finals_unless_disconnected(engine: AsyncLLMEngine, requests: list[EngineRequest],
+                                      http: Request) -> list[RequestOutput] | None:
+    """The final outputs of ``requests``; None if the client went away first, in which case
+    they have been aborted (their streams' cleanup tells the engine). Cancelled (by the
+    server once its graceful-shutdown time is over), it aborts them and raises EngineError,
+    answered with a 503 body rather than a traceback and a bare 500."""
+    work = asyncio.ensure_future(asyncio.gather(*(_final(engine, r) for r in requests)))
+    watch = asyncio.ensure_future(_client_gone(http))
+    try:
+        done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        asyncio.current_task().uncancel()
+        raise EngineError("the server is shutting down; the request was aborted") from None
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)  # let the aborts go out
+    return work.result() if work in done else None
+
+
+async def _client_gone(http: Request) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
