@@ -201,16 +201,65 @@ def test_metrics_count_requests_tokens_and_blocks(server, client):
     assert after[f'kvmem_kv_blocks{{model_name="{MODEL}",state="cached"}}'] >= 3
     assert after[f"kvmem_kv_blocks_total{label}"] > 0
     assert 0 < after[f"kvmem_prefix_cache_hit_rate{label}"] <= 1
-    assert f'kvmem_preemptions_total{label}' in after
+    assert after[f"kvmem_preemptions_total{label}"] == before[f"kvmem_preemptions_total{label}"]
 
 
-def scrape(base: str) -> dict[str, float]:
+def parse_metrics(text: str) -> dict[str, float]:
     values = {}
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
+    for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     return values
+
+
+def scrape(base: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{base}/metrics").text)
+
+
+def test_metrics_values_through_a_run_that_preempts(model_dir):
+    """7 blocks of 16 tokens, three requests growing to 60 tokens (4 blocks) each: the
+    scheduler must preempt, and the gauges must say what the scheduler holds."""
+    from prometheus_client import generate_latest
+
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.llm_engine import LLMEngine
+    from kvmem.engine.sampling_params import SamplingParams
+    from kvmem.serve.metrics import make_registry
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=64, block_size=16,
+                                    kv_cache_memory_bytes=8 * 8192, enable_prefix_caching=False))
+    registry = make_registry(engine.snapshot, MODEL)
+    label = f'{{model_name="{MODEL}"}}'
+
+    def metric(name: str, state: str | None = None) -> float:
+        values = parse_metrics(generate_latest(registry).decode())
+        key = f'{name}{{model_name="{MODEL}",state="{state}"}}' if state else f"{name}{label}"
+        return values[key]
+
+    for i in range(3):
+        engine.add_request(f"r{i}", [1 + i] * 20, SamplingParams(max_tokens=40, temperature=0,
+                                                                 ignore_eos=True))
+    total, preempted, checked = metric("kvmem_kv_blocks_total"), 0, False
+    assert total == 7 and metric("kvmem_num_requests_waiting") == 3
+    while engine.has_unfinished_requests():
+        before = {r.request_id for r in engine.scheduler.running}
+        outputs = engine.step()
+        done = {o.request_id for o in outputs if o.finished}
+        lost = before - done - {r.request_id for r in engine.scheduler.running}
+        preempted += len(lost)
+        assert metric("kvmem_preemptions_total") == preempted
+        assert metric("kvmem_num_requests_waiting") == len(engine.scheduler.waiting)
+        used = sum(-(-r.num_computed_tokens // 16) for r in engine.scheduler.running)
+        assert metric("kvmem_kv_blocks", "used") == used
+        assert metric("kvmem_kv_blocks", "free") == total - used
+        if lost and not checked:  # the first preemption: one request back in the queue
+            assert metric("kvmem_num_requests_waiting") == 1 and used == 6
+            checked = True
+    assert checked and preempted >= 1
+    assert metric("kvmem_kv_blocks", "used") == 0 and metric("kvmem_kv_blocks", "free") == 7
+    assert metric("kvmem_num_requests_waiting") == metric("kvmem_num_requests_running") == 0
+    assert metric("kvmem_generation_tokens_total") == 3 * 40
 
 
 def test_a_client_that_hangs_up_aborts_its_non_streaming_request(model_dir):
