@@ -327,3 +327,30 @@ def test_disk_tier_is_keyed_by_the_weights_not_the_model_path(tmp_path, monkeypa
     assert run("a", offload=True)[:2] == (48, 3)  # the same weights do reuse the tier
     expected = run("b", offload=False)[2]
     assert run("b", offload=True) == (0, 0, expected)
+
+
+def test_tier_misses_count_every_block_past_the_pool_hit(tmp_path, tiny_model):
+    """Engine stats: each block past the device pool's hit (before the prompt's last token)
+    that a tier does not hold is a miss there; one loaded from the CPU tier is a CPU hit and
+    is not looked up on disk."""
+    rng = random.Random(7)
+    a, b = ([rng.randrange(0, 256) for _ in range(100)] for _ in range(2))
+    engine = make_engine(num_blocks=8, max_model_len=112, model=tiny_model,
+                         bytes_per_token=TINY_BYTES_PER_TOKEN)
+    connector = attach_offload(engine, OffloadConfig(cpu_bytes=16 << 20, disk_bytes=16 << 20,
+                                                     disk_dir=str(tmp_path)))
+
+    def counts() -> dict[str, tuple[int, int]]:
+        connector.offload.drain()
+        return {t: (s.hits, s.misses) for t, s in engine.snapshot().offload.items()}
+
+    try:
+        run_one(engine, "a", a)
+        assert counts() == {"cpu": (0, 6), "disk": (0, 6)}  # 99 // 16 blocks looked up
+        run_one(engine, "b", b)
+        assert counts() == {"cpu": (0, 12), "disk": (0, 12)}
+        request, _ = run_one(engine, "a-again", a)
+        assert request.num_cached_tokens == 96
+        assert counts() == {"cpu": (6, 12), "disk": (0, 12)}
+    finally:
+        connector.shutdown()

@@ -31,6 +31,7 @@ new data are kept too.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from kvmem.cache.coordinator import LOAD_BLOCK, longest_common_hit
@@ -43,23 +44,29 @@ from kvmem.tiers.transfer import LoadHandle
 log = logging.getLogger("kvmem.tiers")
 
 Position = tuple[int, int]  # (block index, group)
+MAX_REMEMBERED_LOOKUPS = 1024
 
 
 class _PoolThenTiers:
     """One group's blocks by hash for a hit: the pool's cached block, else ``LOAD_BLOCK``
-    when a tier holds it, else None (the ``get`` a manager's hit search calls)."""
+    when a tier holds it, else None (the ``get`` a manager's hit search calls). Each block
+    looked up past the pool goes into ``found`` with the tier holding it (or None)."""
 
     def __init__(self, group_id: int, pool_blocks: dict[BlockHash, int],
-                 offload: OffloadManager) -> None:
+                 offload: OffloadManager, found: dict[Any, str | None]) -> None:
         self.group_id = group_id
         self.pool_blocks = pool_blocks
         self.offload = offload
+        self.found = found
 
     def get(self, block_hash: BlockHash) -> int | None:
         block_id = self.pool_blocks.get(block_hash)
         if block_id is not None:
             return block_id
-        return LOAD_BLOCK if self.offload.contains((self.group_id, block_hash)) else None
+        key = (self.group_id, block_hash)
+        if key not in self.found:
+            self.found[key] = self.offload.find(key)
+        return LOAD_BLOCK if self.found[key] is not None else None
 
 
 class OffloadConnector:
@@ -69,6 +76,8 @@ class OffloadConnector:
         self.block_size: int = kv_cache_manager.block_size
         # parked requests: the request, its load, and the (block, group) of each loaded block
         self._loading: dict[str, tuple[Any, LoadHandle, list[Position]]] = {}
+        # (request id, length) of the latest searches already counted in the tiers' stats
+        self._looked_up: OrderedDict[tuple[str, int], None] = OrderedDict()
         kv_cache_manager.pool.evict_listener = self._on_evict
 
     def _on_evict(self, block_id: int, block_hash: bytes) -> None:
@@ -104,22 +113,41 @@ class OffloadConnector:
         if end <= hit.num_tokens // bs:
             return False
         hashes = self.kv.request_block_hashes(request, end)
-        lookups = [_PoolThenTiers(g, self.kv.pool.cached[g], self.offload)
+        found: dict[Any, str | None] = {}
+        lookups = [_PoolThenTiers(g, self.kv.pool.cached[g], self.offload, found)
                    for g in range(len(self.kv.groups))]
         length, blocks = longest_common_hit(self._managers(lookups), hashes, end)
         loads = [(i, g) for i in range(length) for g, table in enumerate(blocks)
                  if table[i] == LOAD_BLOCK]
+        keys = [(g, hashes[i]) for i, g in loads]
+        first = self._first_lookup(request)
+        # blocks past the pool's hit the request computes: misses in every tier
+        not_found = (end - max(length, hit.num_tokens // bs)) * len(blocks)
         if length * bs <= hit.num_tokens or not loads:
+            if first:
+                self.offload.record_lookups((), not_found)
             return False
         combined = PrefixHit(length * bs, blocks, hashes, self.kv.pool.epoch)
         if not self.kv.allocate_slots(request, 0, prefix_hit=combined):
+            if first:  # it waits for room and is searched again
+                self._looked_up.pop((request.request_id, request.num_tokens), None)
             return False
-        keys = [(g, hashes[i]) for i, g in loads]
-        self.offload.lookup(keys)  # counts the hits of the load
+        self.offload.record_lookups([found[k] for k in keys], not_found if first else 0)
         tables = self.kv.get_block_ids(request.request_id)
         handle = self.offload.load(request.request_id, keys, [tables[g][i] for i, g in loads])
         request.num_computed_tokens = hit.num_tokens
         self._loading[request.request_id] = (request, handle, loads)
+        return True
+
+    def _first_lookup(self, request: Any) -> bool:
+        """Whether this is the first search for ``request`` at its length: a request that
+        waits for room is searched again every step, but counted once."""
+        key = (request.request_id, request.num_tokens)
+        if key in self._looked_up:
+            return False
+        self._looked_up[key] = None
+        while len(self._looked_up) > MAX_REMEMBERED_LOOKUPS:
+            self._looked_up.popitem(last=False)
         return True
 
     def poll(self) -> list[Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol
 
 from kvmem.errors import ConfigError
@@ -135,8 +135,28 @@ class OffloadManager:
     # -- lookups and loads ----------------------------------------------------------------
     def contains(self, key: Hashable) -> bool:
         """Whether an enabled tier holds ``key`` (no stats counted: ``lookup`` counts)."""
+        return self.find(key) is not None
+
+    def find(self, key: Hashable) -> str | None:
+        """The first enabled tier (CPU, then disk) holding ``key``, by name; no stats."""
         name = key_name(key)
-        return any(t.enabled and t.contains(name) for t in self.tiers)
+        for t in self.tiers:
+            if t.enabled and t.contains(name):
+                return t.name
+        return None
+
+    def record_lookups(self, loaded_from: Iterable[str], num_not_found: int) -> None:
+        """Count one prefix search past the device pool: ``loaded_from`` names the tier
+        each loaded block comes from (as ``find`` did); ``num_not_found`` blocks past the
+        pool's hit are computed instead. A block not found is a miss in every enabled tier;
+        one loaded from a tier is a hit there and a miss in the tiers consulted before it.
+        """
+        order = [t.name for t in self.tiers]
+        hits = Counter(loaded_from)
+        for t in self.tiers:
+            if t.enabled:
+                earlier = sum(hits[name] for name in order[order.index(t.name) + 1:])
+                t.record_lookup(hits[t.name], num_not_found + earlier)
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many leading ``keys`` a tier holds (CPU first, then disk); counts hits/misses.
