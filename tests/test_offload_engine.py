@@ -354,3 +354,36 @@ def test_tier_misses_count_every_block_past_the_pool_hit(tmp_path, tiny_model):
         assert counts() == {"cpu": (6, 12), "disk": (0, 12)}
     finally:
         connector.shutdown()
+
+
+def test_preempted_request_resumes_from_the_cpu_tier(tiny_model):
+    """Two requests outgrow an 8-block pool: the newer is preempted, its blocks are offered
+    to the CPU tier at once, the older one's growth evicts them from the pool, and the
+    preempted request loads them back and gives the tokens it gives alone."""
+    rng = random.Random(9)
+    prompts = {rid: [rng.randrange(0, 256) for _ in range(40)] for rid in ("a", "b")}
+    params = SamplingParams(max_tokens=60, **GREEDY)
+
+    def engine_for(num_blocks: int) -> LLMEngine:
+        return make_engine(num_blocks=num_blocks, max_model_len=112, model=tiny_model,
+                           bytes_per_token=TINY_BYTES_PER_TOKEN)
+
+    alone = engine_for(16)
+    expected = {rid: run_one(alone, rid, p, max_tokens=60)[1].outputs[0].token_ids
+                for rid, p in prompts.items()}
+    engine = engine_for(8)
+    connector = attach_offload(engine, OffloadConfig(cpu_bytes=16 << 20))
+    try:
+        requests = {rid: engine.add_request(rid, p, params) for rid, p in prompts.items()}
+        b, offered, outputs = requests["b"], None, {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+            if b.num_preemptions and offered is None:
+                connector.offload.drain()
+                full = engine.kv_cache_manager.request_block_hashes(b, (b.num_tokens - 1) // 16)
+                offered = [connector.offload.contains((0, h)) for h in full]
+        assert offered and all(offered)
+        assert {rid: o.outputs[0].token_ids for rid, o in outputs.items()} == expected
+        assert connector.stats()["cpu"].hits > 0
+    finally:
+        connector.shutdown()

@@ -5,10 +5,11 @@ of a prompt), then admits waiting requests, reusing prefix-cache hits. When the 
 manager reports no capacity, the newest running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue to be recomputed later.
 
-With offloading (an ``offload`` connector, see ``kvmem.tiers.connector``), a finished
-request's blocks are offered to the CPU/disk tiers before they are freed, a waiting
-request whose prefix continues in a tier is parked while its blocks load (it counts
-toward ``max_num_seqs``) and joins the running queue when the load is done, and a request
+With offloading (an ``offload`` connector, see ``kvmem.tiers.connector``), a finished or
+preempted request's blocks are offered to the CPU/disk tiers before they are freed (a
+preempted one resumes from a tier if the pool evicts them meanwhile), a waiting request
+whose prefix continues in a tier is parked while its blocks load (it counts toward
+``max_num_seqs``) and joins the running queue when the load is done, and a request
 short of blocks while transfers still hold some waits for them instead of failing.
 """
 
@@ -201,6 +202,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        if self.offload is not None:
+            self.offload.offer(request)  # held until copied out, like a finished one
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
