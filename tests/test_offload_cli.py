@@ -131,6 +131,7 @@ def test_generate_with_a_disk_tier_writes_blocks_that_a_second_run_reuses(model_
     (["--disk-offload-dir", "/tmp/x"], "needs --disk-offload-gib"),
     (["--cpu-offload-gib", "-1"], "--cpu-offload-gib must be a non-negative"),
     (["--cpu-offload-gib", "nan"], "--cpu-offload-gib must be a non-negative"),
+    (["--cpu-offload-gib", "100000"], "of memory available on this machine"),
 ])
 def test_bad_offload_flags_are_one_line_exit_2(flags, message):
     res = kvmem("generate", "x", *flags)

@@ -2,7 +2,10 @@
 
 The arena is allocated once (``budget // block_nbytes`` rows), so storing a block never
 allocates and the accounting is exact: ``used_bytes = blocks stored * block_nbytes``.
-Untouched arena pages are not backed by RAM until first written.
+A budget larger than the memory available at start-up is refused with a ``ConfigError``.
+With a CPU pool the arena is ordinary pageable memory, and its untouched pages are not
+backed by RAM until first written; with a CUDA pool it is pinned (page-locked), so the
+whole budget is committed in RAM as soon as the tier starts.
 """
 
 from __future__ import annotations
@@ -13,7 +16,19 @@ from kvmem.errors import ConfigError
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
 from kvmem.tiers.store import BlockStore, Entry
-from kvmem.units import format_bytes
+from kvmem.units import GiB, format_bytes
+
+
+def check_host_memory(budget_bytes: int) -> None:
+    """Refuse a CPU tier larger than the memory this machine has available now."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is an engine dependency
+        return
+    available = psutil.virtual_memory().available
+    if budget_bytes > available:
+        raise ConfigError(f"--cpu-offload-gib {budget_bytes / GiB:g} exceeds the "
+                          f"{format_bytes(available)} of memory available on this machine")
 
 
 class CPUStore(BlockStore):
@@ -25,10 +40,17 @@ class CPUStore(BlockStore):
         if capacity_blocks < 1:
             raise ConfigError(f"CPU offload budget {format_bytes(budget_bytes)} is smaller than "
                               f"one KV block ({format_bytes(block_nbytes)})")
+        check_host_memory(budget_bytes)
         super().__init__(capacity_blocks * block_nbytes, policy, faults)
         self.block_nbytes = block_nbytes
-        self._arena = torch.empty((capacity_blocks, block_nbytes), dtype=torch.uint8,
-                                  pin_memory=pin_memory)
+        try:
+            self._arena = torch.empty((capacity_blocks, block_nbytes), dtype=torch.uint8,
+                                      pin_memory=pin_memory)
+        except RuntimeError as e:  # out of (pinnable) host memory
+            raise ConfigError(f"--cpu-offload-gib: cannot allocate "
+                              f"{format_bytes(capacity_blocks * block_nbytes)} of "
+                              f"{'pinned ' if pin_memory else ''}host memory "
+                              f"({str(e).splitlines()[0]})") from None
         self._free_rows = list(range(capacity_blocks - 1, -1, -1))
 
     def _entry_bytes(self, name: str) -> int:
