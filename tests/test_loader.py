@@ -112,3 +112,72 @@ def test_bad_sources_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         resolve_model(str(broken))
     assert not list((tmp_path / "cache" / "models").glob("*"))
+
+
+_GGUF_LAYER_NAMES = {hf: g for g, hf in gguf_convert._LAYER_NAMES.items()}
+
+
+def write_tiny_gguf(model_dir, out_path, arch: str) -> None:
+    """A GGUF (F32 tensors, gpt2 byte-level tokenizer) of a tiny checkpoint, written the way
+    llama.cpp's converter lays out a Qwen model (no q/k row permutation)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())
+    tokens = sorted({**vocab["model"]["vocab"],
+                     **{t["content"]: t["id"] for t in vocab["added_tokens"]}}.items(),
+                    key=lambda kv: kv[1])
+    special = {t["id"] for t in vocab["added_tokens"]}
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(config["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in tokens])
+    w.add_token_types([3 if i in special else 1 for _, i in tokens])
+    w.add_token_merges([])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    globals_ = {hf: g for g, hf in gguf_convert._GLOBAL_NAMES.items()}
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        if name in globals_:
+            gguf_name = globals_[name]
+        else:  # model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight
+            _, _, layer, *rest = name.split(".")
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+        w.add_tensor(gguf_name, tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tiny_qwen3_gguf_gives_the_tokens_of_its_safetensors(tmp_path, monkeypatch):
+    from kvmem.engine.llm import LLM
+    from kvmem.engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path / "cache"))
+    source = make_tiny_checkpoint(tmp_path, "qwen3")
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_tiny_gguf(source, path, "qwen3")
+    prompts = [[5, 9, 77, 200], list(range(30, 50))]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def tokens(model: str) -> list[list[int]]:
+        llm = LLM(model, kv_cache_memory_bytes=1 << 20, max_model_len=64)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    converted = resolve_model(str(path)).config
+    assert converted["architectures"] == ["Qwen3ForCausalLM"]
+    assert converted["tie_word_embeddings"] is True and converted["head_dim"] == 32
+    assert tokens(str(path)) == tokens(str(source))
