@@ -73,8 +73,8 @@ def kv_bytes_for_blocks(blocks: int) -> int:
 VARIANTS = {
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "prefill_chunks_of_4": dict(max_num_batched_tokens=4),
-    # 6 blocks of 8 tokens (+ the null block): the three requests grow to 3, 3 and 4 blocks, so one at least
-    # is preempted and recomputed; max_model_len 48 still fits one request alone
+    # 6 blocks of 8 tokens (+ the null block): the three requests grow to 3, 3 and 4
+    # blocks, so one at least is preempted and recomputed; max_model_len 48 fits one alone
     "preemption": dict(kv_blocks=7, max_model_len=48, block_size=BLOCK),
 }
 
