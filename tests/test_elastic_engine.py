@@ -415,3 +415,26 @@ def test_plan_limit_needs_elastic():
     from kvmem.cli import main
 
     assert main(["plan", "qwen3-14b", "--gpu", "H100", "--kv-memory-limit", "1GiB"]) == 2
+
+
+@pytest.mark.parametrize("lose", ["delete", "reset"])
+def test_engine_goes_on_when_its_ledger_entry_is_lost(tiny, reference, ledger_dir, lose):
+    """The ledger file deleted or reset mid-generation: the engine registers again and its
+    tokens are unchanged (no UnknownEngineError out of a step)."""
+    llm = LLM(str(tiny), kv_memory="elastic", engine_name="tiny-lost", **OPTIONS)
+    engine = llm.engine
+    try:
+        params = [GREEDY, SEEDED, GREEDY]
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+            engine.add_request(str(i), prompt, p)
+        engine.step()
+        (path,) = ledger_dir.glob("kvmem-ledger-*.json")
+        path.unlink() if lose == "delete" else path.write_text("{}")
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
+                         if o.finished})
+        assert [outs[str(i)] for i in range(3)] == reference
+        assert [e.name for e in Ledger.for_device("cpu").entries()] == ["tiny-lost"]
+    finally:
+        engine.shutdown()

@@ -160,3 +160,37 @@ def test_top_and_limit_commands(tmp_path, capsys):
     assert err.startswith("kvmem: error:") and "mistral" in err and err.count("\n") == 1
     assert main(["limit", "llama", "lots", "--ledger-dir", str(tmp_path)]) == 2
     assert "cannot read 'lots'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lose", ["delete", "reset"])
+def test_an_engine_whose_entry_is_lost_registers_again(tmp_path, lose):
+    """A ledger file deleted or reset under a running engine: its next call registers it
+    again with what it holds and its limit, instead of raising UnknownEngineError."""
+    path = tmp_path / "l.json"
+    a = Ledger(path).register("a", limit_bytes=1000)
+    assert a.try_acquire(600)
+    if lose == "delete":
+        path.unlink()
+    else:
+        path.write_text("{}")
+    assert not a.try_acquire(500)  # 600 still held: the limit still applies
+    assert a.try_acquire(300)
+    assert [(e.name, e.mapped_bytes, e.limit_bytes) for e in Ledger(path).entries()] == \
+        [("a", 900, 1000)]
+    path.unlink()
+    a.release(400)
+    assert a.report(7) == (500, 1000)
+
+
+def test_an_unopenable_ledger_directory_is_a_one_line_error(tmp_path, capsys):
+    """kvmem generate --kv-memory elastic with KVMEM_LEDGER_DIR where nothing can be created:
+    one line, exit 2, no traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "KVMEM_LEDGER_DIR": str(tmp_path / "file" / "sub")}
+    (tmp_path / "file").write_text("not a directory")
+    done = subprocess.run([sys.executable, "-m", "kvmem", "generate", "--kv-memory", "elastic",
+                           "--max-tokens", "1", "hi"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot open the KV memory ledger" in lines[0], done.stderr

@@ -244,3 +244,34 @@ def test_importing_kvmem_memory_loads_neither_torch_nor_a_driver():
             "bad = [m for m in ('torch', 'cuda.bindings', 'kvmem.memory.cuda_vmm') "
             "if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_premap_thread_logs_an_error_and_keeps_going(caplog):
+    """A failing heartbeat is logged (once per repeat window) and the thread goes on
+    heartbeating, instead of stopping silently; settle() raises the error once."""
+    import threading
+
+    from kvmem.memory.premap import PremapThread
+
+    storage = fake_storage()
+    beats, failed = threading.Event(), []
+
+    def heartbeat() -> None:
+        if len(failed) < 3:
+            failed.append(1)
+            raise OSError(5, "ledger unreadable")
+        beats.set()
+
+    thread = PremapThread(storage.table, heartbeat=heartbeat, interval=0.01)
+    try:
+        with caplog.at_level("ERROR", logger="kvmem.memory"):
+            thread.start()
+            assert beats.wait(5) and thread.alive
+        assert [r.getMessage() for r in caplog.records] == [
+            "KV pre-mapping: OSError: [Errno 5] ledger unreadable (retrying every 0.01 s)"]
+        with pytest.raises(OSError, match="ledger unreadable"):
+            thread.settle()
+        thread.settle()
+    finally:
+        thread.stop()
+        storage.close()

@@ -4,7 +4,8 @@ processes on one device share a memory limit.
 Each engine has an entry (pid, held bytes, used bytes, own limit, heartbeat); the table
 may also carry a ``total_limit`` for all engines together. An engine asks for bytes
 before it maps pages (``EngineBudget.try_acquire``) and gives them back after it unmaps
-them. Entries of processes that no longer exist are reaped on every update.
+them. Entries of processes that no longer exist are reaped on every update; an engine
+whose own entry is gone (the file deleted or reset) registers again on its next update.
 
 The file lives in ``$KVMEM_LEDGER_DIR`` (default ``/dev/shm``, else the temp directory)
 as ``kvmem-ledger-<device>.json``.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import tempfile
 import time
@@ -24,9 +26,15 @@ from pathlib import Path
 
 from kvmem.errors import ConfigError, KvmemError
 
+log = logging.getLogger("kvmem.memory")
+
 
 class UnknownEngineError(KvmemError):
     """No running engine of that name is in the ledger."""
+
+
+class LedgerError(ConfigError):
+    """The ledger file cannot be created or opened."""
 
 
 @dataclass
@@ -82,8 +90,13 @@ class Ledger:
 
     @contextmanager
     def _locked(self, write: bool) -> Iterator[dict]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise LedgerError(f"cannot open the KV memory ledger {self.path} "
+                              f"({e.strerror or e}); set KVMEM_LEDGER_DIR to a writable "
+                              "directory") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
             raw = b""
@@ -136,7 +149,7 @@ class Ledger:
                 table["total_limit"] = total_limit
             table["engines"][name] = asdict(LedgerEntry(
                 name, os.getpid(), self.device, 0, 0, limit_bytes, time.time()))
-        return EngineBudget(self, name)
+        return EngineBudget(self, name, limit_bytes=limit_bytes)
 
     def update(self, name: str, change: Callable[[dict, dict], object]) -> object:
         """Apply ``change(entry, table)`` to engine ``name`` under the lock; returns its result."""
@@ -149,15 +162,38 @@ class Ledger:
 
 
 class EngineBudget:
-    """One engine's handle on the ledger: ask for bytes before mapping, give them back after."""
+    """One engine's handle on the ledger: ask for bytes before mapping, give them back after.
 
-    def __init__(self, ledger: Ledger, name: str) -> None:
+    It remembers what it holds and its limit, so that when its entry is gone (the ledger
+    file was deleted or reset while the engine ran) it registers again with them instead
+    of failing.
+    """
+
+    def __init__(self, ledger: Ledger, name: str, *, limit_bytes: int | None = None) -> None:
         self.ledger = ledger
         self.name = name
+        self.held_bytes = 0  # what this engine holds by its own count
+        self.limit_bytes = limit_bytes  # its own limit, as last seen in the ledger
+
+    def _update(self, change: Callable[[dict, dict], object]) -> object:
+        """``ledger.update`` of this engine's entry, registering it again if it is gone."""
+        try:
+            return self.ledger.update(self.name, change)
+        except UnknownEngineError:
+            log.warning("KV memory ledger %s lost engine %r; registering it again "
+                        "(holding %d bytes)", self.ledger.path, self.name, self.held_bytes)
+
+        def restore(entry: dict, table: dict) -> object:
+            entry["mapped_bytes"] = self.held_bytes
+            return change(entry, table)
+
+        self.ledger.register(self.name, limit_bytes=self.limit_bytes)
+        return self.ledger.update(self.name, restore)
 
     def try_acquire(self, nbytes: int) -> bool:
         """Take ``nbytes`` if both this engine's limit and the device total allow it."""
         def change(entry: dict, table: dict) -> bool:
+            self.limit_bytes = entry["limit_bytes"]
             held = entry["mapped_bytes"] + nbytes
             if entry["limit_bytes"] is not None and held > entry["limit_bytes"]:
                 return False
@@ -170,22 +206,27 @@ class EngineBudget:
             entry["mapped_bytes"] = held
             return True
 
-        return bool(self.ledger.update(self.name, change))
+        taken = bool(self._update(change))
+        if taken:
+            self.held_bytes += nbytes
+        return taken
 
     def release(self, nbytes: int) -> None:
         def change(entry: dict, table: dict) -> None:
             entry["mapped_bytes"] = max(0, entry["mapped_bytes"] - nbytes)
 
-        self.ledger.update(self.name, change)
+        self._update(change)
+        self.held_bytes = max(0, self.held_bytes - nbytes)
 
     def report(self, used_bytes: int) -> tuple[int, int | None]:
         """Record used bytes and a heartbeat; returns (held bytes, bytes allowed to hold)."""
         def change(entry: dict, table: dict) -> tuple[int, int | None]:
             entry["used_bytes"] = used_bytes
+            self.limit_bytes = entry["limit_bytes"]
             caps = [c for c in (entry["limit_bytes"], table["total_limit"]) if c is not None]
             return entry["mapped_bytes"], (min(caps) if caps else None)
 
-        held, allowed = self.ledger.update(self.name, change)  # type: ignore[misc]
+        held, allowed = self._update(change)  # type: ignore[misc]
         return held, allowed
 
     def close(self) -> None:

@@ -3,17 +3,23 @@
 It runs ``PageTable.maintain_once`` until there is nothing to do, then sleeps until a
 block is freed or allocated (or a short interval passes, to send a heartbeat and pick
 up a limit changed with ``kvmem limit``). It starts only after the null block's page is
-mapped, and stopping it is bounded.
+mapped, and stopping it is bounded. An error (e.g. an unreadable ledger) is logged and
+kept for ``settle``; the thread retries after its interval instead of stopping, so
+pre-mapping and heartbeats resume once the cause is gone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
 from kvmem.memory.page_table import PageTable
 from kvmem.memory.wait import WaitTimeout, wait_for
+
+log = logging.getLogger("kvmem.memory")
+REPEAT_LOG_S = 30.0
 
 
 class PremapThread:
@@ -22,7 +28,8 @@ class PremapThread:
         self.table = table
         self.heartbeat = heartbeat
         self.interval = interval
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the latest error, raised by settle()
+        self._logged_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmem-premap", daemon=True)
 
@@ -35,17 +42,26 @@ class PremapThread:
 
     def _run(self) -> None:
         last_beat = 0.0
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set():
+            try:
                 if self.heartbeat is not None and time.monotonic() - last_beat >= self.interval:
-                    self.heartbeat()
                     last_beat = time.monotonic()
+                    self.heartbeat()
                 if self.table.maintain_once():
                     continue
-                with self.table.cond:
-                    self.table.cond.wait(self.interval)
-        except BaseException as e:  # surfaced by settle() and stop(); the engine keeps going
-            self.error = e
+            except Exception as e:  # logged, kept for settle(); pre-mapping goes on
+                self._record(e)
+            with self.table.cond:
+                self.table.cond.wait(self.interval)
+
+    def _record(self, error: Exception) -> None:
+        """Log an error of the thread (a repeat of the last one at most every 30 s)."""
+        now = time.monotonic()
+        if repr(error) != repr(self.error) or now - self._logged_at >= REPEAT_LOG_S:
+            log.error("KV pre-mapping: %s: %s (retrying every %g s)", type(error).__name__,
+                      error, self.interval, exc_info=error)
+            self._logged_at = now
+        self.error = error
 
     def settle(self, timeout: float = 10.0) -> None:
         """Finish all pending pre-mapping and trimming now (tests and benchmarks).
@@ -65,7 +81,8 @@ class PremapThread:
                          timeout=max(0.0, deadline - time.monotonic()),
                          what="the pre-mapping thread to finish its page in flight")
             if self.error is not None:
-                raise self.error
+                error, self.error = self.error, None
+                raise error
             if not table.maintain_once():
                 return
 
