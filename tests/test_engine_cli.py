@@ -62,6 +62,7 @@ def test_chat_reads_turns_from_stdin(model_dir):
     (["generate", "x", "--max-num-seqs", "0"], "max_num_seqs"),
     (["generate", "x", "--kv-cache-memory-bytes", "lots"], "cannot read 'lots'"),
     (["generate", "x", "--sample-seed", "99999999999999999999999"], "seed must be an integer in"),
+    (["generate", "x", "--seed", "99999999999999999999999"], "seed must be an integer in"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     res = kvmem(*args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from kvmem.engine.sampling_params import SEED_MAX, SEED_MIN
 from kvmem.errors import ConfigError
 from kvmem.plan.partition import parse_partition
 from kvmem.tiers.config import POLICIES as OFFLOAD_POLICIES
@@ -67,6 +68,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise ConfigError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], "
+                              f"got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -89,7 +93,8 @@ class EngineConfig:
                               f"(choose from {', '.join(KV_MEMORY_BACKENDS)})")
         if self.kv_memory_limit_bytes is not None:
             if self.kv_memory != "elastic":
-                raise ConfigError("kv_memory_limit_bytes needs kv_memory 'elastic'")
+                raise ConfigError("--kv-memory-limit (kv_memory_limit_bytes) needs "
+                                  "--kv-memory elastic")
             self.kv_memory_limit_bytes = parse_size(self.kv_memory_limit_bytes,
                                                     "kv_memory_limit_bytes")
         if self.engine_name is not None and not self.engine_name.strip():
