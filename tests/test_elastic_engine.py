@@ -118,7 +118,7 @@ def test_parallel_tokens_match_plain(tiny, reference, tp, pp):
 def test_limit_too_small_for_one_request_is_a_clear_error(tiny):
     with pytest.raises(ConfigError, match=r"KV memory limit .* max_model_len 128 needs 9 "):
         LLM(str(tiny), kv_memory="elastic", kv_memory_limit_bytes="64KiB", **OPTIONS)
-    with pytest.raises(ConfigError, match="needs kv_memory 'elastic'"):
+    with pytest.raises(ConfigError, match="--kv-memory-limit .* needs --kv-memory elastic"):
         EngineConfig(kv_memory_limit_bytes="1GiB")
     with pytest.raises(ConfigError, match="unknown kv_memory 'paged'"):
         EngineConfig(kv_memory="paged")
@@ -436,5 +436,18 @@ def test_engine_goes_on_when_its_ledger_entry_is_lost(tiny, reference, ledger_di
                          if o.finished})
         assert [outs[str(i)] for i in range(3)] == reference
         assert [e.name for e in Ledger.for_device("cpu").entries()] == ["tiny-lost"]
+    finally:
+        engine.shutdown()
+
+
+def test_request_refused_under_a_lowered_limit_names_the_elastic_limit(tiny):
+    llm = LLM(str(tiny), kv_memory="elastic", engine_name="tiny-low", **OPTIONS)
+    engine = llm.engine
+    try:
+        Ledger.for_device("cpu").set_limit("tiny-low", engine.elastic.sizing.page_bytes)
+        engine.kv_storage._heartbeat()
+        engine.add_request("big", list(range(100)), GREEDY)
+        errors = [o.error for o in engine.step() if o.finished]
+        assert len(errors) == 1 and "raise the elastic KV memory limit" in errors[0]
     finally:
         engine.shutdown()

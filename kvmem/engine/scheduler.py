@@ -133,7 +133,7 @@ class Scheduler:
                                                 or self._memory_frees_later(request)):
                         self._preempt(request, out)  # the blocks come back soon: wait
                     else:  # even alone there is no room: it can never run in this pool
-                        self._fail(request, out, _too_big(request))
+                        self._fail(request, out, self._too_big(request))
                     break
                 self._preempt(victim, out)
                 if victim is request:
@@ -166,7 +166,7 @@ class Scheduler:
                 alone = not self.running and not self.loading and mgr.usage().held == 0
                 if not result.can_ever_fit or (alone and not self._memory_frees_later(request)):
                     self.waiting.popleft()
-                    self._fail(request, out, _too_big(request))
+                    self._fail(request, out, self._too_big(request))
                     continue
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
@@ -212,6 +212,9 @@ class Scheduler:
         self.stats.num_preemptions += 1
         out.preempted.append(request)
 
+    def _too_big(self, request: Request) -> str:
+        return _too_big(request, elastic=self.kv_memory is not None)
+
     def _fail(self, request: Request, out: SchedulerOutput, message: str) -> None:
         if request in self.running:
             self.running.remove(request)
@@ -221,7 +224,9 @@ class Scheduler:
         out.failed.append(request)
 
 
-def _too_big(request: Request) -> str:
+def _too_big(request: Request, elastic: bool = False) -> str:
+    budget = ("the elastic KV memory limit (--kv-memory-limit, or `kvmem limit` for a "
+              "running engine)" if elastic else "the KV budget (--kv-cache-memory-bytes)")
     return (f"the KV cache is too small for request {request.request_id!r} "
-            f"({request.num_tokens} tokens) even with nothing else running; raise the KV "
-            "budget (--kv-cache-memory-bytes) or lower max_model_len")
+            f"({request.num_tokens} tokens) even with nothing else running; raise "
+            f"{budget} or lower max_model_len")
