@@ -387,3 +387,25 @@ def test_preempted_request_resumes_from_the_cpu_tier(tiny_model):
         assert connector.stats()["cpu"].hits > 0
     finally:
         connector.shutdown()
+
+
+def test_identity_changes_with_the_model_dtype_and_the_layout(tiny_model):
+    """Through the real identity builder: another model dtype or tensor-parallel layout
+    names another disk namespace."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvmem.engine.offload_setup import engine_identity
+
+    engine = make_engine(num_blocks=8, max_model_len=64, model=tiny_model,
+                         bytes_per_token=TINY_BYTES_PER_TOKEN)
+    base = engine_identity(engine)
+    assert engine_identity(SimpleNamespace(**{**vars(engine), "dtype": torch.bfloat16}))[0] \
+        != base[0]
+    stage = SimpleNamespace(layers=list(range(engine.spec.num_layers)))
+    parallel = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=2,
+                                                        pipeline_parallel_size=1),
+                               state=SimpleNamespace(allocations=[stage, stage]))
+    other = engine_identity(SimpleNamespace(**{**vars(engine), "parallel": parallel}))
+    assert other[0] == base[0] and other[1] != base[1]
