@@ -76,7 +76,7 @@ def test_text_and_kvmem_command_show_the_tiers(capsys, tmp_path):
     (["--disk-offload-gib", "1"], "needs --disk-offload-dir"),
     (["--disk-offload-dir", "/tmp/x"], "needs --disk-offload-gib"),
     (["--cpu-offload-gib", "-2"], "--cpu-offload-gib must be a non-negative"),
-    (["--weight-offload-gib", "-2"], "--weight-offload-gib must not be negative"),
+    (["--weight-offload-gib", "-2"], "--weight-offload-gib must be a non-negative"),
 ])
 def test_bad_offload_input_is_one_line_exit_2(capsys, argv, match):
     assert main(["plan", "qwen3-8b", *H100, *argv]) == 2
