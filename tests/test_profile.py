@@ -296,6 +296,22 @@ def test_plan_profile_replaces_the_estimates(tmp_path, capsys):
                                            - gib(0.07) - gib(1.3) - 150 * MiB)
 
 
+@pytest.mark.parametrize("flags,says", [
+    (["--tp", "2"], "measured one process (tp 1, pp 1); it cannot stand for the ranks of tp 2"),
+    (["--pp", "2"], "cannot stand for the ranks of tp 1 x pp 2"),
+    (["--max-num-batched-tokens", "2048"], "measured with --max-num-batched-tokens 8192 but"),
+    (["--max-num-seqs", "32"], "measured with --max-num-seqs 256 but the plan uses 32"),
+])
+def test_plan_refuses_a_profile_that_cannot_stand_for_the_plan(tmp_path, capsys, flags, says):
+    """A whole-model profile applied to a tp/pp rank would count every rank's weights in
+    full; one taken under other batch limits has another activation peak."""
+    path = tmp_path / "p.json"
+    mission_example().save(path)
+    assert main(["plan", "qwen3-8b", "--profile", str(path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmem: error:") and err.count("\n") == 1 and says in err, err
+
+
 def test_suggested_fit_plan_profile_and_engine_budgets_are_one_value(
         tmp_path, capsys, monkeypatch):
     """One profile, three consumers: the fit value `kvmem profile` prints, the KV budget of

@@ -215,6 +215,22 @@ def _elastic(args: argparse.Namespace, result, spec):
     return plan_elastic(result, spec, limit)
 
 
+def _check_profile_matches(measured, layout, settings, path: str) -> None:
+    """A profile is one process's memory under given batch limits: refuse to apply it to
+    per-rank shards or to other limits (its activation peak would be for other batches)."""
+    if layout.world_size > 1:
+        raise ConfigError(f"{path} measured one process (tp 1, pp 1); it cannot stand for the "
+                          f"ranks of tp {layout.tensor_parallel_size} x pp "
+                          f"{layout.pipeline_parallel_size}: plan them from estimates")
+    for name, planned, profiled in (
+            ("--max-num-batched-tokens", settings.max_num_batched_tokens,
+             measured.max_num_batched_tokens),
+            ("--max-num-seqs", settings.max_num_seqs, measured.max_num_seqs)):
+        if planned != profiled:
+            raise ConfigError(f"{path} was measured with {name} {profiled} but the plan uses "
+                              f"{planned}: plan with {name} {profiled} or profile again")
+
+
 def _elastic_fit_error(result, spec, sizings) -> str | None:
     """Why one request of max_model_len cannot run under the elastic limit, if it cannot
     (the engine refuses to start with the same figures)."""
@@ -259,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
         from kvmem.engine.profiler import MemoryProfile  # reads JSON; imports no torch
 
         measured = MemoryProfile.load(args.profile)
+        _check_profile_matches(measured, layout, settings, args.profile)
     result = plan(spec, layout, settings, policy=args.kv_budget,
                   profile=[measured.to_rank_profile()] if measured else None,
                   checkpoint_dir=_checkpoint_dir(args.model))
