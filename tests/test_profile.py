@@ -68,6 +68,16 @@ def test_report_arithmetic_reproduces_the_mission_example():
         assert part in text
 
 
+def test_summary_warns_when_the_fit_value_exceeds_the_free_memory():
+    """Another process holds 40 GiB of the 178.36: utilisation 0.9 requests more than was
+    free, so the fit value would not fit and the report says so."""
+    assert "Warning" not in mission_example().summary()
+    p = mission_example(free_bytes_at_start=gib(138.36))
+    assert p.suggested_kv_bytes_fit > p.suggested_kv_bytes_whole
+    assert ("Warning: utilisation 0.9 requests 160.52 GiB but only 138.36 GiB was free at "
+            "start") in p.summary()
+
+
 def test_activation_is_the_larger_of_forward_and_sampler_peaks():
     assert mission_example(sampler_peak_bytes=gib(11)).activation_bytes == gib(11)
     assert mission_example(sampler_peak_bytes=gib(1)).activation_bytes == gib(9.96)

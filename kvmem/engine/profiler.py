@@ -138,7 +138,18 @@ class MemoryProfile:
                 f"{g(self.non_torch_bytes)} GiB, {graphs}; headroom "
                 f"{g(self.headroom_bytes)} GiB; suggested KV budget "
                 f"{self.suggested_kv_bytes_fit:,} bytes to fit the request, or "
-                f"{self.suggested_kv_bytes_whole:,} bytes to use {where}.")
+                f"{self.suggested_kv_bytes_whole:,} bytes to use {where}."
+                + self._overcommit_warning())
+
+    def _overcommit_warning(self) -> str:
+        """Other processes (or, on CPU, the rest of the system) hold memory: the utilisation
+        then requests more than was free, and the fit value would not fit."""
+        if self.suggested_kv_bytes_fit <= self.suggested_kv_bytes_whole:
+            return ""
+        return (f" Warning: utilisation {self.gpu_memory_utilization:g} requests "
+                f"{_gib(self.requested_bytes)} GiB but only {_gib(self.free_bytes_at_start)} GiB "
+                "was free at start, so the fit value would not fit: use the whole value or a "
+                "lower --gpu-memory-utilization.")
 
     # -------------------------------------------------------------- JSON
     def _fields(self) -> dict[str, Any]:
