@@ -7,10 +7,10 @@ offload budget; tests call it directly to inject faults. ``kvmem.tiers`` knows n
 about the engine: everything engine-specific (which storage, how many slots, what the
 blocks depend on) is decided here.
 
-One process: the storage is the engine's own. Tensor/pipeline parallel on CPU: every
-rank's KV tensors live in shared memory and the driver maps them
-(``kvmem.engine.distributed.offload``), so a host row holds one block of every rank and
-is stored and loaded whole.
+One process: the storage is the engine's own. Tensor/pipeline parallel: a host row holds
+one block of every rank and is stored and loaded whole; the driver reaches the workers'
+KV through shared memory (local CPU ranks with plain KV) or through each worker's copy
+service (``kvmem.engine.distributed.offload``).
 
 Queued stores are written out when the engine shuts down, or at interpreter exit for an
 engine that is never shut down (``kvmem generate``).
@@ -37,9 +37,9 @@ def offload_storage(engine: Any) -> tuple[KVStorage, int]:
     if explicit is not None:
         return explicit, explicit.num_slots
     if engine.parallel is not None:
-        from kvmem.engine.distributed.offload import shared_kv_storage
+        from kvmem.engine.distributed.offload import parallel_kv_storage
 
-        storage = shared_kv_storage(engine.parallel)
+        storage = parallel_kv_storage(engine.parallel)
         return storage, storage.num_slots
     return engine.kv_storage, engine.kv_plan.ranks[0].num_slots
 

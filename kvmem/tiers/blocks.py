@@ -8,6 +8,10 @@ slot copies the block and nothing else. On the host a block is one flat ``uint8`
 
 On CUDA, copies run on a side stream after the compute stream's pending writes, and the
 host buffers are pinned so the copies are true DMA.
+
+A storage the driver cannot read directly (the other ranks' KV of a parallel engine)
+brings its own copier with this interface: ``BlockCopier(storage, n)`` returns
+``storage.block_copier(n)`` when the storage has that method.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ def key_name(key: Hashable) -> str:
 
 class BlockCopier:
     """Gathers pool blocks into host rows and scatters host rows into pool blocks."""
+
+    def __new__(cls, storage: KVStorage, num_slots: int):  # noqa: ANN204 - may be another copier
+        own = getattr(storage, "block_copier", None)
+        if cls is BlockCopier and own is not None:
+            return own(num_slots)  # not a BlockCopier: __init__ is not run on it
+        return super().__new__(cls)
 
     def __init__(self, storage: KVStorage, num_slots: int) -> None:
         self.slots = [storage.slot_tensor(s) for s in range(num_slots)]

@@ -26,7 +26,14 @@ from kvmem.engine.config import EngineConfig
 from kvmem.engine.distributed.channel import broadcast_step
 from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import ParallelError, StartupError, WorkerDiedError
-from kvmem.engine.distributed.rank_setup import RankContext, RankState, setup_rank
+from kvmem.engine.distributed.page_ops import PageOpsFeed
+from kvmem.engine.distributed.rank_setup import (
+    RankContext,
+    RankState,
+    local_copier,
+    setup_rank,
+)
+from kvmem.engine.distributed.remote_copy import RemoteBlockCopier
 from kvmem.engine.distributed.state import destroy_distributed, init_distributed
 from kvmem.engine.distributed.step import StepInput
 from kvmem.engine.distributed.worker import worker_main
@@ -36,6 +43,9 @@ from kvmem.errors import ConfigError
 logger = logging.getLogger("kvmem.engine.distributed")
 
 DEATH_NOTICE_S = 3.0  # how long a failed step waits for the watchdog to name a dead worker
+# Local CPU workers with plain KV put it in shared memory for the driver's offload tiers;
+# False sends their offload copies through the copy services instead (remote_copy.py).
+SHARE_LOCAL_KV = True
 
 
 def free_port() -> int:
@@ -57,8 +67,7 @@ def start_parallel(config: EngineConfig, parallel: ParallelConfig | None, *,
         raise ConfigError("the parallel layout differs from the engine config's")
     ctx = RankContext(config=config, parallel=parallel, max_model_len=max_model_len,
                       dtype=str(dtype).removeprefix("torch."), device_type=device.type,
-                      share_kv=device.type == "cpu" and parallel.launcher == "local"
-                      and config.kv_memory == "plain")  # elastic pages stay per process
+                      share_kv=shares_kv(config, parallel, device))
     driver = ParallelDriver(ctx)
     try:
         driver.start()
@@ -68,6 +77,13 @@ def start_parallel(config: EngineConfig, parallel: ParallelConfig | None, *,
     return driver
 
 
+def shares_kv(config: EngineConfig, parallel: ParallelConfig, device: torch.device) -> bool:
+    """Whether the workers' KV goes to shared memory: local CPU ranks with plain KV
+    (elastic pages stay private to each process)."""
+    return SHARE_LOCAL_KV and device.type == "cpu" and parallel.launcher == "local" \
+        and config.kv_memory == "plain"
+
+
 class ParallelDriver:
     def __init__(self, ctx: RankContext) -> None:
         self.ctx = ctx
@@ -75,6 +91,8 @@ class ParallelDriver:
         self.processes: dict[int, Any] = {}  # rank -> multiprocessing.Process (local launch)
         self.state: RankState | None = None
         self.shared_slots: list[torch.Tensor] | None = None  # every rank's KV, rank order
+        self.page_feed: PageOpsFeed | None = None  # elastic page decisions, numbered
+        self.remote_copier: RemoteBlockCopier | None = None  # offload without shared KV
         self.error: ParallelError | None = None
         self._failure_callbacks: list[Callable[[ParallelError], None]] = []
         self._stopping = threading.Event()
@@ -104,6 +122,12 @@ class ParallelDriver:
         self.state = self._bounded("starting", lambda: setup_rank(self.ctx, self.groups))
         if handoff is not None:
             self.shared_slots = self._collect_shared_slots(handoff)
+        if self.state.elastic is not None:
+            self.page_feed = PageOpsFeed(self.state.elastic)
+        if self.state.copy_channel is not None:
+            self.remote_copier = RemoteBlockCopier(
+                local_copier(self.state.kv, self.state.kv_plan, 0), self.state.copy_channel,
+                self.page_feed)
         threading.Thread(target=self._watch, name="kvmem-rank-watchdog", daemon=True).start()
         for a in self.state.allocations:
             logger.info("%s: layers %d-%d, %d KV heads, %d blocks, %d KV bytes allocated",
@@ -221,6 +245,9 @@ class ParallelDriver:
         healthy = self.error is None and self.state is not None
         self._stopping.set()
         if healthy:
+            if self.remote_copier is not None:
+                with contextlib.suppress(Exception):  # a dead worker's error is reported
+                    self.remote_copier.close()
             with contextlib.suppress(Exception):  # a worker already gone is stopped below
                 broadcast_step(None, self.groups.control, timeout)
         # after a failure no stop broadcast comes: the workers left would wait for it
@@ -259,9 +286,9 @@ class ParallelModelRunner:
             raise self.driver.error
         step = StepInput.from_scheduled(scheduled, self.kv_cache_manager, self.num_kv_groups)
         step.finished_request_ids = self._finished_seeded(scheduled)
-        elastic = self.driver.state.elastic
-        if elastic is not None:  # mapping decisions since the last step, for the other ranks
-            step.page_ops = elastic.drain_ops()
+        feed = self.driver.page_feed
+        if feed is not None:  # mapping decisions since the last step, for the other ranks
+            step.page_ops_seq, step.page_ops = feed.drain()
         try:
             broadcast_step(step, self.driver.groups.control, self.driver.parallel.timeout_s)
             tokens = self.runner.run(step)

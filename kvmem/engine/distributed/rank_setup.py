@@ -7,7 +7,10 @@
 4. agree with the other ranks on one block count, the minimum over ranks;
 5. allocate this rank's KV cache (its RankPlan's slots and heads, the agreed blocks);
    an elastic KV cache instead agrees on one reservation and page size, and every rank
-   maps rank 0's startup pages (``PageMapCoordinator``) before it serves.
+   maps rank 0's startup pages (``PageMapCoordinator``) before it serves;
+6. with offloading on and KV not shared with the driver, open the copy channel
+   (``kvmem.engine.distributed.remote_copy``) through which the driver's tiers reach
+   every rank's blocks.
 
 Each phase ends with every rank telling the others whether it succeeded, so that one
 rank's failure becomes the same clear error on every rank instead of a hang.
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import StartupError
+from kvmem.engine.distributed.remote_copy import open_copy_channel
 from kvmem.engine.distributed.stage_runner import StageRunner
 from kvmem.engine.distributed.state import DistributedGroups
 from kvmem.engine.kv_cache_setup import (
@@ -36,6 +40,7 @@ from kvmem.engine.kv_cache_setup import (
 )
 from kvmem.engine.sampler import Sampler
 from kvmem.errors import KvmemError
+from kvmem.tiers.blocks import BlockCopier
 
 logger = logging.getLogger("kvmem.engine.distributed")
 T = TypeVar("T")
@@ -51,6 +56,11 @@ class RankContext:
     dtype: str  # torch dtype name, e.g. "float32"
     device_type: str  # "cpu" or "cuda" (a CUDA rank uses device cuda:local_rank)
     share_kv: bool = False  # KV tensors in shared memory, mapped by the driver (offload)
+
+    @property
+    def remote_copy(self) -> bool:
+        """Offloading reaches the workers' KV through copy services (not shared memory)."""
+        return self.config.offload_config().enabled and not self.share_kv
 
     @property
     def device(self) -> torch.device:
@@ -92,6 +102,8 @@ class RankState:
     allocations: list[RankAllocation]
     runner: StageRunner
     elastic: Any = None  # an ElasticSetup with --kv-memory elastic
+    copy_channel: Any = None  # a remote_copy.CopyChannel when ``ctx.remote_copy``
+    page_ops: Any = None  # a worker's OrderedPageOps with --kv-memory elastic
 
 
 def agree(groups: DistributedGroups, phase: str, fn: Callable[[], T]) -> T:
@@ -175,10 +187,22 @@ def setup_rank(ctx: RankContext, groups: DistributedGroups) -> RankState:
         kv_bytes_per_token=rank_plan.kv_bytes_per_token, allocated_bytes=kv.storage.nbytes)
     allocations: list[Any] = [None] * parallel.world_size
     dist.all_gather_object(allocations, mine, group=groups.startup)
+    page_ops = None
+    if elastic is not None and rank != 0:
+        from kvmem.engine.distributed.page_ops import OrderedPageOps
+
+        page_ops = OrderedPageOps(elastic, parallel.timeout_s)
     runner = StageRunner(model, kv.kv_caches, groups, block_size=config.block_size,
                          device=device, dtype=ctx.torch_dtype, sampler=Sampler(config.seed),
-                         page_map=elastic if rank != 0 else None)
-    return RankState(spec, model, kv_plan, kv, allocations, runner, elastic)
+                         page_map=page_ops)
+    channel = open_copy_channel(groups, local_copier(kv, kv_plan, rank)) \
+        if ctx.remote_copy else None
+    return RankState(spec, model, kv_plan, kv, allocations, runner, elastic, channel, page_ops)
+
+
+def local_copier(kv: KVCacheSetup, kv_plan, rank: int) -> BlockCopier:
+    """A block copier over this rank's own KV slots."""
+    return BlockCopier(kv.storage, kv_plan.ranks[rank].num_slots)
 
 
 def size_elastic(ctx: RankContext, groups: DistributedGroups, spec, kv_plan):

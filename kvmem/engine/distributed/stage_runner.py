@@ -21,8 +21,8 @@ class StageRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
                  groups: DistributedGroups, *, block_size: int, device: torch.device,
                  dtype: torch.dtype, sampler: Sampler, page_map=None) -> None:
-        """``page_map``: on ranks other than 0 with an elastic KV cache, the ElasticSetup
-        that replays rank 0's page mapping decisions before each step."""
+        """``page_map``: on ranks other than 0 with an elastic KV cache, the OrderedPageOps
+        that replays rank 0's page mapping decisions, in order, before each step."""
         self.model = model
         self.kv_caches = kv_caches
         self.groups = groups
@@ -42,8 +42,8 @@ class StageRunner:
     @torch.inference_mode()
     def run(self, step: StepInput) -> list[int] | None:
         """Run this rank's layers; the sampling rank returns the sampled token ids."""
-        if step.page_ops and self.page_map is not None:
-            self.page_map.apply_ops(step.page_ops)  # before any layer touches those blocks
+        if step.page_ops_seq and self.page_map is not None:
+            self.page_map.apply(step.page_ops_seq, step.page_ops)  # before any layer runs
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         input_ids, positions, metadata = step.tensors(self.block_size, self.device)

@@ -30,6 +30,7 @@ class StepInput:
     sample_params: list[SamplingParams]
     finished_request_ids: list[str] = field(default_factory=list)  # drop their generators
     page_ops: list = field(default_factory=list)  # kvmem.memory PageOps, replayed in order
+    page_ops_seq: int = 0  # the batch number of page_ops (distributed.page_ops); 0: none
 
     @property
     def num_tokens(self) -> int:

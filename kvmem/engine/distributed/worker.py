@@ -18,7 +18,8 @@ import threading
 from typing import Any
 
 from kvmem.engine.distributed.channel import receive_step
-from kvmem.engine.distributed.rank_setup import RankContext, setup_rank
+from kvmem.engine.distributed.rank_setup import RankContext, local_copier, setup_rank
+from kvmem.engine.distributed.remote_copy import CopyService
 from kvmem.engine.distributed.stage_runner import StageRunner
 from kvmem.engine.distributed.state import (
     DistributedGroups,
@@ -31,6 +32,7 @@ logger = logging.getLogger("kvmem.engine.distributed")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PARENT_POLL_S = 0.5  # how often a local worker checks that its driver is still there
+COPY_STOP_S = 5.0  # how long a stopping worker waits for its copy service to end
 
 
 def worker_main(ctx: RankContext, handoff: Any) -> None:
@@ -55,7 +57,10 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
         if handoff is not None:
             num_slots = state.kv_plan.ranks[ctx.parallel.rank].num_slots
             handoff.put((ctx.parallel.rank, _shared_slots(state.kv.storage, num_slots, ctx)))
+        service = _start_copy_service(ctx, state)
         serve_steps(state.runner, groups)
+        if service is not None:  # the driver stopped it before the last step
+            service.thread.join(COPY_STOP_S)
         return 0
     except KvmemError as e:  # the driver reports the same error
         logger.debug("%s: %s", ctx.parallel.describe(), e)
@@ -74,6 +79,15 @@ def serve_steps(runner: StageRunner, groups: DistributedGroups) -> None:
         if step is None:
             return
         runner.run(step)
+
+
+def _start_copy_service(ctx: RankContext, state) -> CopyService | None:
+    """This rank's answer to the driver's offload copies, when its KV is not shared."""
+    if state.copy_channel is None:
+        return None
+    local = local_copier(state.kv, state.kv_plan, ctx.parallel.rank)
+    return CopyService(local, state.copy_channel, state.page_ops,
+                       name=ctx.parallel.describe()).start()
 
 
 def _shared_slots(storage, num_slots: int, ctx: RankContext) -> list | None:
