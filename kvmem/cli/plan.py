@@ -289,8 +289,9 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "kvmem":
             command.argv += _offload_flags(offload)
             if layout.world_size > 1:
-                command.notes.append("with tensor/pipeline parallelism, kvmem's offload tiers "
-                                     "need every rank on this machine's CPU (shared memory)")
+                command.notes.append("with tensor/pipeline parallelism the tiers live on rank "
+                                     "0's host: every block's parts from all ranks are copied "
+                                     "there (docs/parallel.md)")
         else:
             command.notes.append("the KV offload tiers are kvmem's; configure this engine's "
                                  "own KV offloading separately")
