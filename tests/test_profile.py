@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import replace
 from math import ceil
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,13 +283,17 @@ def test_profile_refuses_before_loading_what_it_cannot_do(tmp_path, capsys, flag
     assert err.startswith("kvmem: error:") and err.count("\n") == 1 and says in err
 
 
-def test_profile_output_that_is_a_directory_or_read_only(tmp_path, capsys):
+def test_profile_output_that_is_a_directory_or_read_only(tmp_path, capsys, monkeypatch):
     assert main(["profile", "--device", "cpu", "--output", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    if os.access(locked, os.W_OK):  # running as root: permissions do not apply
-        pytest.skip("directory permissions are not enforced for this user")
+    # root ignores directory permissions: ask os.access as an unprivileged user would
+    import kvmem.cli.profile as profile_cli
+
+    real_access = os.access
+    monkeypatch.setattr(profile_cli.os, "access", lambda path, mode: (
+        False if Path(path) == locked else real_access(path, mode)))
     assert main(["profile", "--device", "cpu", "--output", str(locked / "p.json")]) == 2
     assert "not writable" in capsys.readouterr().err
 
