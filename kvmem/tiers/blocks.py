@@ -10,8 +10,8 @@ On CUDA, copies run on a side stream after the compute stream's pending writes, 
 host buffers are pinned so the copies are true DMA.
 
 A storage the driver cannot read directly (the other ranks' KV of a parallel engine)
-brings its own copier with this interface: ``BlockCopier(storage, n)`` returns
-``storage.block_copier(n)`` when the storage has that method.
+brings its own copier with this interface: ``copier_for(storage, n)`` returns
+``storage.block_copier(n)`` when the storage has that method, else a ``BlockCopier``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,6 @@ def key_name(key: Hashable) -> str:
 
 class BlockCopier:
     """Gathers pool blocks into host rows and scatters host rows into pool blocks."""
-
-    def __new__(cls, storage: KVStorage, num_slots: int):  # noqa: ANN204 - may be another copier
-        own = getattr(storage, "block_copier", None)
-        if cls is BlockCopier and own is not None:
-            return own(num_slots)  # not a BlockCopier: __init__ is not run on it
-        return super().__new__(cls)
 
     def __init__(self, storage: KVStorage, num_slots: int) -> None:
         self.slots = [storage.slot_tensor(s) for s in range(num_slots)]
@@ -101,3 +95,9 @@ class BlockCopier:
             part = src[:, offset:offset + nbytes].contiguous().view(slot.dtype)
             slot.index_copy_(0, idx, part.view(n, *slot.shape[1:]))
             offset += nbytes
+
+
+def copier_for(storage: KVStorage, num_slots: int):  # noqa: ANN201 - a BlockCopier's interface
+    """The copier of ``storage``: its own when it brings one, else a ``BlockCopier``."""
+    own = getattr(storage, "block_copier", None)
+    return own(num_slots) if own is not None else BlockCopier(storage, num_slots)

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from kvmem.errors import ConfigError
 from kvmem.memory.storage import KVStorage
-from kvmem.tiers.blocks import BlockCopier, key_name
+from kvmem.tiers.blocks import copier_for, key_name
 from kvmem.tiers.config import OffloadConfig, TierIdentity
 from kvmem.tiers.cpu_store import CPUStore
 from kvmem.tiers.disk_store import DiskStore
@@ -61,7 +61,7 @@ class OffloadManager:
             raise ConfigError("offloading needs --cpu-offload-gib or --disk-offload-gib")
         self.config = config
         self.holder = holder
-        self.copier = BlockCopier(storage, num_slots)
+        self.copier = copier_for(storage, num_slots)
         slot = self.copier.slots[0]
         self.identity = TierIdentity(
             model=model, layout=layout, kv_dtype=str(slot.dtype).removeprefix("torch."),
