@@ -88,3 +88,95 @@ def test_stop_accepts_one_string_and_greedy_flag():
     params = SamplingParams(stop="###", temperature=0.0)
     assert params.stop == ["###"] and params.greedy
     assert not SamplingParams(temperature=0.7).greedy
+
+
+# -- logits processors against transformers' on the same logits ----------------------------
+VOCAB = 50
+
+
+def random_logits(seed: int = 0) -> torch.Tensor:
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from kvmem.engine.sampler import apply_penalties
+
+    prompt, output = [3, 7, 7, 20], [7, 41, 3]
+    logits = random_logits()
+    for penalty in (1.3, 0.7):
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(
+            torch.tensor([prompt + output]), logits.clone()[None])[0]
+        got = apply_penalties(logits.clone(), SamplingParams(repetition_penalty=penalty),
+                              prompt, output)
+        assert torch.allclose(got, expected)
+        assert not torch.equal(got, logits)
+
+
+def test_logit_bias_matches_transformers_sequence_bias():
+    from transformers import SequenceBiasLogitsProcessor
+
+    from kvmem.engine.sampler import apply_penalties
+
+    bias = {4: 5.5, 9: -100.0, 30: 0.25}
+    logits = random_logits(1)
+    expected = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(
+        torch.tensor([[1, 2]]), logits.clone()[None])[0]
+    got = apply_penalties(logits.clone(), SamplingParams(logit_bias=bias), [1, 2], [])
+    assert torch.allclose(got, expected)
+
+
+def test_presence_and_frequency_penalties_follow_openai_definition():
+    from kvmem.engine.sampler import apply_penalties
+
+    prompt, output = [5, 6], [6, 8, 8, 8, 11]
+    logits = random_logits(2)
+    got = apply_penalties(logits.clone(), SamplingParams(presence_penalty=0.5,
+                                                         frequency_penalty=0.3), prompt, output)
+    expected = logits.clone()
+    for token in set(output):  # mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
+        expected[token] -= output.count(token) * 0.3 + 0.5
+    assert torch.allclose(got, expected)
+    assert got[5] == logits[5]  # prompt tokens are not penalised
+
+
+def test_min_p_matches_transformers_after_temperature():
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+
+    from kvmem.engine.sampler import apply_min_p
+
+    logits = random_logits(3)
+    for min_p, temperature in ((0.1, 1.0), (0.05, 0.7), (0.5, 1.5)):
+        scaled = TemperatureLogitsWarper(temperature)(None, logits.clone()[None])
+        expected = MinPLogitsWarper(min_p)(None, scaled)[0]
+        got = apply_min_p(logits.clone() / temperature, min_p)
+        assert torch.equal(torch.isinf(got), torch.isinf(expected))
+        assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+
+
+def test_sampler_draws_only_min_p_survivors():
+    allowed = {1, 2}  # probs .5 and .3 reach 0.5 x .5; .15 and .05 do not
+    assert set(draws(SamplingParams(temperature=1.0, min_p=0.5))) == allowed
+
+
+def test_penalties_change_greedy_choice_and_leave_logits_alone():
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0]])
+    before = logits.clone()
+    greedy = SamplingParams(temperature=0, frequency_penalty=0.2)
+    assert Sampler()(logits, [greedy], [None], [([0], [1])]) == [2]
+    assert Sampler()(logits, [SamplingParams(temperature=0, logit_bias={3: 5})], [None],
+                     [([0], [])]) == [3]
+    assert torch.equal(logits, before)
+    with pytest.raises(ValueError, match="histories"):
+        Sampler()(logits, [greedy], [None])
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("min_p", 1.5), ("logit_bias", {1: 101}), ("logit_bias", {-1: 1.0}), ("logprobs", 21),
+    ("prompt_logprobs", -1), ("logprobs", True)])
+def test_new_fields_are_validated(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field

@@ -243,6 +243,7 @@ class LLMEngine:
                                           param="prompt")
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        self._check_supported(params)
         n, limit = len(token_ids), self.max_model_len
         if n >= limit:
             raise PromptTooLongError(f"the prompt has {n} tokens but max_model_len is {limit} "
@@ -256,6 +257,19 @@ class LLMEngine:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return request
+
+    def _check_supported(self, params: SamplingParams) -> None:
+        vocab = self.spec.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size "
+                                      f"({vocab})", param="logit_bias")
+        if self.parallel is not None:  # the sampling rank sees neither histories nor logprobs
+            for name, unset in (("logprobs", None), ("prompt_logprobs", None),
+                                ("logit_bias", {}), ("presence_penalty", 0.0),
+                                ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+                if getattr(params, name) != unset:
+                    raise InvalidRequestError(f"{name} is not supported by a tensor/pipeline "
+                                              f"parallel engine yet", param=name)
 
     def add_request(self, request_id: str | Request, prompt: str | list[int] | None = None,
                     sampling_params: SamplingParams | None = None, *,
@@ -379,15 +393,19 @@ class LLMEngine:
         sent_tokens = self._sent_tokens.get(rid, 0)
         self._sent_text[rid] = visible
         self._sent_tokens[rid] = request.num_output_tokens
+        with_logprobs = request.sampling_params.logprobs is not None
         completion = CompletionOutput(
             text=text[:visible], token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             delta_text=text[sent:visible],
-            delta_token_ids=request.output_token_ids[sent_tokens:])
+            delta_token_ids=request.output_token_ids[sent_tokens:],
+            logprobs=list(request.output_logprobs) if with_logprobs else None,
+            delta_logprobs=request.output_logprobs[sent_tokens:] if with_logprobs else None)
         return RequestOutput(request_id=rid, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
                              finished=request.is_finished,
-                             num_cached_tokens=request.num_cached_tokens, error=request.error)
+                             num_cached_tokens=request.num_cached_tokens, error=request.error,
+                             prompt_logprobs=request.prompt_logprobs)
 
     # -- introspection ----------------------------------------------------------------
     @property

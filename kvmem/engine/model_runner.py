@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvmem.engine.attention.metadata import AttentionMetadata
+from kvmem.engine.logprobs import position_logprobs
 from kvmem.engine.request import Request
 from kvmem.engine.sampler import Sampler
 
@@ -62,7 +63,8 @@ class ModelRunner:
 
         A request samples when this step computes its last known token: the end of its
         prompt (or of its recomputed tokens after preemption), or a decode. Partial prefill
-        chunks only fill the cache.
+        chunks only fill the cache. Requests that asked for logprobs get them appended to
+        ``request.output_logprobs`` / ``request.prompt_logprobs``.
         """
         input_ids, positions, metadata = self.prepare_inputs(scheduled)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
@@ -77,13 +79,49 @@ class ModelRunner:
             if request.num_computed_tokens + num_new == request.num_tokens:
                 samplers.append(request)
                 last_indices.append(end - 1)
+        self._prompt_logprobs(scheduled, hidden)
         if not samplers:
             return {}
         index = torch.tensor(last_indices, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden[index])
         tokens = self.sampler(logits, [r.sampling_params for r in samplers],
-                              [getattr(r, "generator", None) for r in samplers])
+                              [getattr(r, "generator", None) for r in samplers],
+                              [(r.prompt_token_ids, r.output_token_ids) for r in samplers])
+        wanted = [i for i, r in enumerate(samplers) if r.sampling_params.logprobs is not None]
+        if wanted:
+            rows = logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
+            found = position_logprobs(rows, [tokens[i] for i in wanted],
+                                      [samplers[i].sampling_params.logprobs for i in wanted])
+            for i, entry in zip(wanted, found, strict=True):
+                samplers[i].output_logprobs.append(entry)
         return {r.request_id: t for r, t in zip(samplers, tokens, strict=True)}
+
+    def _prompt_logprobs(self, scheduled: list[tuple[Request, int]], hidden: torch.Tensor
+                         ) -> None:
+        """Append the logprobs of the prompt tokens this step's rows predict (position p's
+        logits score prompt token p + 1), for the requests that asked and lack them."""
+        rows: list[int] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        owners: list[Request] = []
+        start_row = 0
+        for request, num_new in scheduled:
+            want = request.sampling_params.prompt_logprobs
+            if want is not None and request.prompt_logprobs is not None:
+                start = request.num_computed_tokens
+                first = max(start, len(request.prompt_logprobs) - 1)
+                for pos in range(first, min(start + num_new, request.num_prompt_tokens - 1)):
+                    rows.append(start_row + pos - start)
+                    targets.append(request.prompt_token_ids[pos + 1])
+                    num_top.append(want)
+                    owners.append(request)
+            start_row += num_new
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        found = position_logprobs(self.model.compute_logits(hidden[index]), targets, num_top)
+        for request, entry in zip(owners, found, strict=True):
+            request.prompt_logprobs.append(entry)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int) -> None:

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """One position's log-probabilities: the chosen token's and the most likely ones'."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class CompletionOutput:
     """The generated part of a request: all of it so far, plus what is new since last step."""
@@ -15,6 +25,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # with SamplingParams.logprobs: one entry per token of token_ids / delta_token_ids
+    logprobs: list[PositionLogprobs] | None = None
+    delta_logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -26,6 +39,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

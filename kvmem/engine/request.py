@@ -60,6 +60,10 @@ class Request:
         self.error: str | None = None
         self.stop_reason: int | str | None = None
         self.output_text = ""
+        # with sampling_params.logprobs / prompt_logprobs: filled by the model runner
+        self.output_logprobs: list = []
+        self.prompt_logprobs: list | None = \
+            [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +76,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (prefix hits would skip them)."""
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,4 +1,9 @@
-"""Sampler: next tokens from last-position logits (greedy, temperature, top-k, top-p, seeds)."""
+"""Sampler: next tokens from last-position logits.
+
+Per row, in vLLM's order: logit bias and the repetition, frequency and presence penalties
+(which change the greedy choice too), then temperature, min-p, top-k and top-p, then a draw
+from the row's own generator (seeded requests) or the engine's.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,39 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float
     return sorted_logits, sorted_ids
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """``logits`` (one row, modified in place) with logit bias and penalties applied.
+
+    Repetition: every token in the prompt or output has a positive logit divided by the
+    penalty, a negative one multiplied. Frequency / presence (OpenAI): minus
+    ``frequency * count + presence * (count > 0)`` over the generated tokens.
+    """
+    vocab = logits.shape[-1]
+    device = logits.device
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()),
+                                                dtype=logits.dtype, device=device))
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long, device=device)
+        scores = logits[seen]
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long, device=device),
+                                minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """``logits`` (one row, in place) with tokens below ``min_p`` x the top probability at -inf."""
+    probs = logits.softmax(-1)
+    logits[probs < min_p * probs.max()] = float("-inf")
+    return logits
+
+
 class Sampler:
     """Picks one token per row of logits.
 
@@ -44,15 +82,29 @@ class Sampler:
         return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None]) -> list[int]:
-        """``logits`` float32 ``[N, vocab]``; ``generators[i]`` is row i's own generator or None."""
+                 generators: Sequence[torch.Generator | None],
+                 histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None
+                 ) -> list[int]:
+        """``logits`` float32 ``[N, vocab]`` (left unchanged); ``generators[i]`` is row i's own
+        generator or None; ``histories[i]`` row i's (prompt, output) token ids, which
+        penalties need."""
         token_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):  # the common fast path: no sort, no softmax
+        if all(p.greedy and not p.processes_logits for p in params):  # the common fast path
             return token_ids.tolist()
         for i, p in enumerate(params):
+            if p.greedy and not p.processes_logits:
+                continue
+            row = logits[i].float().clone()
+            if p.processes_logits:
+                if histories is None:
+                    raise ValueError("penalties and logit_bias need the token histories")
+                apply_penalties(row, p, *histories[i])
+                token_ids[i] = row.argmax()
             if p.greedy:
                 continue
-            row = logits[i].float() / p.temperature
+            row /= p.temperature
+            if p.min_p > 0.0:
+                apply_min_p(row, p.min_p)
             sorted_logits, sorted_ids = filter_top_k_top_p(row, p.top_k, p.top_p)
             probs = sorted_logits.softmax(-1)
             gen = generators[i] or self.shared_generator(logits.device)

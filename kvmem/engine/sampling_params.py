@@ -9,6 +9,9 @@ from kvmem.engine.errors import InvalidRequestError
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
 
+# The most top logprobs a request may ask for per position (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
 # The seeds torch.Generator.manual_seed accepts: any value that fits in 64 bits, signed or
 # unsigned (a negative seed is taken modulo 2**64).
 SEED_MIN = -(1 << 63)
@@ -22,6 +25,18 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) and ``top_p == 1`` disable those
     filters. ``seed`` gives the request its own random generator, so its samples do not
     depend on what else is in the batch; it must lie in [-2**63, 2**64 - 1].
+
+    Logits processors (vLLM's semantics; 0, 1 or empty disable each): ``logit_bias`` adds a
+    bias per token id; ``repetition_penalty`` divides positive (multiplies negative) logits
+    of tokens seen in the prompt or output (transformers' RepetitionPenaltyLogitsProcessor);
+    ``presence_penalty`` / ``frequency_penalty`` subtract a constant / a per-occurrence
+    amount for tokens already generated (the OpenAI definition, output tokens only);
+    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one.
+
+    ``logprobs``: return the sampled token's log-probability and the ``logprobs`` most likely
+    alternatives at every generated position; ``prompt_logprobs`` the same for every prompt
+    token after the first. Both come from the log-softmax of the model's raw fp32 logits,
+    before any processor or temperature (vLLM's default ``raw_logprobs``).
     """
 
     max_tokens: int | None = 16
@@ -33,12 +48,20 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self._check()
 
     def _check(self) -> None:
@@ -60,10 +83,34 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", "must be a number in (0, 100]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be a number in [0, 1]")
+        if not all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
+                   for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", "must map non-negative token ids to biases in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any processor changes the logits before temperature and top-k/top-p."""
+        return self.has_penalties or bool(self.logit_bias)
 
 
 def _is_int(x: object) -> bool:

@@ -153,7 +153,9 @@ class Scheduler:
         while self.waiting and budget > 0 and \
                 len(self.running) + len(self.loading) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = mgr.get_computed_blocks(request) if self.enable_prefix_caching else None
+            # a prefix hit would skip the positions whose prompt logprobs are asked for
+            hit = mgr.get_computed_blocks(request) \
+                if self.enable_prefix_caching and not request.needs_prompt_logprobs else None
             if hit is not None and self.offload is not None and \
                     self.offload.start_load(request, hit):
                 self.waiting.popleft()  # parked until its blocks arrive from a tier
