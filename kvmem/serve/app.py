@@ -9,6 +9,7 @@ disconnects, streaming or not, aborts its requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -28,6 +29,7 @@ from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.outputs import RequestOutput
 from kvmem.engine.request import Request as EngineRequest
 from kvmem.errors import KvmemError
+from kvmem.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from kvmem.serve.metrics import make_registry
 from kvmem.serve.protocol import (
     ChatCompletionRequest,
@@ -55,6 +57,11 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
     name = model_name or engine.engine.model_name
     tokenizer = engine.engine.tokenizer
     registry = make_registry(lambda: engine.snapshot, name)
+    texts = TokenTexts(tokenizer)
+    id_texts = texts.ids()
+
+    def texts_for(body) -> TokenTexts:
+        return id_texts if body.return_tokens_as_token_ids else texts
     created_at = int(time.time())
 
     @asynccontextmanager
@@ -112,15 +119,16 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         prompts = body.prompts()
         if body.stream and len(prompts) > 1:
             raise InvalidRequestError("streaming supports one prompt per request", "prompt")
-        requests = [make_request(p, body, body.max_tokens) for p in prompts]
+        requests = [make_request(p, body, body.engine_max_tokens) for p in prompts]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
-            return _sse(_completion_chunks(engine, requests[0], meta, body.include_usage))
+            return _sse(_completion_chunks(engine, requests[0], meta, body, texts_for(body)))
         finals = await _finals_unless_disconnected(engine, requests, http)
         if finals is None:
             return Response(status_code=_CLIENT_CLOSED)
-        choices = [{"index": i, "text": out.text, "logprobs": None,
-                    "finish_reason": out.outputs[0].finish_reason}
+        if body.echo_only:
+            finals = [_without_generated(out) for out in finals]
+        choices = [_completion_choice(i, out, body, texts_for(body))
                    for i, out in enumerate(finals)]
         return JSONResponse({**meta, "object": "text_completion", "choices": choices,
                              "usage": _usage(finals)})
@@ -134,14 +142,17 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         request = make_request(prompt_ids, body, body.effective_max_tokens)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
-            return _sse(_chat_chunks(engine, request, meta, body.include_usage))
+            return _sse(_chat_chunks(engine, request, meta, body.include_usage, texts_for(body)))
         finals = await _finals_unless_disconnected(engine, [request], http)
         if finals is None:
             return Response(status_code=_CLIENT_CLOSED)
         out = finals[0]
+        logprobs = out.outputs[0].logprobs
         return JSONResponse({**meta, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": out.text},
-            "logprobs": None, "finish_reason": out.outputs[0].finish_reason}],
+            "logprobs": chat_logprobs(texts_for(body), logprobs) if logprobs is not None
+            else None,
+            "finish_reason": out.outputs[0].finish_reason}],
             "usage": _usage([out])})
 
     return app
@@ -201,31 +212,76 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
+def _without_generated(out: RequestOutput) -> RequestOutput:
+    """``out`` without its generated token (echo with max_tokens 0 generates one to drop)."""
+    completion = dataclasses.replace(out.outputs[0], text="", token_ids=[], delta_text="",
+                                     delta_token_ids=[], logprobs=[], delta_logprobs=[])
+    return dataclasses.replace(out, outputs=[completion])
+
+
+def _prompt_text(out: RequestOutput, texts: TokenTexts) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return "".join(texts(t) for t in out.prompt_token_ids)
+
+
+def _completion_choice(index: int, out: RequestOutput, body: CompletionRequest,
+                       texts: TokenTexts) -> dict[str, Any]:
+    completion = out.outputs[0]
+    prefix = _prompt_text(out, texts) if body.echo else ""
+    logprobs = None
+    if body.logprobs is not None:
+        ids, entries = list(completion.token_ids), list(completion.logprobs)
+        if body.echo:
+            ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
+        logprobs = completion_logprobs(texts, ids, entries)
+    return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason}
+
+
 async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dict,
-                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                             body: CompletionRequest, texts: TokenTexts
+                             ) -> AsyncIterator[dict[str, Any]]:
+    def chunk(text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+        return {**meta, "object": "text_completion", "choices": [{
+            "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
     last = None
+    offset = 0  # the text_offset of the next token: the text length of the tokens so far
+    prompt_sent = not body.echo
     try:
         async for last in engine.stream(request):
-            delta = last.outputs[0]
             if last.error:
                 yield error_body(last.error, 400, code="kv_cache_too_small")
                 return
-            if delta.delta_text or last.finished:
-                yield {**meta, "object": "text_completion", "choices": [{
-                    "index": 0, "text": delta.delta_text, "logprobs": None,
-                    "finish_reason": delta.finish_reason}]}
+            if body.echo_only:
+                last = _without_generated(last)
+            delta = last.outputs[0]
+            text, ids, entries = delta.delta_text, delta.delta_token_ids, delta.delta_logprobs
+            if not prompt_sent:  # the first chunk carries the prompt
+                prompt_sent = True
+                text = _prompt_text(last, texts) + text
+                ids = last.prompt_token_ids + ids
+                entries = (last.prompt_logprobs or []) + (entries or [])
+            with_logprobs = body.logprobs is not None and bool(ids)
+            if text or with_logprobs or last.finished:
+                logprobs = completion_logprobs(texts, ids, entries, offset) \
+                    if body.logprobs is not None else None
+                offset += sum(len(texts(t)) for t in ids)
+                yield chunk(text, logprobs, delta.finish_reason)
     except KvmemError as e:
         yield error_body(str(e), 500)
         return
-    if include_usage and last is not None:
+    if body.include_usage and last is not None:
         yield {**meta, "object": "text_completion", "choices": [], "usage": _usage([last])}
 
 
 async def _chat_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dict,
-                       include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+                       include_usage: bool, texts: TokenTexts) -> AsyncIterator[dict[str, Any]]:
+    def chunk(delta: dict[str, Any], finish_reason: str | None,
+              logprobs: dict | None = None) -> dict[str, Any]:
         return {**meta, "object": "chat.completion.chunk", "choices": [{
-            "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     yield chunk({"role": "assistant", "content": ""}, None)
     last = None
@@ -235,8 +291,10 @@ async def _chat_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dic
                 yield error_body(last.error, 400, code="kv_cache_too_small")
                 return
             out = last.outputs[0]
-            if out.delta_text:
-                yield chunk({"content": out.delta_text}, None)
+            if out.delta_text or out.delta_logprobs:
+                logprobs = chat_logprobs(texts, out.delta_logprobs) \
+                    if out.delta_logprobs is not None else None
+                yield chunk({"content": out.delta_text}, None, logprobs)
             if last.finished:
                 yield chunk({}, out.finish_reason)
     except KvmemError as e:

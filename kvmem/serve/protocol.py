@@ -22,6 +22,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension (vLLM has it too)
+    min_p: float | None = None  # extension (vLLM)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
@@ -31,27 +32,45 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Any = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprob tokens as token_id:N
     user: str | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
             raise InvalidRequestError("only n=1 is supported", param="n")
-        if self.logprobs not in (None, False):
-            raise InvalidRequestError("logprobs are not supported", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidRequestError(f"{name} is not supported", param=name)
+
+    def logprob_settings(self) -> tuple[int | None, int | None]:
+        """(top logprobs per generated token, per prompt token); None where not asked."""
+        return None, None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         self.check_supported()
+        logprobs, prompt_logprobs = self.logprob_settings()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
             seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logit_bias=self._token_bias(), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _token_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                          param="logit_bias") from None
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -62,6 +81,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None  # top logprobs per token (0: only the chosen token's)
+    prompt_logprobs: int | None = None  # extension (vLLM); echo + logprobs implies it
     best_of: int | None = None
     suffix: str | None = None
 
@@ -75,10 +96,23 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         return list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: score the prompt, generate nothing."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens  # one token, dropped from the answer
+
+    def logprob_settings(self) -> tuple[int | None, int | None]:
+        prompt = self.prompt_logprobs
+        if prompt is None and self.echo:
+            prompt = self.logprobs
+        return self.logprobs, prompt
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
         if self.best_of not in (None, 1):
             raise InvalidRequestError("best_of is not supported", param="best_of")
         if self.suffix:
@@ -107,6 +141,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_settings(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0 if self.logprobs else None), None
 
     @property
     def effective_max_tokens(self) -> int | None:

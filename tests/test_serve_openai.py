@@ -1,0 +1,188 @@
+"""The OpenAI fields beyond plain generation, through the official ``openai`` client against
+the app in process: logprobs (completions and chat, streaming and not), echo with prompt
+logprobs as evaluation harnesses ask for them, penalties, min_p and logit_bias."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from tiny_models import make_tiny_checkpoint
+
+MODEL = "tiny"
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("serve_openai"), "llama")
+
+
+@pytest.fixture(scope="module")
+def http(model_dir):
+    from kvmem.engine.async_engine import AsyncLLMEngine
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.llm_engine import LLMEngine
+    from kvmem.serve import create_app
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(
+        model=str(model_dir), served_model_name=MODEL, max_model_len=128,
+        kv_cache_memory_bytes=4 << 20)))
+    with TestClient(create_app(engine)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(model_dir):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def logprobs(token_ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(torch.tensor([token_ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+    return logprobs
+
+
+
+
+GREEDY = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_completion_logprobs_match_transformers(client, hf_logprobs):
+    prompt = [(i * 7) % 250 for i in range(30)]
+    out = client.completions.create(prompt=prompt, max_tokens=5, logprobs=3, **GREEDY)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    reference = hf_logprobs(prompt)  # the first generated token's distribution
+    first = reference[-1]
+    assert abs(lp.token_logprobs[0] - first.max().item()) < TOL  # greedy: the top token
+    assert len(lp.top_logprobs[0]) in (3, 4)
+    assert max(lp.top_logprobs[0].values()) == pytest.approx(first.max().item(), abs=TOL)
+    assert sorted(lp.top_logprobs[0].values(), reverse=True)[:3] == pytest.approx(
+        first.topk(3).values.tolist(), abs=TOL)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_echo_scores_the_prompt_like_lm_eval(client, hf_logprobs):
+    """lm-eval's local-completions: token-id prompts, echo, logprobs 1, max_tokens 1 (or 0)."""
+    prompts = [[(i * 5 + j) % 250 for i in range(20 + 3 * j)] for j in range(3)]
+    for max_tokens in (1, 0):
+        out = client.completions.create(prompt=prompts, max_tokens=max_tokens, logprobs=1,
+                                        echo=True, model=MODEL, temperature=0, extra_body={
+                                            "return_tokens_as_token_ids": True})
+        for prompt, choice in zip(prompts, out.choices, strict=True):
+            lp = choice.logprobs
+            assert len(lp.token_logprobs) == len(prompt) + max_tokens
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            reference = hf_logprobs(prompt)
+            expected = reference[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+            assert lp.token_logprobs[1:len(prompt)] == pytest.approx(expected.tolist(), abs=TOL)
+            assert lp.tokens[:len(prompt)] == [f"token_id:{t}" for t in prompt]
+            for p, top in enumerate(lp.top_logprobs[1:len(prompt)]):
+                best = int(reference[p].argmax())
+                assert len(top) in (1, 2) and f"token_id:{prompt[p + 1]}" in top
+                assert top[f"token_id:{best}"] == pytest.approx(reference[p, best].item(),
+                                                                abs=TOL)
+        if max_tokens == 0:
+            assert out.usage.completion_tokens == 0
+            assert all(c.finish_reason == "length" for c in out.choices)
+
+
+def test_echo_text_and_streamed_logprobs(client):
+    kw = dict(prompt="Hello", max_tokens=6, logprobs=2, echo=True, **GREEDY)
+    full = client.completions.create(**kw).choices[0]
+    assert full.text.startswith("Hello")
+    chunks = list(client.completions.create(**kw, stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == full.text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks if c.choices[0].logprobs
+              for v in c.choices[0].logprobs.token_logprobs]
+    offsets = [v for c in chunks if c.choices[0].logprobs
+               for v in c.choices[0].logprobs.text_offset]
+    assert tokens == full.logprobs.tokens and offsets == full.logprobs.text_offset
+    assert values[0] is None and values[1:] == pytest.approx(full.logprobs.token_logprobs[1:])
+
+
+def test_chat_logprobs_streaming_and_not(client):
+    kw = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=6, logprobs=True,
+              top_logprobs=2, **GREEDY)
+    full = client.chat.completions.create(**kw).choices[0]
+    content = full.logprobs.content
+    assert len(content) == 6
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [i for c in chunks if c.choices and c.choices[0].logprobs
+                for i in c.choices[0].logprobs.content]
+    assert [i.token for i in streamed] == [i.token for i in content]
+    assert [i.logprob for i in streamed] == pytest.approx([i.logprob for i in content])
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_logprobs_bad_values_are_400(http):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for extra, param in (({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                         ({"max_tokens": 0}, "max_tokens")):
+        response = http.post("/v1/completions", json={**body, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    response = http.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    response = http.post("/v1/chat/completions", json={**chat, "logprobs": True,
+                                                       "top_logprobs": 30})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+
+
+def generated_ids(client, prompt: str, **extra) -> list[int]:
+    """The generated token ids (logprob tokens as token_id:N), greedy unless ``extra`` says."""
+    kw = {"model": MODEL, "temperature": 0, "max_tokens": 12, "logprobs": 0, **extra}
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True, **kw.pop("extra_body", {})}
+    tokens = client.completions.create(prompt=prompt, extra_body=body, **kw) \
+        .choices[0].logprobs.tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_penalties_min_p_and_logit_bias(client, http):
+    prompt = "abc"
+    echo = client.completions.create(prompt=prompt, max_tokens=1, logprobs=0, echo=True,
+                                     model=MODEL, extra_body={"return_tokens_as_token_ids": True})
+    prompt_ids = [int(t.removeprefix("token_id:")) for t in echo.choices[0].logprobs.tokens[:3]]
+    plain = generated_ids(client, prompt)
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself
+    # a strong repetition penalty: greedy output avoids every token seen so far
+    varied = generated_ids(client, prompt, extra_body={"repetition_penalty": 50.0})
+    assert len(set(varied)) == len(varied) and not set(varied) & set(prompt_ids)
+    # frequency/presence penalties count generated tokens only
+    spread = generated_ids(client, prompt, frequency_penalty=2.0, presence_penalty=2.0)
+    assert spread != plain and len(set(spread)) > len(set(plain))
+    assert generated_ids(client, prompt, max_tokens=4, logit_bias={"120": 100}) == [120] * 4
+    banned = {str(t): -100 for t in set(plain)}
+    assert not set(generated_ids(client, prompt, logit_bias=banned)) & set(plain)
+    # min_p = 1 keeps only the most likely token: sampling becomes greedy
+    sampled = generated_ids(client, prompt, temperature=1.0, seed=1,
+                            extra_body={"min_p": 1.0})
+    assert sampled == plain
+    assert generated_ids(client, prompt, temperature=1.0, seed=1) != plain
+    for extra, param in (({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"logit_bias": {"100000": 1}}, "logit_bias"),
+                         ({"presence_penalty": 3}, "presence_penalty"),
+                         ({"min_p": 2}, "min_p"),
+                         ({"repetition_penalty": 0}, "repetition_penalty")):
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **extra})
+        assert response.status_code == 400, extra
+        assert response.json()["error"]["param"] == param
