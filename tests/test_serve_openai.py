@@ -186,3 +186,28 @@ def test_penalties_min_p_and_logit_bias(client, http):
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **extra})
         assert response.status_code == 400, extra
         assert response.json()["error"]["param"] == param
+
+
+def test_tokenize_detokenize_and_version(http, model_dir):
+    from kvmem.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    out = http.post("/tokenize", json={"model": MODEL, "prompt": "héllo",
+                                       "return_token_strs": True}).json()
+    assert out["tokens"] == tok.encode("héllo") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 128 and len(out["token_strs"]) == out["count"]
+    assert out["token_strs"] == [tok.id_to_token(t) for t in out["tokens"]]
+    plain = http.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()
+    assert plain["tokens"] == tok.encode("hi", add_special_tokens=False)
+    assert plain["token_strs"] is None
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert http.post("/detokenize", json={"tokens": chat["tokens"]}).json() == {"prompt": text}
+    assert http.get("/version").json()["version"]
+    response = http.post("/tokenize", json={"model": "other", "prompt": "hi"})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    response = http.post("/detokenize", json={"tokens": [10**6]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"model": MODEL}).status_code == 400

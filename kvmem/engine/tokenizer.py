@@ -84,6 +84,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (e.g. ``"Ġhello"``), None if out of range."""
+        return self._tok.id_to_token(token_id)
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for a conversation, rendered by the model's chat template."""

@@ -37,6 +37,7 @@ from kvmem.serve.protocol import (
     error_body,
     error_response,
 )
+from kvmem.serve.tokenize import tokenize_router
 
 # How often a non-streaming request checks that its client is still connected.
 DISCONNECT_POLL_S = 0.2
@@ -96,6 +97,11 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
             return engine.make_request(prompt, body.sampling_params(max_tokens))
         except PromptTooLongError as e:
             raise _HTTPError(400, str(e), e.param, "context_length_exceeded") from None
+
+    app.include_router(tokenize_router(
+        tokenizer, max_model_len=engine.engine.max_model_len,
+        vocab_size=engine.engine.spec.vocab_size, check_model=check_model),
+        dependencies=[Depends(authorize)])
 
     @app.get("/health")
     async def health() -> Response:
