@@ -211,3 +211,70 @@ def test_tokenize_detokenize_and_version(http, model_dir):
     response = http.post("/detokenize", json={"tokens": [10**6]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
     assert http.post("/tokenize", json={"model": MODEL}).status_code == 400
+
+
+def scrape(http) -> dict[str, float]:
+    response = http.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+# The vLLM series a vLLM Grafana dashboard reads, and how docs/serving.md renames kvmem's
+VLLM_SERIES = [
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_inference_time_seconds_sum", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_time_per_output_token_seconds_count",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:request_success_total"]
+
+
+def vllm_name(series: str) -> str:
+    """The relabelling rules of docs/serving.md, in order (each regex matches whole names)."""
+    import re
+
+    renames = {"kvmem_preemptions_total": "vllm:num_preemptions_total",
+               "kvmem_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+               "kvmem_requests_finished_total": "vllm:request_success_total"}
+    name = series.split("{")[0]
+    if name in renames:
+        return renames[name]
+    return re.sub(r"^kvmem_(.*)$", r"vllm:\1", name)
+
+
+def test_latency_histograms_and_vllm_names(http, client):
+    label = f'{{model_name="{MODEL}"}}'
+    before = scrape(http)
+    for n in (3, 5):
+        client.completions.create(prompt="timing", max_tokens=n, **GREEDY)
+    after = scrape(http)
+
+    def delta(name: str) -> float:
+        return after[f"kvmem_{name}{label}"] - before.get(f"kvmem_{name}{label}", 0.0)
+
+    assert delta("time_to_first_token_seconds_count") == 2
+    assert delta("inter_token_latency_seconds_count") == 2 + 4
+    assert delta("request_time_per_output_token_seconds_count") == 2
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert delta(f"{name}_count") == 2, name
+    assert delta("request_generation_tokens_sum") == 8
+    assert delta("request_prompt_tokens_sum") == 2 * len("timing")
+    assert 0 < delta("time_to_first_token_seconds_sum") <= delta("e2e_request_latency_seconds_sum")
+    assert delta("request_prefill_time_seconds_sum") + delta("request_decode_time_seconds_sum") \
+        == pytest.approx(delta("request_inference_time_seconds_sum"))
+    inf = f'kvmem_e2e_request_latency_seconds_bucket{{le="+Inf",model_name="{MODEL}"}}'
+    assert after[inf] == after[f"kvmem_e2e_request_latency_seconds_count{label}"]
+    renamed = {vllm_name(series) for series in after}
+    for series in VLLM_SERIES:
+        assert series in renamed, series

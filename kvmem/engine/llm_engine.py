@@ -19,6 +19,7 @@ from kvmem.engine.config import EngineConfig
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.outputs import CompletionOutput, RequestOutput
 from kvmem.engine.request import Request, RequestStatus
+from kvmem.engine.request_metrics import Histogram, RequestMetrics
 from kvmem.engine.sampler import Sampler
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.scheduler import Scheduler
@@ -59,6 +60,8 @@ class EngineSnapshot:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     offload: dict = field(default_factory=dict)  # tier name -> kvmem.tiers.TierStats
+    # kvmem.engine.request_metrics.HISTOGRAMS name -> its counts
+    histograms: dict[str, Histogram] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -196,6 +199,7 @@ class LLMEngine:
                 raise
             logger.info("KV offload: %s", offload.describe())
         self.stats = EngineStats()
+        self.request_metrics = RequestMetrics(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict = {}  # request id -> incremental detokenizer
         self._sent_text: dict[str, int] = {}
@@ -310,6 +314,9 @@ class LLMEngine:
             elif self.offload is not None and self.scheduler.loading:
                 self.offload.wait(0.05)  # nothing to run until a tier load lands
             return outputs
+        start = time.monotonic()
+        for request, _ in sched.scheduled:
+            self.request_metrics.scheduled(request, start)
         sampled = self.model_runner.execute(sched.scheduled)
         self.stats.steps += 1
         now = time.monotonic()
@@ -320,6 +327,7 @@ class LLMEngine:
                 continue  # a partial prefill chunk: nothing to report yet
             if request.first_token_time is None:
                 request.first_token_time = now
+            self.request_metrics.token(request, now)
             self.stats.generation_tokens += 1
             status = self._append_token(request, token)
             if status is not None:
@@ -369,6 +377,7 @@ class LLMEngine:
         if detok is not None and not cut_by_stop_string:
             request.output_text += detok.flush()  # a held-back partial character, if any
         self.stats.finished_requests[request.finish_reason] += 1
+        self.request_metrics.finished(request, time.monotonic())
         self.stats.prompt_tokens += request.num_prompt_tokens
         output = self._output(request)
         self.requests.pop(request.request_id, None)
@@ -428,5 +437,6 @@ class LLMEngine:
             kv_blocks_free=usage.free, kv_blocks_used=usage.used, kv_blocks_cached=usage.cached,
             prefix_queried_tokens=sched.prefix_queried_tokens,
             prefix_hit_tokens=sched.prefix_hit_tokens,
-            offload=self.offload.stats() if self.offload is not None else {})
+            offload=self.offload.stats() if self.offload is not None else {},
+            histograms=self.request_metrics.snapshot())
 

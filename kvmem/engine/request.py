@@ -52,7 +52,9 @@ class Request:
         self.lora_name: str | None = None
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduled_time: float | None = None  # first scheduled (monotonic seconds)
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission

@@ -9,9 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from kvmem.engine.llm_engine import EngineSnapshot
+from kvmem.engine.request_metrics import HISTOGRAMS
 
 
 class EngineCollector:
@@ -65,6 +71,21 @@ class EngineCollector:
         yield gauge("kvmem_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)",
                     s.prefix_hit_rate)
         yield from _offload_metrics(s, labels, m)
+        yield from _histograms(s, labels, m)
+
+
+def _histograms(s: EngineSnapshot, labels: list[str], m: list[str]) -> Iterator[Metric]:
+    for name, (doc, _) in HISTOGRAMS.items():
+        h = s.histograms.get(name)
+        if h is None:
+            continue
+        family = HistogramMetricFamily(f"kvmem_{name}", doc, labels=labels)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*h.bounds, float("inf")), h.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        family.add_metric(m, buckets, h.total)
+        yield family
 
 
 # kvmem.tiers.TierStats fields, exported per tier as kvmem_offload_<field>{tier="cpu"|"disk"}
