@@ -278,3 +278,30 @@ def test_latency_histograms_and_vllm_names(http, client):
     renamed = {vllm_name(series) for series in after}
     for series in VLLM_SERIES:
         assert series in renamed, series
+
+
+def test_openapi_declares_responses_errors_and_media_types(http):
+    spec = http.get("/openapi.json").json()
+    paths = spec["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = paths[path]["post"]["responses"]
+        assert set(responses) >= {"200", "400", "401", "404", "413", "503"}
+        ok = responses["200"]["content"]
+        assert ok["application/json"]["schema"] != {} and "text/event-stream" in ok
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ErrorResponse")
+    assert paths["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"][
+        "schema"]["$ref"].endswith("/ModelList")
+    metrics = paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    for path in ("/tokenize", "/detokenize"):
+        assert "400" in paths[path]["post"]["responses"]
+    schemas = spec["components"]["schemas"]
+    assert {"CompletionResponse", "ChatCompletionResponse", "CompletionLogprobs",
+            "ChatLogprobs", "TokenizeResponse", "ErrorResponse"} <= set(schemas)
+
+
+def test_wrong_method_is_405_with_allow(http):
+    response = http.get("/v1/completions")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["message"]

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,6 +36,14 @@ from kvmem.serve.protocol import (
     CompletionRequest,
     error_body,
     error_response,
+)
+from kvmem.serve.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    HealthResponse,
+    ModelList,
+    errors,
+    sse_or_json,
 )
 from kvmem.serve.tokenize import tokenize_router
 
@@ -101,25 +109,29 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
     app.include_router(tokenize_router(
         tokenizer, max_model_len=engine.engine.max_model_len,
         vocab_size=engine.engine.spec.vocab_size, check_model=check_model),
-        dependencies=[Depends(authorize)])
+        dependencies=[Depends(authorize)], responses=errors(400, 401, 404, 413, 503))
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse, responses=errors(503))
     async def health() -> Response:
         if engine.is_ready:
             return JSONResponse({"status": "ok"})
         return error_response("the engine is not ready", 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {
+        "description": "Prometheus text exposition format",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=[Depends(authorize)], response_model=ModelList,
+             responses=errors(401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created_at, "owned_by": "kvmem",
             "max_model_len": engine.engine.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(authorize)],
+              responses={**sse_or_json(CompletionResponse), **errors(400, 401, 404, 413, 503)})
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(body.model)
         prompts = body.prompts()
@@ -139,7 +151,9 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         return JSONResponse({**meta, "object": "text_completion", "choices": choices,
                              "usage": _usage(finals)})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)],
+              responses={**sse_or_json(ChatCompletionResponse),
+                         **errors(400, 401, 404, 413, 503)})
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model)
         messages = [m.as_template_message() for m in body.messages]
@@ -341,4 +355,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(e.detail), e.status_code)
+        response = error_response(str(e.detail), e.status_code)
+        response.headers.update(e.headers or {})  # e.g. a 405's Allow
+        return response
