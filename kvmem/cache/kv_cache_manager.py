@@ -184,6 +184,22 @@ class KVCacheManager:
             self._cache_full_blocks(state, request, min(num_computed, request.num_tokens))
         return Allocation(result, num_computed - num_new_tokens)
 
+    def fork(self, parent: CacheRequest, child: CacheRequest) -> Allocation | NoCapacity:
+        """Give ``child`` (same prompt, no blocks yet) references to ``parent``'s full prompt
+        blocks, all but the one holding the last prompt token, which the child recomputes
+        to sample from. The blocks are shared, not copied. ``NoCapacity`` (nothing changed)
+        when the parent has no such block, or a group releases blocks early (a sliding
+        window may already have dropped blocks the child's recompute attends to)."""
+        state = self._requests.get(parent.request_id)
+        num_blocks = (child.num_tokens - 1) // self.block_size
+        if state is None or num_blocks <= 0 or self.coordinator._releasing or \
+                state.num_computed < num_blocks * self.block_size:
+            return NoCapacity("nothing to share: the child computes its prompt itself")
+        hit = PrefixHit(num_blocks * self.block_size,
+                        tuple(list(table[:num_blocks]) for table in state.tables),
+                        list(state.hashes[:num_blocks]), self.pool.epoch)
+        return self.allocate_slots(child, 0, prefix_hit=hit)
+
     def _extend_single_full(self, state: _RequestState, request: CacheRequest,
                             num_new_tokens: int, num_lookahead_tokens: int
                             ) -> Allocation | NoCapacity:

@@ -20,6 +20,7 @@ from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.outputs import CompletionOutput, RequestOutput
 from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.request_metrics import Histogram, RequestMetrics
+from kvmem.engine.sample_groups import SampleGroup
 from kvmem.engine.sampler import Sampler
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.scheduler import Scheduler
@@ -202,6 +203,8 @@ class LLMEngine:
         self.request_metrics = RequestMetrics(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict = {}  # request id -> incremental detokenizer
+        self.groups: dict[str, SampleGroup] = {}  # n > 1 requests by id
+        self._group_of: dict[str, SampleGroup] = {}  # every sample's request id -> its group
         self._sent_text: dict[str, int] = {}
         self._sent_tokens: dict[str, int] = {}
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
@@ -256,6 +259,8 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"{n} prompt tokens + max_tokens {params.max_tokens} = {n + params.max_tokens} "
                 f"exceeds max_model_len {limit}; lower max_tokens or shorten the prompt")
+        if params.best_of is not None and params.best_of > params.n and params.logprobs is None:
+            params.logprobs = 0  # picking the best samples needs their cumulative logprobs
         request = Request(request_id, token_ids, params, prompt=prompt_text,
                           cache_salt=cache_salt, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         if params.seed is not None:
@@ -286,13 +291,56 @@ class LLMEngine:
         self.stats.received_requests += 1
         self._detokenizers[request.request_id] = self.tokenizer.detokenizer(
             request.prompt_token_ids)
+        if request.sampling_params.num_samples > 1:
+            group = self.groups[request.request_id] = SampleGroup(request)
+            self._group_of[request.request_id] = group
         self.scheduler.add_request(request)
         return request
 
+    def _fork(self, group: SampleGroup) -> None:
+        """Start the other samples of ``group`` on the parent's prompt blocks (its prompt was
+        computed this step); a child that cannot share them queues to compute its own."""
+        for child in group.make_children():
+            self.requests[child.request_id] = child
+            self._group_of[child.request_id] = group
+            self._detokenizers[child.request_id] = self.tokenizer.detokenizer(
+                child.prompt_token_ids)
+            if child.sampling_params.seed is not None:
+                child.generator = torch.Generator(device=self.device).manual_seed(
+                    child.sampling_params.seed)
+            if self.scheduler.has_room() and self.kv_cache_manager.fork(group.parent, child):
+                self.scheduler.add_running(child,
+                                           self.kv_cache_manager.num_computed_tokens(
+                                               child.request_id))
+            else:
+                self.scheduler.add_request(child)
+
+    def _group_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs with the samples of each n > 1 request merged into one output."""
+        result: list[RequestOutput] = []
+        advanced: dict[str, dict] = {}
+        for out in outputs:
+            group = self._group_of.get(out.request_id)
+            if group is None:
+                result.append(out)
+            else:
+                advanced.setdefault(group.request_id, {})[out.outputs[0].index] = out.outputs[0]
+        for group_id, samples in advanced.items():
+            group = self.groups[group_id]
+            out = group.output(samples)
+            result.append(out)
+            if out.finished:
+                del self.groups[group_id]
+                for member in group.members:
+                    self._group_of.pop(member.request_id, None)
+        return result
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids += [m.request_id for rid in ids if rid in self.groups
+                for m in self.groups[rid].members[1:]]
         aborted = self.scheduler.abort_requests(ids)
-        return [self._finish(r) for r in aborted]
+        return self._group_outputs([self._finish(r) for r in aborted])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -304,6 +352,9 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return outputs of requests that advanced."""
+        return self._group_outputs(self._step())
+
+    def _step(self) -> list[RequestOutput]:
         if self._closed:
             raise KvmemError("the engine is shut down")
         sched = self.scheduler.schedule()
@@ -329,6 +380,9 @@ class LLMEngine:
                 request.first_token_time = now
             self.request_metrics.token(request, now)
             self.stats.generation_tokens += 1
+            group = self.groups.get(request.request_id)
+            if group is not None and not group.forked:
+                self._fork(group)  # before the parent may finish and free its blocks
             status = self._append_token(request, token)
             if status is not None:
                 self.scheduler.finish_request(request, status)
@@ -377,8 +431,9 @@ class LLMEngine:
         if detok is not None and not cut_by_stop_string:
             request.output_text += detok.flush()  # a held-back partial character, if any
         self.stats.finished_requests[request.finish_reason] += 1
+        if request.parent_id is None:  # the samples of an n > 1 request share one prompt
+            self.stats.prompt_tokens += request.num_prompt_tokens
         self.request_metrics.finished(request, time.monotonic())
-        self.stats.prompt_tokens += request.num_prompt_tokens
         output = self._output(request)
         self.requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
@@ -409,7 +464,10 @@ class LLMEngine:
             delta_text=text[sent:visible],
             delta_token_ids=request.output_token_ids[sent_tokens:],
             logprobs=list(request.output_logprobs) if with_logprobs else None,
-            delta_logprobs=request.output_logprobs[sent_tokens:] if with_logprobs else None)
+            delta_logprobs=request.output_logprobs[sent_tokens:] if with_logprobs else None,
+            index=request.sample_index,
+            cumulative_logprob=sum(e.logprob for e in request.output_logprobs)
+            if with_logprobs else None)
         return RequestOutput(request_id=rid, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
                              finished=request.is_finished,

@@ -28,6 +28,8 @@ class CompletionOutput:
     # with SamplingParams.logprobs: one entry per token of token_ids / delta_token_ids
     logprobs: list[PositionLogprobs] | None = None
     delta_logprobs: list[PositionLogprobs] | None = None
+    index: int = 0  # which of the request's n samples
+    cumulative_logprob: float | None = None  # with logprobs: the sum over token_ids
 
 
 @dataclass

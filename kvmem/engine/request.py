@@ -50,6 +50,8 @@ class Request:
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
         self.lora_name: str | None = None
+        self.parent_id: str | None = None  # set on the extra samples of an n > 1 request
+        self.sample_index = 0
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.scheduled_time: float | None = None  # first scheduled (monotonic seconds)

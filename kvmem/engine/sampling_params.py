@@ -26,6 +26,10 @@ class SamplingParams:
     filters. ``seed`` gives the request its own random generator, so its samples do not
     depend on what else is in the batch; it must lie in [-2**63, 2**64 - 1].
 
+    ``n`` samples are drawn for the prompt (``best_of`` of them, keeping the ``n`` with the
+    highest cumulative logprob); they share the prompt's KV blocks. With a ``seed``, sample
+    ``i`` uses ``seed + i``.
+
     Logits processors (vLLM's semantics; 0, 1 or empty disable each): ``logit_bias`` adds a
     bias per token id; ``repetition_penalty`` divides positive (multiplies negative) logits
     of tokens seen in the prompt or output (transformers' RepetitionPenaltyLogitsProcessor);
@@ -40,6 +44,8 @@ class SamplingParams:
     """
 
     max_tokens: int | None = 16
+    n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -83,6 +89,10 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.best_of is not None and not (_is_int(self.best_of) and self.best_of >= self.n):
+            raise bad("best_of", f"must be an integer >= n ({self.n})")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be a number in [-2, 2]")
@@ -101,6 +111,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences are generated (``best_of``, else ``n``)."""
+        return self.best_of or self.n
 
     @property
     def has_penalties(self) -> bool:

@@ -73,6 +73,17 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def has_room(self) -> bool:
+        """Whether one more request may run now (``max_num_seqs``)."""
+        return len(self.running) + len(self.loading) < self.max_num_seqs
+
+    def add_running(self, request: Request, num_computed_tokens: int) -> None:
+        """Run ``request`` from the next step; it already holds blocks for its first
+        ``num_computed_tokens`` tokens (shared with the request it was forked from)."""
+        request.num_computed_tokens = num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 

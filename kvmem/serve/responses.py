@@ -44,13 +44,16 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
     id: str
     object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class CompletionResponse(_Response):
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -79,13 +82,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str
-    created: int
-    model: str
+class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):
