@@ -305,3 +305,42 @@ def test_wrong_method_is_405_with_allow(http):
     response = http.get("/v1/completions")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["error"]["message"]
+
+
+def test_n_samples_streaming_and_not(client, http):
+    kw = dict(model=MODEL, temperature=1.0, seed=9, max_tokens=5,
+              extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt=["one", "two"], n=3, **kw)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert out.usage.completion_tokens == 6 * 5 and out.usage.prompt_tokens == 6
+    texts = [c.text for c in out.choices]
+    assert len(set(texts[:3])) > 1  # distinct seeds per sample
+    again = client.completions.create(prompt=["one", "two"], n=3, **kw)
+    assert [c.text for c in again.choices] == texts  # reproducible
+    streamed: dict[int, str] = {}
+    finishes = {}
+    for chunk in client.completions.create(prompt="one", n=3, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert [streamed[i] for i in range(3)] == texts[:3]
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    chat_kw = dict(messages=[{"role": "user", "content": "Hi"}], n=2, logprobs=True, **kw)
+    chat = client.chat.completions.create(**chat_kw)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert all(len(c.logprobs.content) == 5 for c in chat.choices)
+    chunks = list(client.chat.completions.create(stream=True, **chat_kw))
+    content = {0: "", 1: ""}
+    for chunk in chunks:
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+    assert [content[0], content[1]] == [c.message.content for c in chat.choices]
+    best = client.completions.create(prompt="one", n=2, best_of=4, logprobs=0, **kw)
+    assert len(best.choices) == 2
+    sums = [sum(c.logprobs.token_logprobs) for c in best.choices]
+    assert sums == sorted(sums, reverse=True)
+    for body, param in (({"n": 0}, "n"), ({"n": 1000}, "n"), ({"n": 3, "best_of": 2}, "best_of"),
+                        ({"best_of": 3, "stream": True}, "best_of")):
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param

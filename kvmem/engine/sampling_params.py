@@ -11,6 +11,8 @@ _GREEDY_EPS = 1e-5
 
 # The most top logprobs a request may ask for per position (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most samples one request may ask for (n, best_of).
+MAX_SAMPLES = 128
 
 # The seeds torch.Generator.manual_seed accepts: any value that fits in 64 bits, signed or
 # unsigned (a negative seed is taken modulo 2**64).
@@ -89,10 +91,11 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.best_of is not None and not (_is_int(self.best_of) and self.best_of >= self.n):
-            raise bad("best_of", f"must be an integer >= n ({self.n})")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise bad("n", f"must be an integer in [1, {MAX_SAMPLES}]")
+        if self.best_of is not None and not (_is_int(self.best_of) and
+                                             self.n <= self.best_of <= MAX_SAMPLES):
+            raise bad("best_of", f"must be an integer in [n, {MAX_SAMPLES}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be a number in [-2, 2]")

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmem.engine.async_engine import AsyncLLMEngine, EngineError
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
-from kvmem.engine.outputs import RequestOutput
+from kvmem.engine.outputs import CompletionOutput, RequestOutput
 from kvmem.engine.request import Request as EngineRequest
 from kvmem.errors import KvmemError
 from kvmem.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
@@ -146,8 +146,9 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
             return Response(status_code=_CLIENT_CLOSED)
         if body.echo_only:
             finals = [_without_generated(out) for out in finals]
-        choices = [_completion_choice(i, out, body, texts_for(body))
-                   for i, out in enumerate(finals)]
+        choices = [_completion_choice(i * len(out.outputs) + c.index, out, c, body,
+                                      texts_for(body))
+                   for i, out in enumerate(finals) for c in out.outputs]
         return JSONResponse({**meta, "object": "text_completion", "choices": choices,
                              "usage": _usage(finals)})
 
@@ -167,12 +168,11 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         if finals is None:
             return Response(status_code=_CLIENT_CLOSED)
         out = finals[0]
-        logprobs = out.outputs[0].logprobs
         return JSONResponse({**meta, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(texts_for(body), logprobs) if logprobs is not None
+            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(texts_for(body), c.logprobs) if c.logprobs is not None
             else None,
-            "finish_reason": out.outputs[0].finish_reason}],
+            "finish_reason": c.finish_reason} for c in out.outputs],
             "usage": _usage([out])})
 
     return app
@@ -216,7 +216,7 @@ async def _client_gone(http: Request) -> None:
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -233,10 +233,10 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 def _without_generated(out: RequestOutput) -> RequestOutput:
-    """``out`` without its generated token (echo with max_tokens 0 generates one to drop)."""
-    completion = dataclasses.replace(out.outputs[0], text="", token_ids=[], delta_text="",
-                                     delta_token_ids=[], logprobs=[], delta_logprobs=[])
-    return dataclasses.replace(out, outputs=[completion])
+    """``out`` without its generated tokens (echo with max_tokens 0 generates one to drop)."""
+    return dataclasses.replace(out, outputs=[
+        dataclasses.replace(c, text="", token_ids=[], delta_text="", delta_token_ids=[],
+                            logprobs=[], delta_logprobs=[]) for c in out.outputs])
 
 
 def _prompt_text(out: RequestOutput, texts: TokenTexts) -> str:
@@ -245,9 +245,8 @@ def _prompt_text(out: RequestOutput, texts: TokenTexts) -> str:
     return "".join(texts(t) for t in out.prompt_token_ids)
 
 
-def _completion_choice(index: int, out: RequestOutput, body: CompletionRequest,
-                       texts: TokenTexts) -> dict[str, Any]:
-    completion = out.outputs[0]
+def _completion_choice(index: int, out: RequestOutput, completion: CompletionOutput,
+                       body: CompletionRequest, texts: TokenTexts) -> dict[str, Any]:
     prefix = _prompt_text(out, texts) if body.echo else ""
     logprobs = None
     if body.logprobs is not None:
@@ -262,13 +261,14 @@ def _completion_choice(index: int, out: RequestOutput, body: CompletionRequest,
 async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dict,
                              body: CompletionRequest, texts: TokenTexts
                              ) -> AsyncIterator[dict[str, Any]]:
-    def chunk(text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(index: int, text: str, logprobs: dict | None,
+              finish_reason: str | None) -> dict[str, Any]:
         return {**meta, "object": "text_completion", "choices": [{
-            "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     last = None
-    offset = 0  # the text_offset of the next token: the text length of the tokens so far
-    prompt_sent = not body.echo
+    offsets: dict[int, int] = {}  # per sample, the text_offset of its next token
+    done: set[int] = set()
     try:
         async for last in engine.stream(request):
             if last.error:
@@ -276,19 +276,24 @@ async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, met
                 return
             if body.echo_only:
                 last = _without_generated(last)
-            delta = last.outputs[0]
-            text, ids, entries = delta.delta_text, delta.delta_token_ids, delta.delta_logprobs
-            if not prompt_sent:  # the first chunk carries the prompt
-                prompt_sent = True
-                text = _prompt_text(last, texts) + text
-                ids = last.prompt_token_ids + ids
-                entries = (last.prompt_logprobs or []) + (entries or [])
-            with_logprobs = body.logprobs is not None and bool(ids)
-            if text or with_logprobs or last.finished:
-                logprobs = completion_logprobs(texts, ids, entries, offset) \
-                    if body.logprobs is not None else None
-                offset += sum(len(texts(t)) for t in ids)
-                yield chunk(text, logprobs, delta.finish_reason)
+            for delta in last.outputs:
+                i = delta.index
+                text, ids, entries = delta.delta_text, delta.delta_token_ids, \
+                    delta.delta_logprobs
+                if body.echo and i not in offsets:  # a sample's first chunk carries the prompt
+                    text = _prompt_text(last, texts) + text
+                    ids = last.prompt_token_ids + ids
+                    entries = (last.prompt_logprobs or []) + (entries or [])
+                with_logprobs = body.logprobs is not None and bool(ids)
+                finishing = delta.finish_reason is not None and i not in done
+                if text or with_logprobs or finishing:
+                    offset = offsets.get(i, 0)
+                    logprobs = completion_logprobs(texts, ids, entries, offset) \
+                        if body.logprobs is not None else None
+                    offsets[i] = offset + sum(len(texts(t)) for t in ids)
+                    if finishing:
+                        done.add(i)
+                    yield chunk(i, text, logprobs, delta.finish_reason)
     except KvmemError as e:
         yield error_body(str(e), 500)
         return
@@ -298,25 +303,29 @@ async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, met
 
 async def _chat_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dict,
                        include_usage: bool, texts: TokenTexts) -> AsyncIterator[dict[str, Any]]:
-    def chunk(delta: dict[str, Any], finish_reason: str | None,
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None,
               logprobs: dict | None = None) -> dict[str, Any]:
         return {**meta, "object": "chat.completion.chunk", "choices": [{
-            "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason}]}
 
-    yield chunk({"role": "assistant", "content": ""}, None)
+    for i in range(request.sampling_params.n):
+        yield chunk(i, {"role": "assistant", "content": ""}, None)
     last = None
+    done: set[int] = set()
     try:
         async for last in engine.stream(request):
             if last.error:
                 yield error_body(last.error, 400, code="kv_cache_too_small")
                 return
-            out = last.outputs[0]
-            if out.delta_text or out.delta_logprobs:
-                logprobs = chat_logprobs(texts, out.delta_logprobs) \
-                    if out.delta_logprobs is not None else None
-                yield chunk({"content": out.delta_text}, None, logprobs)
-            if last.finished:
-                yield chunk({}, out.finish_reason)
+            for out in last.outputs:
+                if out.delta_text or out.delta_logprobs:
+                    logprobs = chat_logprobs(texts, out.delta_logprobs) \
+                        if out.delta_logprobs is not None else None
+                    yield chunk(out.index, {"content": out.delta_text}, None, logprobs)
+                if out.finish_reason is not None and out.index not in done:
+                    done.add(out.index)
+                    yield chunk(out.index, {}, out.finish_reason)
     except KvmemError as e:
         yield error_body(str(e), 500)
         return

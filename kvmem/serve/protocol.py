@@ -38,8 +38,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
+        pass
 
     def logprob_settings(self) -> tuple[int | None, int | None]:
         """(top logprobs per generated token, per prompt token); None where not asked."""
@@ -54,6 +53,7 @@ class _SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=self.min_p or 0.0,
+            n=self.n, best_of=getattr(self, "best_of", None),
             seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
@@ -113,8 +113,9 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of is not supported", param="best_of")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError("best_of > n cannot be streamed (the best samples are "
+                                      "known only at the end)", param="best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
 
