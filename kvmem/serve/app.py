@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import kvmem
 from kvmem.engine.async_engine import AsyncLLMEngine, EngineError
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.outputs import CompletionOutput, RequestOutput
@@ -43,6 +44,7 @@ from kvmem.serve.responses import (
     HealthResponse,
     ModelList,
     errors,
+    pin_model_name,
     sse_or_json,
 )
 from kvmem.serve.tokenize import tokenize_router
@@ -81,8 +83,17 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         finally:
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="kvmem", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvmem", version=kvmem.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
     _install_error_handlers(app)
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            pin_model_name(default_openapi(), name)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     async def authorize(request: Request) -> None:
         if api_key is None:

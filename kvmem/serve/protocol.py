@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmem.engine.errors import InvalidRequestError
-from kvmem.engine.sampling_params import SamplingParams
+from kvmem.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_SAMPLES,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 
 class StreamOptions(BaseModel):
@@ -18,22 +24,25 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    # The ranges are SamplingParams' (which checks them again, for every caller); stating
+    # them here puts them in the OpenAPI schema.
     model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM has it too)
-    min_p: float | None = None  # extension (vLLM)
-    seed: int | None = None
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # extension (vLLM has it too)
+    min_p: float | None = Field(None, ge=0, le=1)  # extension (vLLM)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # extension
     ignore_eos: bool = False  # extension
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # extension (vLLM)
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)  # extension (vLLM)
+    # token id (as a string) -> bias
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprob tokens as token_id:N
     user: str | None = None
 
@@ -81,9 +90,11 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = None  # top logprobs per token (0: only the chosen token's)
-    prompt_logprobs: int | None = None  # extension (vLLM); echo + logprobs implies it
-    best_of: int | None = None
+    # top logprobs per token (0: only the chosen token's)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # extension (vLLM); echo + logprobs implies it
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -120,20 +131,23 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("suffix is not supported", param="suffix")
 
 
+class TextContentPart(BaseModel):
+    """The one kind of content part served: text (no images or audio)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextContentPart] | None = None
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):  # content parts: keep the text ones
-            texts = [part.get("text", "") for part in content if part.get("type") == "text"]
-            if len(texts) != len(content):
-                raise InvalidRequestError("only text content parts are supported",
-                                          param="messages")
-            content = "".join(texts)
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}
 
@@ -143,7 +157,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def logprob_settings(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:

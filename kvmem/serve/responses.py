@@ -118,6 +118,18 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
             for status in statuses}
 
 
+def pin_model_name(schema: dict[str, Any], name: str) -> None:
+    """State in an OpenAPI schema that request bodies' ``model`` must be ``name`` (the one
+    served; any other gets a 404)."""
+    for body in schema.get("components", {}).get("schemas", {}).values():
+        field = body.get("properties", {}).get("model")
+        if field is None:
+            continue
+        for option in [field, *field.get("anyOf", [])]:
+            if option.get("type") == "string":
+                option["enum"] = [name]
+
+
 def sse_or_json(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """A 200 that is ``model`` as JSON, or server-sent events of its chunks when streaming."""
     return {200: {"model": model, "description": "The result, or with `stream: true` "

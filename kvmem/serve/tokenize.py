@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 import kvmem
-from kvmem.engine.errors import InvalidRequestError
 from kvmem.serve.protocol import ChatMessage
 
 
 class TokenizeCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     prompt: str
@@ -30,7 +29,7 @@ class TokenizeCompletionRequest(BaseModel):
 
 
 class TokenizeChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -46,13 +45,6 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    tokens: list[int]
-
-
 class DetokenizeResponse(BaseModel):
     prompt: str
 
@@ -65,6 +57,12 @@ def tokenize_router(tokenizer, *, max_model_len: int, vocab_size: int,
                     check_model: Callable[[str], None]) -> APIRouter:
     """The routes; ``check_model`` raises for a ``model`` that is not the served one."""
     router = APIRouter()
+
+    class DetokenizeRequest(BaseModel):  # the schema states this model's vocabulary size
+        model_config = ConfigDict(extra="ignore")
+
+        model: str | None = None
+        tokens: list[Annotated[int, Field(ge=0, lt=vocab_size)]]
 
     def tokenize_ids(body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         if isinstance(body, TokenizeChatRequest):
@@ -85,14 +83,13 @@ def tokenize_router(tokenizer, *, max_model_len: int, vocab_size: int,
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                 "token_strs": strs}
 
-    @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             check_model(body.model)
-        if not all(0 <= t < vocab_size for t in body.tokens):
-            raise InvalidRequestError(f"tokens must be integers in [0, {vocab_size})",
-                                      param="tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    detokenize.__annotations__["body"] = DetokenizeRequest  # a local class: not a name
+    router.post("/detokenize", response_model=DetokenizeResponse)(detokenize)
 
     @router.get("/version", response_model=VersionResponse)
     async def version() -> dict[str, Any]:
