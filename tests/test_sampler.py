@@ -180,3 +180,13 @@ def test_new_fields_are_validated(field, value):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field
+
+
+def test_extreme_penalty_and_temperature_still_sample():
+    """A repetition penalty of 1e-200 or a temperature just above greedy overflows the
+    logits to inf; the sampler must still draw a token (the most likely survivor)."""
+    logits = torch.tensor([[50.0, 3.0e37, 2.9e37, -1.0]])
+    for params in (SamplingParams(temperature=1.0, repetition_penalty=1e-200, seed=0),
+                   SamplingParams(temperature=2e-5, seed=0)):
+        token = Sampler()(logits, [params], [None], [([1, 2], [])])[0]
+        assert token in (1, 2)

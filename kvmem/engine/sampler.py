@@ -64,6 +64,12 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits
 
 
+def _finite_(row: torch.Tensor) -> torch.Tensor:
+    """``row`` in place with overflow (a tiny repetition penalty or temperature dividing
+    large logits) clamped to the largest float and NaN at -inf: a valid distribution."""
+    return torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+
+
 class Sampler:
     """Picks one token per row of logits.
 
@@ -99,10 +105,12 @@ class Sampler:
                 if histories is None:
                     raise ValueError("penalties and logit_bias need the token histories")
                 apply_penalties(row, p, *histories[i])
+                _finite_(row)
                 token_ids[i] = row.argmax()
             if p.greedy:
                 continue
             row /= p.temperature
+            _finite_(row)
             if p.min_p > 0.0:
                 apply_min_p(row, p.min_p)
             sorted_logits, sorted_ids = filter_top_k_top_p(row, p.top_k, p.top_p)

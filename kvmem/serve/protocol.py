@@ -16,6 +16,10 @@ from kvmem.engine.sampling_params import (
     SamplingParams,
 )
 
+_Text = Annotated[str, Field(min_length=1)]
+_TokenId = Annotated[int, Field(strict=True, ge=0)]  # strict: "12" is not a token id
+_NonEmpty = Field(min_length=1)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -87,7 +91,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: _Text | Annotated[list[_Text], _NonEmpty] | Annotated[list[_TokenId], _NonEmpty] | \
+        Annotated[list[Annotated[list[_TokenId], _NonEmpty]], _NonEmpty]
     max_tokens: int | None = 16
     echo: bool = False
     # top logprobs per token (0: only the chosen token's)

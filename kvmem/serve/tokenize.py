@@ -62,7 +62,7 @@ def tokenize_router(tokenizer, *, max_model_len: int, vocab_size: int,
         model_config = ConfigDict(extra="ignore")
 
         model: str | None = None
-        tokens: list[Annotated[int, Field(ge=0, lt=vocab_size)]]
+        tokens: list[Annotated[int, Field(strict=True, ge=0, lt=vocab_size)]]
 
     def tokenize_ids(body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         if isinstance(body, TokenizeChatRequest):
