@@ -38,8 +38,8 @@ def check_unicode(text: str, param: str | None = "prompt") -> None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
+        return json.loads(path.read_bytes()) if path.is_file() else {}
+    except (OSError, ValueError):  # not JSON, or not UTF-8
         return {}
 
 
