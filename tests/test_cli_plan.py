@@ -38,10 +38,9 @@ def test_kv_cache_memory_bytes_accepts_units(capsys, size, expected):
 
 
 def test_proportional_from_the_command_line(capsys):
-    argv = PROBLEM2[:]
-    argv[argv.index("5GiB")] = "2.5GiB"
-    d = _json(capsys, argv + ["--kv-budget", "proportional"])
+    d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional"])
     assert [r["tokens"] for r in d["ranks"]] == [40_960, 40_960]
+    assert [r["kv_budget_bytes"] for r in d["ranks"]] == [4.375 * (1 << 30), 0.625 * (1 << 30)]
 
 
 def test_table_shows_ranks_and_engine_summary(capsys):
@@ -84,9 +83,7 @@ def test_vllm_budget_fits_the_smallest_rank_when_the_largest_does_not(capsys):
 
 
 def test_vllm_budget_is_the_largest_when_every_rank_holds_it(capsys):
-    argv = PROBLEM2[:]
-    argv[argv.index("5GiB")] = "2.5GiB"
-    d = _json(capsys, argv + ["--kv-budget", "proportional", "--engine", "vllm"])
+    d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional", "--engine", "vllm"])
     cmd, ranks = d["engine_command"], d["ranks"]
     budget = int(cmd["argv"][cmd["argv"].index("--kv-cache-memory-bytes") + 1])
     assert budget == max(r["kv_budget_bytes"] for r in ranks)

@@ -28,8 +28,10 @@ def test_problem2_uniform_budgets_waste_the_short_stage():
     assert round(p.engine.max_concurrency, 2) == 1.14
 
 
-def test_problem2_proportional_splits_a_5gib_total_by_stage_kv_bytes():
-    p = _qwen32_pp2("proportional", 5 * GiB // 2)  # 2.5 GiB x 2 stages = 5 GiB in total
+def test_problem2_proportional_splits_the_stated_5gib_by_stage_kv_bytes():
+    # seed 001: the stated per-GPU value is one tensor-parallel column's total, split by
+    # each stage's KV bytes per block; no rank gets more than the value it was given
+    p = _qwen32_pp2("proportional", 5 * GiB)
     assert [r.kv_budget_bytes for r in p.ranks] == [int(4.375 * GiB), int(0.625 * GiB)]
     assert [r.tokens for r in p.ranks] == [40_960, 40_960]
     assert p.engine.max_concurrency == pytest.approx(1.0)
@@ -39,10 +41,30 @@ def test_problem2_proportional_splits_a_5gib_total_by_stage_kv_bytes():
     assert p.engine.max_model_len_that_fits == 40_960 - 16
 
 
-def test_optimal_with_fixed_partition_matches_proportional_and_spends_no_more():
-    prop, opt = _qwen32_pp2("proportional", 5 * GiB // 2), _qwen32_pp2("optimal", 5 * GiB // 2)
-    assert opt.engine.num_blocks == prop.engine.num_blocks
-    assert sum(r.kv_budget_bytes for r in opt.ranks) <= 5 * GiB
+def test_proportional_splits_the_value_within_each_tensor_parallel_column():
+    p = plan(load_spec("Qwen/Qwen3-32B"),
+             Layout(tensor_parallel_size=2, pipeline_parallel_size=2, layer_partition=[56, 8]),
+             EngineSettings(kv_cache_memory_bytes=5 * GiB, **QWEN3_32B_FP8),
+             policy="proportional")
+    assert [r.kv_budget_bytes for r in p.ranks] == [int(4.375 * GiB)] * 2 + [int(0.625 * GiB)] * 2
+    assert {r.num_blocks for r in p.ranks} == {p.engine.num_blocks} == {5120}
+
+
+def test_optimal_with_fixed_partition_holds_uniforms_blocks_and_spends_no_more_than_needed():
+    uni, prop, opt = (_qwen32_pp2(policy, 5 * GiB)
+                      for policy in ("uniform", "proportional", "optimal"))
+    assert opt.engine.num_blocks == uni.engine.num_blocks == 2925 > prop.engine.num_blocks
+    assert max(r.kv_budget_bytes for r in opt.ranks) <= 5 * GiB
+    assert [r.kv_budget_bytes for r in opt.ranks] == [2925 * r.bytes_per_block
+                                                      for r in opt.ranks]
+
+
+def test_optimal_never_exceeds_the_stated_value_when_choosing_a_partition():
+    p = plan(load_spec("Qwen/Qwen3-32B"), Layout(pipeline_parallel_size=2),
+             EngineSettings(kv_cache_memory_bytes=5 * GiB, **QWEN3_32B_FP8), policy="optimal")
+    assert p.engine.layer_partition == [32, 32]
+    assert [r.kv_budget_bytes for r in p.ranks] == [5 * GiB, 5 * GiB]
+    assert p.engine.tokens == 81_920
 
 
 # ---------------------------------------------------------------- MISSION.md problem 1
@@ -248,7 +270,7 @@ def test_optimal_unloads_the_last_stage_which_also_holds_lm_head_and_logits():
 
 
 def test_optimal_keeps_the_even_partition_when_it_is_already_best():
-    # the shared kv_cache_memory_bytes total, not any GPU, limits the blocks here
+    # the stated kv_cache_memory_bytes, not any GPU, limits the blocks here
     p = plan(load_spec("Qwen/Qwen3-32B"), Layout(pipeline_parallel_size=2, gpus=["H200"]),
              EngineSettings(kv_cache_memory_bytes=GiB, max_model_len=8192), policy="optimal")
     assert p.engine.layer_partition == [32, 32] and not p.notes

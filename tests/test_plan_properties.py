@@ -94,19 +94,35 @@ def test_stage_layers_cover_the_model_exactly_once(deployment, policy):
 
 
 @settings(**COMMON)
+@given(deployments(), st.integers(1, 64), st.booleans(),
+       st.sampled_from(["uniform", "proportional", "optimal"]))
+def test_no_rank_gets_more_than_a_stated_kv_cache_memory_bytes(deployment, gib, gpus, policy):
+    spec, layout, engine = deployment
+    value = gib << 30
+    explicit = EngineSettings(**{**engine.__dict__, "kv_cache_memory_bytes": value})
+    if not gpus:  # no GPU: the stated value alone limits
+        layout = Layout(tensor_parallel_size=layout.tensor_parallel_size,
+                        pipeline_parallel_size=layout.pipeline_parallel_size,
+                        layer_partition=layout.layer_partition)
+    p = plan(spec, layout, explicit, policy=policy)
+    assert max(r.kv_budget_bytes for r in p.ranks) <= value
+    if policy == "proportional":  # the value is one tensor-parallel column's total
+        tp = layout.tensor_parallel_size
+        for t in range(tp):
+            assert sum(r.kv_budget_bytes for r in p.ranks if r.tp_rank == t) <= value
+
+
+@settings(**COMMON)
 @given(deployments(), st.integers(1, 64))
-def test_proportional_and_optimal_share_one_explicit_total(deployment, gib):
+def test_optimal_holds_the_most_within_a_stated_value(deployment, gib):
     spec, layout, engine = deployment
     explicit = EngineSettings(**{**engine.__dict__, "kv_cache_memory_bytes": gib << 30})
     plain = Layout(tensor_parallel_size=layout.tensor_parallel_size,
                    pipeline_parallel_size=layout.pipeline_parallel_size,
-                   layer_partition=layout.layer_partition)  # no GPU: the total alone limits
-    total = (gib << 30) * layout.world_size
-    for policy in ("proportional", "optimal"):
-        p = plan(spec, plain, explicit, policy=policy)
-        assert sum(r.kv_budget_bytes for r in p.ranks) <= total
-    uniform = plan(spec, plain, explicit, policy="uniform").engine.tokens
-    assert plan(spec, plain, explicit, policy="optimal").engine.tokens >= uniform
+                   layer_partition=layout.layer_partition)
+    best = plan(spec, plain, explicit, policy="optimal").engine.tokens
+    assert best >= plan(spec, plain, explicit, policy="uniform").engine.tokens
+    assert best >= plan(spec, plain, explicit, policy="proportional").engine.tokens
 
 
 def _exhaustive_best(spec, layout, engine):

@@ -48,12 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of total GPU memory the engine may use (default 0.9)")
     e.add_argument("--kv-cache-memory-bytes", metavar="SIZE",
-                   help="KV bytes per rank, e.g. 5GiB, 512MiB or plain bytes; skips estimates")
+                   help="most KV bytes any GPU may get, e.g. 5GiB, 512MiB or plain bytes; "
+                        "skips estimates")
     e.add_argument("--kv-budget", default="uniform",
                    choices=("uniform", "proportional", "optimal"),
-                   help="uniform: same budget on every rank (as vLLM); proportional: the total "
-                        "split by each stage's KV bytes; optimal: best partition and budgets "
-                        "for each GPU's memory (default uniform)")
+                   help="uniform: same budget on every rank (as vLLM); proportional: the "
+                        "stated budget (else the GPUs' pooled memory) split over the pipeline "
+                        "stages by their KV bytes; optimal: best partition and budgets within "
+                        "each GPU's memory and the stated budget (default uniform)")
     e.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="auto (model dtype), bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2")
     e.add_argument("--block-size", type=int, default=16, metavar="N",
