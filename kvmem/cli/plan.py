@@ -198,6 +198,17 @@ def _offload_flags(config) -> list[str]:
     return argv
 
 
+def served_model(model: str, spec) -> str:
+    """The model as an engine command names it: the path the user gave (a config.json's
+    directory), else the hub name of the catalog entry (never the config's label)."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return str(Path(model).parent) if Path(model).parent != Path() else "."
+    if path.is_dir():
+        return model
+    return spec.name
+
+
 def _checkpoint_dir(model: str) -> Path | None:
     path = Path(model).expanduser()
     return path if path.is_dir() and any(path.glob("*.safetensors")) else None
@@ -284,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
     if measured is not None:
         result.notes.append(f"measured memory of {measured.model} on {measured.device} "
                             f"({args.profile}) replaces the estimates on every rank")
-    model = spec.hf_id or args.model
-    command = engine_command(result, args.engine, model) if args.engine else None
+    command = (engine_command(result, args.engine, served_model(args.model, spec))
+               if args.engine else None)
     offload_section = kv_offload(result, offload)
     if command is not None and offload_section is not None:
         if args.engine == "kvmem":
@@ -316,8 +327,7 @@ def run(args: argparse.Namespace) -> int:
         if offload_section is not None:
             out["kv_offload"] = offload_section
         if command is not None:
-            out["engine_command"] = {"argv": command.argv, "env": command.env,
-                                     "notes": command.notes}
+            out["engine_command"] = command.to_dict()
         print(json.dumps(out, indent=1))
     else:
         from kvmem.plan.report import print_plan
