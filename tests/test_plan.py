@@ -1,5 +1,7 @@
 """kvmem.plan: the acceptance figures of MISSION.md and public vLLM logs, policies, fit check."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvmem.errors import ConfigError, KvmemError
@@ -241,7 +243,12 @@ def test_explicit_budget_larger_than_memory_is_reported_not_hidden():
     p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]),
              EngineSettings(kv_cache_memory_bytes=20 * GiB, max_model_len=4096))
     assert p.ranks[0].over_committed and not p.engine.fits
-    with pytest.raises(FitError, match="exceeds"):
+    with pytest.raises(FitError, match="cannot hold its KV budget of 20.00 GiB"):
+        p.check_fit()
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L40S"]),
+             EngineSettings(kv_cache_memory_bytes=40 * GiB, max_model_len=4096))
+    assert p.ranks[0].over_committed and not p.engine.fits
+    with pytest.raises(FitError, match="KV budget 40.00 GiB exceeds the"):
         p.check_fit()
 
 
@@ -324,3 +331,70 @@ def test_unknown_gpu_hint_names_each_gpu_once(name):
         plan(load_spec("qwen3-8b"), Layout(gpus=[name]), EngineSettings())
     hint = str(err.value).split("did you mean ")[1].split("?")[0].split(", ")
     assert len(hint) == len(set(hint)) and "H100" in hint
+
+
+# ---------------------------------------------------------------- failure reasons
+
+def _fit_message(p):
+    with pytest.raises(FitError) as err:
+        p.check_fit()
+    return str(err.value)
+
+
+def test_weights_alone_over_a_rank_are_named_with_what_would_fit():
+    spec = load_spec("Qwen/Qwen3-32B")
+    settings = EngineSettings(max_model_len=40960)
+    p = plan(spec, Layout(pipeline_parallel_size=2, layer_partition=[56, 8], gpus=["RTX-3090"]),
+             settings)
+    msg = _fit_message(p)
+    assert msg.startswith("rank 0 (pp stage 0, tp rank 0) holds 52.31 GiB of weights (layers "
+                          "0-55), more than the 21.32 GiB it may use of 23.69 GiB device memory, "
+                          "before any KV cache")
+    assert "KV budget of 0 B" not in msg and "fits is 0" not in msg
+    # the smallest doubling that fits: every named layout fits, no smaller one does
+    assert p.alternatives == [a for a in p.alternatives if a.endswith("tokens)")]
+    named = [a for a in p.alternatives if a.startswith("tp ")]
+    assert named and all("(8 GPUs" in a for a in named)
+    for tp, pp in ((1, 8), (2, 4), (4, 2)):
+        assert plan(spec, Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                 gpus=["RTX-3090"]), settings).engine.fits
+        assert f"tp {tp} x pp {pp} (8 GPUs" in msg
+    for tp, pp in ((1, 2), (2, 1), (1, 4), (2, 2), (4, 1)):
+        assert not plan(spec, Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                     gpus=["RTX-3090"]), settings).engine.fits
+
+
+def test_activation_and_graph_estimates_that_leave_no_kv_room_are_named():
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]), EngineSettings(max_model_len=40960))
+    msg = _fit_message(p)
+    r = p.ranks[0]
+    assert r.weights_bytes < r.budget_bytes < r.non_kv_bytes
+    assert msg.startswith("rank 0 (pp stage 0, tp rank 0): 15.26 GiB of weights, 5.70 GiB peak "
+                          "activation")
+    assert "leaving 0 B for KV cache" in msg and "tp 1 x pp 2 (2 GPUs" in msg
+
+
+def test_a_quantised_checkpoint_and_an_fp8_cache_are_suggested_when_they_fit():
+    spec = load_spec("Qwen/Qwen3-32B")
+    p = plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=40960))
+    assert p.alternatives[0].startswith("8-bit weights")
+    assert plan(replace(spec, weight_bits=8), Layout(gpus=["H100"]),
+                EngineSettings(max_model_len=40960)).engine.fits
+    p = plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=16384))
+    assert p.alternatives[0].startswith("an fp8 KV cache")
+    assert plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=16384,
+                                                            kv_cache_dtype="fp8")).engine.fits
+
+
+def test_another_partition_is_suggested_when_it_fits():
+    spec = load_spec("Qwen/Qwen3-14B")
+    p = plan(spec, Layout(pipeline_parallel_size=2, gpus=["V100-16GB", "V100-32GB"]),
+             EngineSettings(max_model_len=32768))
+    assert any(a.startswith("layer partition 14,26 with optimal KV budgets")
+               for a in p.alternatives)
+
+
+def test_the_engine_sizes_without_searching_alternatives():
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]), EngineSettings(max_model_len=40960),
+             suggest=False)
+    assert not p.engine.fits and p.alternatives == []

@@ -132,7 +132,8 @@ def _exhaustive_best(spec, layout, engine):
         bounds = [0, *cuts, spec.num_layers]
         parts = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
         fixed = Layout(**{**layout.__dict__, "layer_partition": parts})
-        best = max(best, plan(spec, fixed, engine, policy="optimal").engine.num_blocks)
+        best = max(best, plan(spec, fixed, engine, policy="optimal",
+                              suggest=False).engine.num_blocks)
     return best
 
 
@@ -180,3 +181,20 @@ def test_optimal_matches_exhaustive_search_on_random_hybrid_deployments(model, t
                             max_num_seqs=data.draw(st.sampled_from([16, 256])))
     found = plan(spec, layout, engine, policy="optimal").engine.num_blocks
     assert found == _exhaustive_best(spec, layout, engine)
+
+
+@settings(**COMMON)
+@given(deployments(), st.sampled_from(["uniform", "proportional", "optimal"]))
+def test_a_fit_error_never_blames_an_empty_kv_budget(deployment, policy):
+    """When non-KV memory leaves a rank no room, the message names that memory, never a
+    'KV budget of 0 B' with a longest max_model_len of 0."""
+    from kvmem.plan import FitError
+
+    spec, layout, engine = deployment
+    p = plan(spec, layout, engine, policy=policy)
+    try:
+        p.check_fit()
+    except FitError as err:
+        msg = str(err)
+        assert "KV budget of 0 B" not in msg and "that fits is 0" not in msg
+        assert msg.startswith("rank ")

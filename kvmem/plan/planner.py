@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvmem.errors import ConfigError
 from kvmem.plan import estimates
+from kvmem.plan.alternatives import alternatives
 from kvmem.plan.geometry import KVGeometry, StageKV
 from kvmem.plan.partition import (
     best_partition,
@@ -49,9 +50,21 @@ from kvmem.spec.weights import weight_breakdown
 
 def plan(spec: ModelSpec, layout: Layout, settings: EngineSettings, policy: str = "uniform",
          profile: list[RankProfile] | None = None,
-         checkpoint_dir: str | Path | None = None) -> Plan:
-    """Plan KV memory for ``spec`` on ``layout`` with ``settings`` (see the module doc)."""
-    return _Planner(spec, layout, settings, policy, profile, checkpoint_dir).run()
+         checkpoint_dir: str | Path | None = None, suggest: bool = True) -> Plan:
+    """Plan KV memory for ``spec`` on ``layout`` with ``settings`` (see the module doc).
+
+    When the plan does not fit and ``suggest`` is set, ``Plan.alternatives`` lists layouts,
+    dtypes and policies that do, each planned the same way (kvmem.plan.alternatives)."""
+    result = _Planner(spec, layout, settings, policy, profile, checkpoint_dir).run()
+    if suggest and not result.engine.fits:
+        def planner(s: ModelSpec, lay: Layout, st: EngineSettings, pol: str) -> Plan:
+            same = s is spec and lay.world_size == layout.world_size
+            return _Planner(s, lay, st, pol, profile if same else None,
+                            checkpoint_dir if s is spec else None).run()
+
+        result.alternatives = alternatives(planner, spec, result, policy,
+                                           profiled=bool(profile))
+    return result
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class _Planner:
         self.weights = weight_breakdown(spec, self.tp, checkpoint_dir)
         self.explicit = settings.kv_cache_memory_bytes  # per GPU: no rank gets more
         self.limit = max(self.max_model_len, spec.max_position_embeddings or 0)
+        self._estimated: dict[tuple[int, int, int], _NonKV] = {}
 
     # ------------------------------------------------------------------ per-rank memory
     def non_kv(self, rank: int, stage: int, start: int, end: int) -> _NonKV:
@@ -98,6 +112,12 @@ class _Planner:
         if prof is not None:
             return _NonKV(prof.weights_bytes, prof.activation_bytes, prof.cuda_graph_bytes,
                           prof.non_torch_bytes)
+        key = (stage, start, end)  # estimates are the same for every rank of a stage
+        if key not in self._estimated:
+            self._estimated[key] = self._estimate(stage, start, end)
+        return self._estimated[key]
+
+    def _estimate(self, stage: int, start: int, end: int) -> _NonKV:
         last = stage == self.pp - 1
         w = self.weights.stage_bytes(range(start, end), stage == 0, last)
         s = self.settings
