@@ -122,11 +122,11 @@ class _Planner:
         w = self.weights.stage_bytes(range(start, end), stage == 0, last)
         s = self.settings
         graphs = (estimates.cuda_graph_bytes(end - start, self.tp, s.max_num_seqs)
-                  if s.cuda_graphs else 0)
+                  if s.cuda_graphs and s.reserve_cuda_graphs else 0)
         return _NonKV(
             weights=max(0, w - s.cpu_offload_bytes),
             activation=estimates.activation_bytes(self.spec, self.tp, s.max_num_batched_tokens,
-                                                  last),
+                                                  s.max_num_seqs, last),
             cuda_graphs=graphs,
             non_torch=estimates.non_torch_bytes(self.tp, self.pp),
         )

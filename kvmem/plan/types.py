@@ -41,6 +41,10 @@ class EngineSettings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     cuda_graphs: bool = True
+    # subtract the CUDA-graph estimate from the KV budget, as vLLM >= 0.21 does by default
+    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1); off: graphs live in the headroom the
+    # utilisation leaves, as in the public vLLM V1 logs (kvmem.plan.estimates)
+    reserve_cuda_graphs: bool = False
     cpu_offload_bytes: int = 0  # weight bytes per GPU kept in CPU memory
     kv_cache_dtype: str = "auto"
 
