@@ -1,9 +1,11 @@
 """The FastAPI app: OpenAI-compatible completions and chat, models, health and metrics.
 
-Bad input never reaches the engine: bodies are validated by pydantic and SamplingParams,
-prompts are tokenized and checked against max_model_len before a request is queued, and
-every failure becomes a 4xx with an OpenAI-style ``{"error": {...}}`` body. A client that
-disconnects, streaming or not, aborts its requests and frees their KV blocks.
+Bad input never reaches the engine: the API key and the body size are checked before the
+body is read (kvmem.serve.middleware), bodies are validated by pydantic and SamplingParams,
+prompts are tokenized (on a worker thread, so the event loop keeps answering) and checked
+against max_model_len before a request is queued, and every failure becomes a 4xx with an
+OpenAI-style ``{"error": {...}}`` body. A client that disconnects, streaming or not, aborts
+its requests and frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,14 +30,22 @@ from kvmem.engine.async_engine import AsyncLLMEngine, EngineError
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.outputs import CompletionOutput, RequestOutput
 from kvmem.engine.request import Request as EngineRequest
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.engine.tokenizer import check_unicode
 from kvmem.errors import KvmemError
 from kvmem.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from kvmem.serve.metrics import make_registry
+from kvmem.serve.middleware import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+)
 from kvmem.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
     error_response,
+    field_path,
 )
 from kvmem.serve.responses import (
     ChatCompletionResponse,
@@ -63,8 +72,13 @@ class _HTTPError(Exception):
 
 
 def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
-               model_name: str | None = None) -> FastAPI:
-    """An app serving ``engine``; the engine thread starts and stops with the app."""
+               model_name: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               public_metrics: bool = False) -> FastAPI:
+    """An app serving ``engine``; the engine thread starts and stops with the app.
+
+    With ``api_key``, every route but /health (and /metrics if ``public_metrics``)
+    requires it. Bodies over ``max_request_bytes`` are refused with 413."""
     name = model_name or engine.engine.model_name
     tokenizer = engine.engine.tokenizer
     registry = make_registry(lambda: engine.snapshot, name)
@@ -95,14 +109,10 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
     app.openapi = openapi
 
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise _HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                             code="invalid_api_key")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key is not None:  # added last, so it runs first: before the body is read
+        open_paths = {"/health", "/metrics"} if public_metrics else {"/health"}
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
 
     def check_model(requested: str) -> None:
         if requested != name:
@@ -111,16 +121,22 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         if not engine.is_ready:
             raise _HTTPError(503, "the engine is not ready")
 
-    def make_request(prompt: str | list[int], body, max_tokens: int | None) -> EngineRequest:
-        try:
-            return engine.make_request(prompt, body.sampling_params(max_tokens))
-        except PromptTooLongError as e:
-            raise _HTTPError(400, str(e), e.param, "context_length_exceeded") from None
+    async def make_request(prompt: str | list[int], params: SamplingParams) -> EngineRequest:
+        # tokenizing a long prompt takes seconds: not on the event loop
+        return await asyncio.to_thread(engine.make_request, prompt, params)
+
+    def chat_prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
+        for i, m in enumerate(messages):
+            check_unicode(m["content"], f"messages.{i}.content")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template adds the special tokens; the text holds the messages' contents
+        return tokenizer.encode(text, add_special_tokens=False, param="messages",
+                                max_model_len=engine.engine.max_model_len)
 
     app.include_router(tokenize_router(
         tokenizer, max_model_len=engine.engine.max_model_len,
         vocab_size=engine.engine.spec.vocab_size, check_model=check_model),
-        dependencies=[Depends(authorize)], responses=errors(400, 401, 404, 413, 503))
+        responses=errors(400, 401, 404, 413, 503))
 
     @app.get("/health", response_model=HealthResponse, responses=errors(503))
     async def health() -> Response:
@@ -134,21 +150,21 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)], response_model=ModelList,
-             responses=errors(401))
+    @app.get("/v1/models", response_model=ModelList, responses=errors(401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created_at, "owned_by": "kvmem",
             "max_model_len": engine.engine.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)],
+    @app.post("/v1/completions",
               responses={**sse_or_json(CompletionResponse), **errors(400, 401, 404, 413, 503)})
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(body.model)
         prompts = body.prompts()
         if body.stream and len(prompts) > 1:
             raise InvalidRequestError("streaming supports one prompt per request", "prompt")
-        requests = [make_request(p, body, body.engine_max_tokens) for p in prompts]
+        params = body.sampling_params(body.engine_max_tokens)  # checked before any tokenizing
+        requests = [await make_request(p, params) for p in prompts]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
             return _sse(_completion_chunks(engine, requests[0], meta, body, texts_for(body)))
@@ -163,15 +179,14 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         return JSONResponse({**meta, "object": "text_completion", "choices": choices,
                              "usage": _usage(finals)})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)],
-              responses={**sse_or_json(ChatCompletionResponse),
-                         **errors(400, 401, 404, 413, 503)})
+    @app.post("/v1/chat/completions", responses={**sse_or_json(ChatCompletionResponse),
+                                                 **errors(400, 401, 404, 413, 503)})
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model)
+        params = body.sampling_params(body.effective_max_tokens)
         messages = [m.as_template_message() for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # the template adds them
-        request = make_request(prompt_ids, body, body.effective_max_tokens)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, messages)
+        request = await make_request(prompt_ids, params)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
             return _sse(_chat_chunks(engine, request, meta, body.include_usage, texts_for(body)))
@@ -305,8 +320,8 @@ async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, met
                     if finishing:
                         done.add(i)
                     yield chunk(i, text, logprobs, delta.finish_reason)
-    except KvmemError as e:
-        yield error_body(str(e), 500)
+    except KvmemError as e:  # the engine failed or is shutting down
+        yield _stream_error(e)
         return
     if body.include_usage and last is not None:
         yield {**meta, "object": "text_completion", "choices": [], "usage": _usage([last])}
@@ -337,17 +352,28 @@ async def _chat_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dic
                 if out.finish_reason is not None and out.index not in done:
                     done.add(out.index)
                     yield chunk(out.index, {}, out.finish_reason)
-    except KvmemError as e:
-        yield error_body(str(e), 500)
+    except KvmemError as e:  # the engine failed or is shutting down
+        yield _stream_error(e)
         return
     if include_usage and last is not None:
         yield {**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage([last])}
+
+
+def _stream_error(e: KvmemError) -> dict[str, Any]:
+    """The last event of a stream the engine could not finish (the status it would have had)."""
+    if isinstance(e, InvalidRequestError):
+        return error_body(str(e), 400, e.param)
+    return error_body(str(e), 503 if isinstance(e, EngineError) else 500)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(_HTTPError)
     async def http_error(_: Request, e: _HTTPError) -> JSONResponse:
         return error_response(str(e), e.status, e.param, e.code)
+
+    @app.exception_handler(PromptTooLongError)
+    async def prompt_too_long(_: Request, e: PromptTooLongError) -> JSONResponse:
+        return error_response(str(e), 400, e.param, "context_length_exceeded")
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
@@ -368,10 +394,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(f"malformed JSON body: {first.get('msg', '')}", 400,
                                   code="invalid_json")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "bad body"))
-        return error_response(message, 400, param)
+        param, in_union = field_path(first.get("loc", ()))
+        msg = str(first.get("msg", "bad body"))
+        if in_union:  # pydantic reports one error per type the field accepts: name none
+            msg = f"not one of the accepted types ({msg.lower()}, ...)"
+        return error_response(f"{param}: {msg}" if param else msg, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -1,7 +1,13 @@
-"""Request bodies of the OpenAI API (the fields kvmem serves) and OpenAI-style error bodies."""
+"""Request bodies of the OpenAI API (the fields kvmem serves) and OpenAI-style error bodies.
+
+Types are strict, as the OpenAI API's are: ``"max_tokens": "4"``, ``"n": true`` or
+``"stream": "yes"`` are 400 errors naming the field, not coerced (an integer is still a
+valid float).
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -16,17 +22,18 @@ from kvmem.engine.sampling_params import (
     SamplingParams,
 )
 
-_Text = Annotated[str, Field(min_length=1)]
 _TokenId = Annotated[int, Field(strict=True, ge=0)]  # strict: "12" is not a token id
 _NonEmpty = Field(min_length=1)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     # The ranges are SamplingParams' (which checks them again, for every caller); stating
     # them here puts them in the OpenAPI schema.
@@ -91,7 +98,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: _Text | Annotated[list[_Text], _NonEmpty] | Annotated[list[_TokenId], _NonEmpty] | \
+    # (an empty string passes the schema and is refused: its message names the prompt)
+    prompt: str | Annotated[list[str], _NonEmpty] | Annotated[list[_TokenId], _NonEmpty] | \
         Annotated[list[Annotated[list[_TokenId], _NonEmpty]], _NonEmpty]
     max_tokens: int | None = 16
     echo: bool = False
@@ -139,12 +147,14 @@ class CompletionRequest(_SamplingFields):
 class TextContentPart(BaseModel):
     """The one kind of content part served: text (no images or audio)."""
 
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
@@ -189,3 +199,21 @@ def error_body(message: str, status: int, param: str | None = None,
 def error_response(message: str, status: int = 400, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+# pydantic's location of an error inside a union names the member type ("str",
+# "list[int]", "function-after[...]"); OpenAI's ``param`` is the field path alone
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def field_path(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
+    """The dotted field path of a validation error's ``loc`` (without "body" and union
+    member names), and whether a union member name was cut off."""
+    parts = [p for p in loc if p != "body"]
+    path: list[str] = []
+    for part in parts:
+        if isinstance(part, str) and (part in _TYPE_NAMES or not _FIELD.fullmatch(part)):
+            return ".".join(path) or None, True
+        path.append(str(part))
+    return ".".join(path) or None, False
