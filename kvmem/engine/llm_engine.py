@@ -279,6 +279,9 @@ class LLMEngine:
                 if getattr(params, name) != unset:
                     raise InvalidRequestError(f"{name} is not supported by a tensor/pipeline "
                                               f"parallel engine yet", param=name)
+            if params.best_of is not None and params.best_of > params.n:  # needs logprobs
+                raise InvalidRequestError("best_of > n is not supported by a tensor/pipeline "
+                                          "parallel engine yet", param="best_of")
 
     def add_request(self, request_id: str | Request, prompt: str | list[int] | None = None,
                     sampling_params: SamplingParams | None = None, *,
