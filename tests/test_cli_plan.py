@@ -133,7 +133,7 @@ def test_engine_commands_name_the_model_as_given_not_its_config_label(tmp_path, 
     for given, named in ((str(model), str(model)), (str(model / "config.json"), str(model))):
         d = _json(capsys, ["plan", given, "--kv-cache-memory-bytes", "1GiB", "--engine", engine])
         argv = d["engine_command"]["argv"]
-        assert argv[argv.index(flag) + 1] == named
+        assert argv[argv.index(flag) + 1] == named and d["model"] == named
         assert "Some Label 135M" not in argv
     shell = subprocess.run([sys.executable, "-c", "from kvmem.cli import main; main(['plan', "
                             f"{str(model)!r}, '--kv-cache-memory-bytes', '1GiB', '--engine', "

@@ -316,8 +316,8 @@ def run(args: argparse.Namespace) -> int:
     if measured is not None:
         result.notes.append(f"measured memory of {measured.model} on {measured.device} "
                             f"({args.profile}) replaces the estimates on every rank")
-    command = (engine_command(result, args.engine, served_model(args.model, spec))
-               if args.engine else None)
+    result.model = served_model(args.model, spec)  # named as the user gave it, everywhere
+    command = engine_command(result, args.engine, result.model) if args.engine else None
     offload_section = kv_offload(result, offload)
     if command is not None and offload_section is not None:
         if args.engine == "kvmem":
