@@ -271,10 +271,16 @@ def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
     broken.write_text("{not json")
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 64}))
-    for path, match in ((broken, "not valid JSON"), (partial, "missing")):
+    latin1 = tmp_path / "latin1" / "config.json"  # a model directory; "é" as one byte, 0xe9
+    latin1.parent.mkdir()
+    latin1.write_bytes('{"model_type": "llama", "_name_or_path": "café"}'.encode("latin-1"))
+    for path, match in ((broken, "not valid JSON"), (partial, "missing"),
+                        (latin1, f"{latin1}: not valid JSON (not UTF-8 text: byte 0xe9 "
+                                 "at offset 45)"),
+                        (latin1.parent, f"{latin1}: not valid JSON (not UTF-8")):
         assert main(["plan", str(path), "--kv-cache-memory-bytes", "1GiB"]) == 2
         err = capsys.readouterr().err.strip()
-        assert match in err and "\n" not in err
+        assert match in err and "\n" not in err, err
 
 
 def test_plot_to_an_unwritable_path_is_a_clean_error(tmp_path, capsys):
