@@ -116,6 +116,13 @@ def test_vllm_default_partition_and_even_budgets_need_no_plugin_or_variable(caps
     assert cmd["argv"][cmd["argv"].index("--kv-cache-memory-bytes") + 1] == str(5 << 30)
 
 
+def test_a_plan_without_kv_blocks_says_its_command_will_not_start(capsys):
+    d = _json(capsys, ["plan", "Qwen/Qwen3-32B", "--pp", "2", "--layer-partition", "56,8",
+                       "--gpu", "RTX-3090", "--engine", "vllm"])
+    assert d["engine"]["num_blocks"] == 0
+    assert d["engine_command"]["notes"][0].startswith("this plan holds no KV blocks")
+
+
 def test_sglang_says_it_cannot_express_per_rank_budgets(capsys):
     d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional", "--engine", "sglang"])
     assert any("no SGLang plugin" in n for n in d["engine_command"]["notes"])
