@@ -182,7 +182,7 @@ class KVCacheManager:
         if self.enable_prefix_caching and not loading and \
                 num_computed // self.block_size > min(state.num_cached):
             self._cache_full_blocks(state, request, min(num_computed, request.num_tokens))
-        return Allocation(result, num_computed - num_new_tokens)
+        return Allocation(result, num_computed - num_new_tokens, tuple(state.skipped))
 
     def fork(self, parent: CacheRequest, child: CacheRequest) -> Allocation | NoCapacity:
         """Give ``child`` (same prompt, no blocks yet) references to ``parent``'s full prompt
