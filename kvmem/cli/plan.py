@@ -336,8 +336,8 @@ def run(args: argparse.Namespace) -> int:
         result.notes.append(f"{what} measured memory of {measured[0].model} on "
                             f"{measured[0].device} ({args.profile}) replaces the estimates on "
                             f"{'its rank' if len(measured) > 1 else 'every rank'}")
-    command = (engine_command(result, args.engine, served_model(args.model, spec))
-               if args.engine else None)
+    result.model = served_model(args.model, spec)  # named as the user gave it, everywhere
+    command = engine_command(result, args.engine, result.model) if args.engine else None
     offload_section = kv_offload(result, offload)
     if command is not None and offload_section is not None:
         if args.engine == "kvmem":
