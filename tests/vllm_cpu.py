@@ -10,7 +10,9 @@ absence is a failure.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -119,3 +121,74 @@ def _kill_group(pid: int) -> None:
     """End worker processes the script left behind (its group outlives it otherwise)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+# vLLM's CPU build skips its warm-up forward pass in eager mode with an explicit KV size,
+# and a later pipeline stage then finds no intermediate-tensor buffers (an AssertionError in
+# sync_and_gather_intermediate_tensors). Tracing once with the eager backend keeps the
+# warm-up and costs seconds, where the default inductor compile costs minutes here.
+FAST_ENGINE = {
+    "dtype": "float32",
+    "seed": 0,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "compilation_config": {"mode": 2, "backend": "eager"},
+}
+
+LLM_SCRIPT = """
+import json, sys
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=cfg["model"], **cfg["engine"])
+    params = SamplingParams(temperature=0, max_tokens=cfg["max_tokens"])
+    outs = llm.generate(cfg["prompts"], params) if cfg["prompts"] else []
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "num_cached_tokens": [o.num_cached_tokens for o in outs]}
+    print("KVMEM_RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@dataclass
+class LLMRun:
+    run: VllmRun
+    tokens: list[list[int]]
+    num_cached_tokens: list[int]
+
+    @property
+    def output(self) -> str:
+        return self.run.output
+
+    def kv_cache_size(self) -> tuple[int, str]:
+        """vLLM's logged KV cache size: (tokens, maximum concurrency as logged, e.g. '22.75')."""
+        m = re.findall(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens "
+                       r"per request: ([\d.]+)x", self.output)
+        assert len(m) == 1, f"expected one KV cache size line, got {m}\n{self.output[-6000:]}"
+        return int(m[0][0].replace(",", "")), m[0][1]
+
+    def kvmem_ranks(self) -> dict[int, dict[str, int]]:
+        """The plugin's per-rank lines, by rank."""
+        ranks: dict[int, dict[str, int]] = {}
+        for m in re.finditer(r"kvmem: rank (\d+) \(pp stage (\d+), tp rank (\d+)\): KV budget "
+                             r"(\d+) bytes, (\d+) blocks, (\d+) tokens", self.output):
+            rank = int(m[1])
+            assert rank not in ranks, f"rank {rank} logged twice"
+            ranks[rank] = {"pp_stage": int(m[2]), "tp_rank": int(m[3]), "bytes": int(m[4]),
+                           "blocks": int(m[5]), "tokens": int(m[6])}
+        return ranks
+
+
+def run_llm(engine: dict, prompts: list, *, max_tokens: int = 16,
+            env: dict[str, str] | None = None, timeout: float = 480,
+            model: Path | None = None) -> LLMRun:
+    """Start ``vllm.LLM`` on the embedded model (or ``model``) with ``FAST_ENGINE`` updated
+    by ``engine``, generate greedily for ``prompts`` and return its tokens and log."""
+    cfg = {"model": str(model or model_dir()), "engine": {**FAST_ENGINE, **engine},
+           "prompts": prompts, "max_tokens": max_tokens}
+    run = run_script(LLM_SCRIPT, json.dumps(cfg), env=env, timeout=timeout).check()
+    lines = [line for line in run.stdout.splitlines() if line.startswith("KVMEM_RESULT ")]
+    assert len(lines) == 1, run.output[-6000:]
+    result = json.loads(lines[0].removeprefix("KVMEM_RESULT "))
+    return LLMRun(run, result["tokens"], result["num_cached_tokens"])
