@@ -60,6 +60,93 @@ if __name__ == "__main__":
 """
 
 
+SCHEDULER_SCRIPT = r"""
+from types import SimpleNamespace as NS
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm import KvmemConnector
+from kvmem.integrations.vllm.connector import _check_deployment
+from kvmem.integrations.vllm.connector_meta import TierReport
+from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
+from kvmem.cache.hashing import hash_request_tokens
+from kvmem.tiers.blocks import key_name
+
+assert KvmemConnector.__name__ == "KvmemConnector"
+bs = 4
+tokens = list(range(100, 118))  # 4 full blocks and 2 tokens
+names = [key_name((0, h)) for h in hash_request_tokens(tokens, bs)]
+
+def request(rid, toks=tokens, computed=0, **kw):
+    fields = dict(mm_features=None, prompt_embeds=None, lora_request=None, cache_salt=None)
+    return NS(request_id=rid, all_token_ids=toks, num_tokens=len(toks),
+              num_computed_tokens=computed, **{**fields, **kw})
+
+def output(reports=None, sending=None):
+    return NS(finished_sending=sending, kv_connector_worker_meta=reports)
+
+side = SchedulerSide(bs, num_ranks=2)
+assert side.get_num_new_matched_tokens(request("r"), 0) == (None, False)  # no report yet
+side.update_connector_output(output(TierReport({0: [(n, True) for n in names]})))
+assert side.get_num_new_matched_tokens(request("r"), 0) == (None, False)  # rank 1 missing
+side.update_connector_output(output(TierReport({1: [(n, True) for n in names[:2]]})))
+# a block counts only when every rank holds it
+assert side.get_num_new_matched_tokens(request("r"), 0) == (8, False)
+assert side.get_num_new_matched_tokens(request("r"), 4) == (4, False)
+side.update_connector_output(output(TierReport({1: [(names[2], True), (names[3], True)]})))
+# never the block of the last prompt token: 18 tokens -> 4 blocks, 17 -> still 4, 16 -> 3
+assert side.get_num_new_matched_tokens(request("r"), 0) == (16, False)
+assert side.get_num_new_matched_tokens(request("s", tokens[:16]), 0) == (12, False)
+# loads: the blocks vLLM allocated past its own hit, with their keys
+side.get_num_new_matched_tokens(request("r"), 4)
+side.update_state_after_alloc(request("r"), NS(get_block_ids=lambda: ([7, 8, 9, 10, 11],)), 12)
+meta = side.build_connector_meta()
+assert [(j.request_id, j.block_ids) for j in meta.loads] == [("r", [8, 9, 10])]
+assert [key_name(k) for k in meta.loads[0].keys] == names[1:4]
+assert side.build_connector_meta().loads == []
+# other keys (salt), images and prompt embeddings never match blocks stored without them
+assert side.get_num_new_matched_tokens(request("t", cache_salt="x"), 0) == (0, False)
+assert side.get_num_new_matched_tokens(request("u", mm_features=[1]), 0) == (0, False)
+# a block that leaves one rank's tiers is no longer loadable
+side.update_connector_output(output(TierReport({1: [(names[1], False)]})))
+assert side.get_num_new_matched_tokens(request("r"), 0) == (4, False)
+# stores: full computed blocks not every rank holds; held until finished_sending
+done, _ = side.request_finished(request("r", computed=17), [7, 8, 9, 10, 11])
+meta = side.build_connector_meta()
+assert done and [(j.request_id, j.block_ids) for j in meta.stores] == [("r", [8])]
+assert side.has_pending_block_frees()
+side.update_connector_output(output(sending={"r"}))
+assert not side.has_pending_block_frees()
+assert side.request_finished(request("v", computed=7), [3, 4]) == (False, None)  # all held
+assert side.request_finished(request("w", mm_features=[1], computed=17), [1, 2]) == (False, None)
+
+def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16):
+    pc = NS(world_size=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    group = NS(kv_cache_spec=NS(block_size=block))
+    return (NS(parallel_config=pc, cache_config=NS(block_size=sched_block)),
+            NS(kv_cache_groups=[group] * groups))
+
+assert _check_deployment(*deployment()) == 16
+for kw, text in [({"tp": 2}, "tensor_parallel_size=1"), ({"pp": 2}, "pp=2"),
+                 ({"groups": 2}, "one KV cache group"), ({"block": 32}, "block size 32")]:
+    try:
+        _check_deployment(*deployment(**kw))
+    except ConfigError as exc:
+        assert text in str(exc) and "\n" not in str(exc), exc
+    else:
+        raise AssertionError(kw)
+print("SCHEDULER OK")
+"""
+
+
+def test_scheduler_side_lookups_loads_stores_and_refusals() -> None:
+    """The scheduler side's decisions from the workers' reports, in vLLM's venv without
+    starting an engine: lookups wait for every rank's first report, count a block only
+    when every rank holds it, never cover the last prompt token and respect the cache
+    salt; loads name the blocks vLLM allocated; stores hold only blocks not yet stored;
+    unsupported deployments are one-line refusals."""
+    run = run_script(SCHEDULER_SCRIPT, timeout=300).check()
+    assert "SCHEDULER OK" in run.stdout
+
+
 def _run(mode: str, disk_dir: str) -> tuple[list[dict], str]:
     run = run_script(SCRIPT, mode, str(model_dir()), disk_dir, threads_bind="0",
                      timeout=900).check()
