@@ -147,6 +147,70 @@ def test_scheduler_side_lookups_loads_stores_and_refusals() -> None:
     assert "SCHEDULER OK" in run.stdout
 
 
+WORKER_SCRIPT = r"""
+import time
+import torch
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.connector_meta import BlockTransfer, KvmemConnectorMetadata
+from kvmem.integrations.vllm.connector_worker import LayerSlots, WorkerSide
+from kvmem.tiers import Faults, OffloadConfig
+from kvmem.tiers.blocks import key_name
+
+N, H, B, C = 8, 2, 4, 16  # vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_size]
+layers = ["l0", "l1", "l2"]
+kv = {n: torch.randn(N, H, B, C) for n in layers}
+worker = WorkerSide(OffloadConfig(cpu_bytes=1 << 20), Faults(store_delay_s=0.5), rank=0,
+                    model="m", layout="l", layer_names=layers, num_blocks=N, block_size=B)
+worker.register_kv_caches(kv)
+assert worker.report().changes == {0: []}  # the first report says the rank is up
+assert worker.report() is None
+keys = [(0, bytes([i]) * 16) for i in range(3)]
+original = {b: [kv[n][b].clone() for n in layers] for b in (1, 2, 3)}
+
+worker.submit_stores(KvmemConnectorMetadata(stores=[BlockTransfer("r", [1, 2, 3], keys)]))
+assert worker.finished_sending({"r"}) is None  # still copying: vLLM keeps the blocks
+time.sleep(2.0)
+assert worker.finished_sending(set()) == {"r"}  # copied, and named by vLLM earlier
+assert sorted(worker.report().changes[0]) == sorted((key_name(k), True) for k in keys)
+# copied, but vLLM has not named the request as finished yet: not reported before it does
+worker.submit_stores(KvmemConnectorMetadata(stores=[BlockTransfer("x", [4], [(0, b"x" * 16)])]))
+time.sleep(2.0)
+assert worker.finished_sending(set()) is None
+assert worker.finished_sending({"x"}) == {"x"}
+
+for n in layers:
+    kv[n][5:8].zero_()
+worker.start_load(KvmemConnectorMetadata(loads=[BlockTransfer("s", [5, 6, 7], keys)]))
+assert worker.load_errors() == set()
+for dst, src in zip((5, 6, 7), (1, 2, 3)):
+    assert all(torch.equal(kv[n][dst], original[src][i]) for i, n in enumerate(layers))
+# a block missing from the tiers: it and every block after it are reported, for recompute
+missing = [keys[0], (0, b"z" * 16), keys[2]]
+worker.start_load(KvmemConnectorMetadata(loads=[BlockTransfer("t", [5, 6, 7], missing)]))
+assert worker.load_errors() == {6, 7}
+# blocks the tiers already hold are not copied again: the request is done at once
+worker.submit_stores(KvmemConnectorMetadata(stores=[BlockTransfer("u", [1], keys[:1])]))
+assert worker.finished_sending({"u"}) == {"u"}
+try:
+    LayerSlots([torch.zeros(N, H, 2, C)], N, B)
+except ConfigError as exc:
+    assert "unsupported KV cache tensor layout (8, 2, 2, 16)" in str(exc), exc
+else:
+    raise AssertionError("a KV tensor of another layout was accepted")
+worker.shutdown()
+print("WORKER OK")
+"""
+
+
+def test_worker_side_stores_hold_blocks_loads_whole_and_reports_failures() -> None:
+    """The worker side over real tensors in vLLM's CPU layout, no engine: a store keeps
+    its request unfinished until every block is copied and vLLM has named the request;
+    the tiers' new blocks are reported; a load restores the bytes exactly; a block missing
+    from the tiers is reported with every block after it; another layout is refused."""
+    run = run_script(WORKER_SCRIPT, timeout=300).check()
+    assert "WORKER OK" in run.stdout
+
+
 def _run(mode: str, disk_dir: str) -> tuple[list[dict], str]:
     run = run_script(SCRIPT, mode, str(model_dir()), disk_dir, threads_bind="0",
                      timeout=900).check()
