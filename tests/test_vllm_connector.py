@@ -12,6 +12,9 @@ Three vLLM processes (each start-up costs about a minute), every check folded in
 
 128 MiB of KV is 22 blocks of 128 tokens of the embedded model in fp32; a 2,000-token
 prompt takes 16, so B evicts most of A and D must wait for C's blocks.
+
+Two more scripts run in vLLM's venv without starting an engine: the scheduler side's
+decisions from the workers' reports, and the worker side over tensors in vLLM CPU's layout.
 """
 
 from __future__ import annotations
