@@ -23,9 +23,10 @@ from typing import Any
 
 from kvmem.errors import ConfigError
 from kvmem.plan import POLICIES, EngineSettings, Layout, Plan, RankProfile, plan
+from kvmem.plan.flags import PLUGIN_POLICY_ENV
 from kvmem.spec import spec_from_config
 
-ENV = "KVMEM_VLLM_KV_BUDGET"
+ENV = PLUGIN_POLICY_ENV  # KVMEM_VLLM_KV_BUDGET
 _MARK = "_kvmem_wrapped"
 
 # KV dtypes as vLLM names them (cache_dtype, or the model dtype for "auto") -> kvmem's names.
@@ -113,38 +114,12 @@ def plan_deployment(vllm_config: Any, kv_cache_specs: list[dict], available_memo
                     layer_partition=[end - start for start, end in bounds])
     # Without a stated value, what each worker measured is all it may use for KV.
     measured = None if explicit is not None else [_kv_only(m) for m in available_memory]
-    kv_plan = plan(spec, layout, settings, policy, profile=measured)
-    if explicit is not None:
-        kv_plan = _within_stated(kv_plan, spec, layout, settings, policy, explicit)
-    return kv_plan
+    return plan(spec, layout, settings, policy, profile=measured)
 
 
 def _kv_only(kv_bytes: int) -> RankProfile:
     return RankProfile(weights_bytes=0, activation_bytes=0, non_torch_bytes=0,
                        cuda_graph_bytes=0, total_bytes=max(1, kv_bytes))
-
-
-def _within_stated(kv_plan: Plan, spec: Any, layout: Layout, settings: EngineSettings,
-                   policy: str, explicit: int) -> Plan:
-    """A stated ``kv_cache_memory_bytes`` is what one GPU can give: ``proportional`` splits it
-    across a tensor-parallel column's stages by bytes per block, ``optimal`` gives no rank
-    more. Planners that pool ``explicit`` over all ranks instead are brought to that here,
-    re-planned with each rank's share as all it has."""
-    tp = layout.tensor_parallel_size
-    column = sum(r.kv_budget_bytes for r in kv_plan.ranks if r.tp_rank == 0)
-    if policy == "uniform" or (column <= explicit if policy == "proportional"
-                               else all(r.kv_budget_bytes <= explicit for r in kv_plan.ranks)):
-        return kv_plan
-    ranks = kv_plan.ranks
-    if policy == "proportional":
-        stage_total = sum(r.bytes_per_block for r in ranks[::tp])
-        shares = [explicit * r.bytes_per_block // stage_total for r in ranks]
-    else:
-        blocks = min((min(r.kv_budget_bytes, explicit) - r.state_bytes_reserved)
-                     // r.bytes_per_block for r in ranks if r.bytes_per_block)
-        shares = [r.state_bytes_reserved + max(0, blocks) * r.bytes_per_block for r in ranks]
-    local = EngineSettings(**{**vars(settings), "kv_cache_memory_bytes": None})
-    return plan(spec, layout, local, "uniform", profile=[_kv_only(s) for s in shares])
 
 
 def kv_dtype(cache_dtype: str, layer_dtype: Any) -> str:
