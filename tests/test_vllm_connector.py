@@ -140,14 +140,19 @@ print("SCHEDULER OK")
 """
 
 
-def test_scheduler_side_lookups_loads_stores_and_refusals() -> None:
+@pytest.fixture(scope="module")
+def engine_free() -> str:
+    """Both engine-free scripts in one process (importing vLLM is most of their cost)."""
+    return run_script(SCHEDULER_SCRIPT + WORKER_SCRIPT, timeout=300).check().stdout
+
+
+def test_scheduler_side_lookups_loads_stores_and_refusals(engine_free) -> None:
     """The scheduler side's decisions from the workers' reports, in vLLM's venv without
     starting an engine: lookups wait for every rank's first report, count a block only
     when every rank holds it, never cover the last prompt token and respect the cache
     salt; loads name the blocks vLLM allocated; stores hold only blocks not yet stored;
     unsupported deployments are one-line refusals."""
-    run = run_script(SCHEDULER_SCRIPT, timeout=300).check()
-    assert "SCHEDULER OK" in run.stdout
+    assert "SCHEDULER OK" in engine_free
 
 
 WORKER_SCRIPT = r"""
@@ -205,13 +210,12 @@ print("WORKER OK")
 """
 
 
-def test_worker_side_stores_hold_blocks_loads_whole_and_reports_failures() -> None:
+def test_worker_side_stores_hold_blocks_loads_whole_and_reports_failures(engine_free) -> None:
     """The worker side over real tensors in vLLM's CPU layout, no engine: a store keeps
     its request unfinished until every block is copied and vLLM has named the request;
     the tiers' new blocks are reported; a load restores the bytes exactly; a block missing
     from the tiers is reported with every block after it; another layout is refused."""
-    run = run_script(WORKER_SCRIPT, timeout=300).check()
-    assert "WORKER OK" in run.stdout
+    assert "WORKER OK" in engine_free
 
 
 def _run(mode: str, disk_dir: str) -> tuple[list[dict], str]:
