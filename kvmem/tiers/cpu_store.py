@@ -15,7 +15,7 @@ import torch
 from kvmem.errors import ConfigError
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
-from kvmem.tiers.store import BlockStore, Entry
+from kvmem.tiers.store import BlockStore, Entry, IndexListener
 from kvmem.units import GiB, format_bytes
 
 
@@ -35,13 +35,14 @@ class CPUStore(BlockStore):
     name = "cpu"
 
     def __init__(self, budget_bytes: int, block_nbytes: int, policy: LRUPolicy,
-                 pin_memory: bool = False, faults: Faults = NO_FAULTS) -> None:
+                 pin_memory: bool = False, faults: Faults = NO_FAULTS,
+                 on_change: IndexListener | None = None) -> None:
         capacity_blocks = budget_bytes // block_nbytes
         if capacity_blocks < 1:
             raise ConfigError(f"CPU offload budget {format_bytes(budget_bytes)} is smaller than "
                               f"one KV block ({format_bytes(block_nbytes)})")
         check_host_memory(budget_bytes)
-        super().__init__(capacity_blocks * block_nbytes, policy, faults)
+        super().__init__(capacity_blocks * block_nbytes, policy, faults, on_change)
         self.block_nbytes = block_nbytes
         try:
             self._arena = torch.empty((capacity_blocks, block_nbytes), dtype=torch.uint8,

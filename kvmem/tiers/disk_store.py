@@ -26,7 +26,7 @@ from kvmem.errors import ConfigError
 from kvmem.tiers.config import FORMAT_VERSION, TierIdentity
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
-from kvmem.tiers.store import BlockStore, Entry, LoadError
+from kvmem.tiers.store import BlockStore, Entry, IndexListener, LoadError
 
 MAGIC = b"KVMEMBLK"
 _HEADER = struct.Struct("<8sIIQ16s")  # magic, version, name length, payload length, checksum
@@ -39,8 +39,9 @@ class DiskStore(BlockStore):
     name = "disk"
 
     def __init__(self, root: str | Path, budget_bytes: int, block_nbytes: int,
-                 identity: TierIdentity, policy: LRUPolicy, faults: Faults = NO_FAULTS) -> None:
-        super().__init__(budget_bytes, policy, faults)
+                 identity: TierIdentity, policy: LRUPolicy, faults: Faults = NO_FAULTS,
+                 on_change: IndexListener | None = None) -> None:
+        super().__init__(budget_bytes, policy, faults, on_change)
         self.block_nbytes = block_nbytes
         self.root = identity.namespace_dir(root)
         try:
@@ -75,6 +76,8 @@ class DiskStore(BlockStore):
                 self._entries[name] = entry
                 self._used += entry.nbytes
                 self._policy.inserted(name)
+                if self.on_change is not None:
+                    self.on_change(self.name, name, True)
             self._make_room(0)  # the budget may be smaller than last time
 
     def _entry_bytes(self, name: str) -> int:

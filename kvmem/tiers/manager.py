@@ -36,7 +36,7 @@ from kvmem.tiers.disk_store import DiskStore
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import make_policy
 from kvmem.tiers.stats import TierStats
-from kvmem.tiers.store import BlockStore
+from kvmem.tiers.store import BlockStore, IndexListener
 from kvmem.tiers.transfer import LoadHandle, StoreJob, TransferEngine
 from kvmem.units import MiB
 
@@ -56,7 +56,7 @@ class BlockHolder(Protocol):
 class OffloadManager:
     def __init__(self, config: OffloadConfig, storage: KVStorage, num_slots: int,
                  holder: BlockHolder, *, model: str, layout: str,
-                 faults: Faults = NO_FAULTS) -> None:
+                 faults: Faults = NO_FAULTS, on_change: IndexListener | None = None) -> None:
         if not config.enabled:
             raise ConfigError("offloading needs --cpu-offload-gib or --disk-offload-gib")
         self.config = config
@@ -72,11 +72,12 @@ class OffloadManager:
         if config.cpu_bytes:
             self.cpu = CPUStore(config.cpu_bytes, block_nbytes,
                                 make_policy(config.policy, config.cpu_bytes // block_nbytes),
-                                pin_memory=self.copier.on_cuda, faults=faults)
+                                pin_memory=self.copier.on_cuda, faults=faults,
+                                on_change=on_change)
         if config.disk_bytes:
             self.disk = DiskStore(config.disk_dir, config.disk_bytes, block_nbytes, self.identity,
                                   make_policy(config.policy, config.disk_bytes // block_nbytes),
-                                  faults=faults)
+                                  faults=faults, on_change=on_change)
         self.tiers: list[BlockStore] = [t for t in (self.cpu, self.disk) if t is not None]
         self.engine = TransferEngine(self.copier, self.cpu, self.disk, faults,
                                      max(DISK_QUEUE_BYTES, block_nbytes))

@@ -6,6 +6,10 @@ half-written block. A load pins its entries first, and a pinned entry is never e
 an entry that fails to load leaves the index at once and gives its space back when the
 last pin goes. ``used_bytes`` is the exact sum of the entries' sizes at every moment.
 
+An optional ``on_change(tier, name, present)`` hears every change of the index (a block
+becoming readable, or leaving), under the tier's lock: a process that cannot see the
+tier (vLLM's scheduler, beside a worker's tiers) keeps its own view of it from these.
+
 Subclasses supply ``_entry_bytes``, ``_allocate``, ``_write``, ``_read`` and ``_release``.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +29,8 @@ from kvmem.tiers.policy import LRUPolicy
 from kvmem.tiers.stats import TierStats
 
 log = logging.getLogger("kvmem.tiers")
+
+IndexListener = Callable[[str, str, bool], None]  # (tier name, block name, now present)
 
 
 class LoadError(Exception):
@@ -43,8 +50,10 @@ class Entry:
 class BlockStore(ABC):
     name = "tier"
 
-    def __init__(self, capacity_bytes: int, policy: LRUPolicy, faults: Faults = NO_FAULTS) -> None:
+    def __init__(self, capacity_bytes: int, policy: LRUPolicy, faults: Faults = NO_FAULTS,
+                 on_change: IndexListener | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.on_change = on_change
         self.faults = faults
         self.stats = TierStats(capacity_bytes=capacity_bytes)
         self._policy = policy
@@ -153,6 +162,8 @@ class BlockStore(ABC):
                 return False
             entry.ready = True
             self._policy.inserted(name)
+            if self.on_change is not None:
+                self.on_change(self.name, name, True)
             self.stats.stored_blocks += 1
             self.stats.bytes_stored += nbytes
         return True
@@ -184,6 +195,8 @@ class BlockStore(ABC):
         if self._entries.get(entry.name) is entry:
             del self._entries[entry.name]
             self._policy.removed(entry.name)
+            if entry.ready and self.on_change is not None:
+                self.on_change(self.name, entry.name, False)
         if not entry.dropped:
             entry.dropped = True
             if entry.pins == 0:

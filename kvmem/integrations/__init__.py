@@ -1,0 +1,1 @@
+"""Integrations of kvmem into other serving engines (each imports its engine lazily)."""

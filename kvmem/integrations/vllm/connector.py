@@ -1,0 +1,174 @@
+"""``KvmemConnector``: kvmem's CPU and disk tiers behind vLLM's KV connector API (V1).
+
+Turn it on with::
+
+    --kv-transfer-config '{"kv_connector": "KvmemConnector",
+                           "kv_connector_module_path": "kvmem.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"cpu_offload_gib": 4,
+                               "disk_offload_dir": "/var/cache/kvmem", "disk_offload_gib": 64}}'
+
+vLLM builds one instance per role: in the scheduler process (``SchedulerSide``: lookups
+and the plan of each step's loads and stores) and in every worker (``WorkerSide``: the
+tiers over that worker's KV tensors). They talk only through the step's metadata and the
+workers' reports (``connector_meta``). Settings: ``connector_config``.
+
+Not supported in this version, refused at start-up with one line: tensor or pipeline
+parallelism (each rank would keep its own tiers; untested), and KV cache layouts other
+than vLLM CPU's. Hybrid models (sliding-window or SSM layers beside full attention): the
+connector does not declare ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off
+(it says so in its log); sliding-window models then run with full-attention KV and are
+offloaded whole, SSM hybrids are refused by vLLM itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.compat import check_vllm_version
+from kvmem.integrations.vllm.connector_config import parse_extra_config
+from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata
+from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
+from kvmem.integrations.vllm.connector_worker import WorkerSide, worker_identity
+
+log = init_logger("vllm.kvmem.connector")
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def _check_deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """The block size; ConfigError for what this version does not support."""
+    pc = vllm_config.parallel_config
+    if pc.world_size > 1:
+        raise ConfigError(
+            f"KvmemConnector supports one worker per engine (tensor_parallel_size=1, "
+            f"pipeline_parallel_size=1); got tp={pc.tensor_parallel_size}, "
+            f"pp={pc.pipeline_parallel_size}")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"KvmemConnector supports one KV cache group, the model has "
+                          f"{len(groups)} (hybrid models run with vLLM's hybrid KV cache "
+                          "manager off)")
+    block_size = groups[0].kv_cache_spec.block_size
+    if block_size != vllm_config.cache_config.block_size:
+        raise ConfigError(f"KvmemConnector: KV cache group block size {block_size} differs "
+                          f"from the scheduler's {vllm_config.cache_config.block_size}")
+    return block_size
+
+
+class KvmemConnector(KVConnectorBase_V1):
+    """kvmem's offload tiers as a vLLM KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        config, faults = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        block_size = _check_deployment(vllm_config, kv_cache_config)
+        self._cache_hit_source = CacheHitSource.HOST if config.cpu_bytes else CacheHitSource.DISK
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(block_size, vllm_config.parallel_config.world_size)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning("kvmem: kv_load_failure_policy is %r: a block that leaves a tier "
+                            "between lookup and load fails its request; 'recompute' "
+                            "recomputes it instead",
+                            self._kv_transfer_config.kv_load_failure_policy)
+        else:
+            layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+            model, layout = worker_identity(vllm_config, layer_names)
+            self.worker_side = WorkerSide(
+                config, faults, rank=vllm_config.parallel_config.rank, model=model,
+                layout=layout, layer_names=layer_names, num_blocks=kv_cache_config.num_blocks,
+                block_size=block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that is skipped is a later miss, nothing more
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def _meta(self) -> KvmemConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvmemConnectorMetadata)
+        return meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        self.worker_side.start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # blocks are stored whole when their request finishes (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self.worker_side is not None
+        self.worker_side.submit_stores(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        assert self.worker_side is not None
+        return self.worker_side.finished_sending(finished_req_ids), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker_side is not None
+        return self.worker_side.load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        assert self.worker_side is not None
+        return self.worker_side.report()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_block_frees()

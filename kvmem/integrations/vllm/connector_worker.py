@@ -1,0 +1,228 @@
+"""``KvmemConnector``'s worker side: kvmem's tiers over one vLLM worker's KV tensors.
+
+Each worker (rank) owns an ``OffloadManager`` (CPU arena, namespaced and checksummed disk
+tier, transfer threads) over its own share of the KV cache: vLLM's per-layer KV tensors
+are kvmem's slot tensors (a block id is row ``b`` of every layer's tensor, whatever the
+layout inside the row), so a block is copied whole, as in kvmem's own engine.
+
+Per step, driven by ``KvmemConnectorMetadata``:
+
+- ``start_load`` (before the forward): each load runs at once and is waited for, so
+  the forward reads whole blocks; a block that did not load intact (evicted meanwhile,
+  checksum mismatch) and every block after it are reported through
+  ``load_errors``, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+- ``submit_stores`` (after the forward): the finished requests' blocks are copied out on
+  the transfer thread; vLLM keeps them allocated until ``finished_sending`` names the
+  request, which happens once the last of its blocks is copied (or none needed copying).
+- ``report``: the tiers' index changes since the last step, for the scheduler side.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections import Counter, defaultdict, deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata, TierReport
+from kvmem.tiers.config import OffloadConfig
+from kvmem.tiers.faults import Faults
+from kvmem.tiers.manager import OffloadManager
+from kvmem.tiers.weights import weights_digest
+
+log = init_logger("vllm.kvmem.connector")  # shown and formatted as vLLM's own lines
+
+LOAD_TIMEOUT_S = 120.0
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+class LayerSlots:
+    """vLLM's per-layer KV tensors as kvmem slot tensors (``slot_tensor(s)``): dimension 0
+    is the block id, and ``shape[2]`` the block size (vLLM's CPU layout
+    ``[num_blocks, kv_heads, block_size, 2 * head_size]``)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], num_blocks: int,
+                 block_size: int) -> None:
+        for t in tensors:
+            if t.dim() != 4 or t.shape[0] != num_blocks or t.shape[2] != block_size \
+                    or not t.is_contiguous():
+                raise ConfigError(
+                    f"KvmemConnector: unsupported KV cache tensor layout {tuple(t.shape)} "
+                    f"(expected vLLM CPU's [num_blocks={num_blocks}, kv_heads, "
+                    f"block_size={block_size}, 2*head_size], contiguous)")
+        self.tensors = list(tensors)
+        self.num_slots = len(tensors)
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        return self.tensors[slot]
+
+
+class StoreHolds:
+    """Which finished request each block held for a store belongs to.
+
+    ``OffloadManager`` holds blocks through its ``BlockHolder`` while they are copied;
+    here a hold is vLLM's delayed free, so releasing the last block of a request makes
+    the request finished sending."""
+
+    def __init__(self) -> None:
+        self.owner = ""  # the request whose offer is being made
+        self._owners: dict[int, deque[str]] = defaultdict(deque)
+        self._remaining: Counter[str] = Counter()
+        self.done: set[str] = set()
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            self._owners[block_id].append(self.owner)
+        self._remaining[self.owner] += len(block_ids)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            owner = self._owners[block_id].popleft()
+            if not self._owners[block_id]:
+                del self._owners[block_id]
+            self._remaining[owner] -= 1
+            if self._remaining[owner] == 0:
+                del self._remaining[owner]
+                self.done.add(owner)
+
+
+def model_weight_files(model: str, revision: str | None) -> list[Path]:
+    """The files holding ``model``'s weights: a local directory's, a file, or the local
+    Hugging Face snapshot of a repository id."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model, revision=revision, local_files_only=True))
+        except Exception as exc:  # noqa: BLE001 - any failure means: not available locally
+            raise ConfigError(f"KvmemConnector: cannot find the weight files of {model!r} "
+                              f"to name the disk tier ({exc})") from None
+    return sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+
+
+class WorkerSide:
+    def __init__(self, config: OffloadConfig, faults: Faults, *, rank: int, model: str,
+                 layout: str, layer_names: Sequence[str], num_blocks: int,
+                 block_size: int) -> None:
+        self.config = config
+        self.faults = faults
+        self.rank = rank
+        self.model = model
+        self.layout = layout
+        self.layer_names = list(layer_names)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.offload: OffloadManager | None = None
+        self.holds = StoreHolds()
+        self._lock = threading.Lock()  # tier threads add index changes
+        self._changes: list[tuple[str, bool]] = []
+        self._held_by_tiers: Counter[str] = Counter()  # block name -> tiers holding it
+        self._reported = False
+        self._load_errors: set[int] = set()
+        self._seen_finished: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"KvmemConnector: no KV cache tensor for layer {missing[0]!r}")
+        slots = LayerSlots([kv_caches[n] for n in self.layer_names], self.num_blocks,
+                           self.block_size)
+        self.offload = OffloadManager(self.config, slots, slots.num_slots, self.holds,
+                                      model=self.model, layout=self.layout,
+                                      faults=self.faults, on_change=self._on_change)
+        # a worker that exits without vLLM's shutdown call still writes out queued stores
+        atexit.register(self.shutdown)
+        log.info("kvmem: rank %d: KV offload %s, %d layers, %d-byte blocks", self.rank,
+                 self.config.describe(), slots.num_slots, self.offload.copier.block_nbytes)
+
+    def _on_change(self, tier: str, name: str, present: bool) -> None:
+        """A tier's index changed (tier threads, under the tier's lock): record when the
+        rank as a whole starts or stops holding the block."""
+        with self._lock:
+            before = self._held_by_tiers[name]
+            after = before + (1 if present else -1)
+            if after:
+                self._held_by_tiers[name] = after
+            else:
+                del self._held_by_tiers[name]
+            if (before == 0) != (after == 0):
+                self._changes.append((name, after > 0))
+
+    # -- per step -------------------------------------------------------------------------
+    def start_load(self, meta: KvmemConnectorMetadata) -> None:
+        assert self.offload is not None
+        for job in meta.loads:
+            handle = self.offload.load(job.request_id, job.keys, job.block_ids)
+            if not handle.done.wait(LOAD_TIMEOUT_S):
+                log.error("kvmem: load of %d blocks for %s did not finish in %.0f s",
+                          len(job.block_ids), job.request_id, LOAD_TIMEOUT_S)
+            loaded = handle.num_loaded if handle.done.is_set() else 0
+            if loaded < len(job.block_ids):
+                log.warning("kvmem: request %s: %d of %d blocks loaded (%s); vLLM "
+                            "recomputes the rest", job.request_id, loaded,
+                            len(job.block_ids), handle.error or "timed out")
+                self._load_errors.update(job.block_ids[loaded:])
+        if meta.loads:
+            self.offload.poll()
+
+    def submit_stores(self, meta: KvmemConnectorMetadata) -> None:
+        assert self.offload is not None
+        for job in meta.stores:
+            self.holds.owner = job.request_id
+            queued = self.offload.offer(job.block_ids, job.keys)
+            log.info("kvmem: rank %d: store of %d blocks of request %s: %d held until copied",
+                     self.rank, len(job.block_ids), job.request_id, queued)
+            if queued == 0:
+                self.holds.done.add(job.request_id)  # nothing to copy: free at once
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Requests whose blocks are all copied, once vLLM has told us they finished."""
+        if self.offload is not None:
+            self.offload.poll()
+        self._seen_finished |= finished_req_ids
+        done = self.holds.done & self._seen_finished
+        self.holds.done -= done
+        self._seen_finished -= done
+        return done or None
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def report(self) -> TierReport | None:
+        if self.offload is None:
+            return None
+        with self._lock:
+            changes, self._changes = self._changes, []
+        if not changes and self._reported:
+            return None
+        self._reported = True
+        return TierReport({self.rank: changes})
+
+    def shutdown(self) -> None:
+        if self.offload is not None:
+            atexit.unregister(self.shutdown)
+            self.offload.shutdown(flush=True)
+
+
+def worker_identity(vllm_config: Any, layer_names: Sequence[str]) -> tuple[str, str]:
+    """(model, layout) of a worker's tiers: the weights by digest, model dtype and
+    architecture; the rank, its layers and the KV cache dtype."""
+    mc = vllm_config.model_config
+    digest = weights_digest(model_weight_files(mc.model, getattr(mc, "revision", None)))
+    archs = ",".join(getattr(mc.hf_config, "architectures", None) or [])
+    dtype = str(mc.dtype).removeprefix("torch.")
+    pc = vllm_config.parallel_config
+    layout = (f"vllm tp={pc.tensor_parallel_size} pp={pc.pipeline_parallel_size} "
+              f"rank={pc.rank} kv_dtype={vllm_config.cache_config.cache_dtype} "
+              f"layers={','.join(layer_names)}")
+    return f"{archs}|dtype={dtype}|weights={digest}", layout

