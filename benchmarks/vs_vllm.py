@@ -190,7 +190,7 @@ def run_offline(args, vllm_python: str, logs: Path) -> None:
 
 # ---- served ------------------------------------------------------------------------------
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> float:
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
         if proc.poll() is not None:
