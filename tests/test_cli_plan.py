@@ -38,10 +38,9 @@ def test_kv_cache_memory_bytes_accepts_units(capsys, size, expected):
 
 
 def test_proportional_from_the_command_line(capsys):
-    argv = PROBLEM2[:]
-    argv[argv.index("5GiB")] = "2.5GiB"
-    d = _json(capsys, argv + ["--kv-budget", "proportional"])
+    d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional"])
     assert [r["tokens"] for r in d["ranks"]] == [40_960, 40_960]
+    assert [r["kv_budget_bytes"] for r in d["ranks"]] == [4.375 * (1 << 30), 0.625 * (1 << 30)]
 
 
 def test_table_shows_ranks_and_engine_summary(capsys):
@@ -80,13 +79,11 @@ def test_vllm_budget_fits_the_smallest_rank_when_the_largest_does_not(capsys):
     note = d["engine_command"]["notes"][0]
     assert f"{budget:,} bytes" in note and "smallest rank's KV capacity" in note
     assert f"gives {blocks:,} blocks ({blocks * 16:,} tokens)" in note
-    assert f"reaches the plan's {d['engine']['num_blocks']:,} blocks" in note
+    assert f"the plan's per-rank budgets hold {d['engine']['num_blocks']:,} blocks" in note
 
 
 def test_vllm_budget_is_the_largest_when_every_rank_holds_it(capsys):
-    argv = PROBLEM2[:]
-    argv[argv.index("5GiB")] = "2.5GiB"
-    d = _json(capsys, argv + ["--kv-budget", "proportional", "--engine", "vllm"])
+    d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional", "--engine", "vllm"])
     cmd, ranks = d["engine_command"], d["ranks"]
     budget = int(cmd["argv"][cmd["argv"].index("--kv-cache-memory-bytes") + 1])
     assert budget == max(r["kv_budget_bytes"] for r in ranks)
@@ -95,6 +92,53 @@ def test_vllm_budget_is_the_largest_when_every_rank_holds_it(capsys):
     note = cmd["notes"][0]
     assert f"{budget:,} bytes (the largest per-rank budget" in note
     assert "gives 2,560 blocks (40,960 tokens)" in note
+
+
+def test_uneven_budgets_point_to_the_vllm_plugin_with_its_environment(capsys):
+    d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional", "--engine", "vllm"])
+    cmd = d["engine_command"]
+    assert any("KVMEM_VLLM_KV_BUDGET=proportional" in n and "vllm.general_plugins" in n
+               for n in cmd["notes"])
+    plugin = cmd["plugin"]
+    assert plugin["env"] == {"KVMEM_VLLM_KV_BUDGET": "proportional",
+                             "VLLM_PP_LAYER_PARTITION": "56,8"}
+    # the plugin gets the stated per-GPU value and splits it as the plan does
+    argv = plugin["argv"]
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-32B"]
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(5 << 30)
+
+
+def test_vllm_default_partition_and_even_budgets_need_no_plugin_or_variable(capsys):
+    d = _json(capsys, ["plan", "Qwen/Qwen3-32B", "--pp", "2", "--kv-cache-memory-bytes", "5GiB",
+                       "--engine", "vllm"])
+    cmd = d["engine_command"]
+    assert cmd["env"] == {} and "plugin" not in cmd and cmd["notes"] == []
+    assert cmd["argv"][cmd["argv"].index("--kv-cache-memory-bytes") + 1] == str(5 << 30)
+
+
+def test_sglang_says_it_cannot_express_per_rank_budgets(capsys):
+    d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional", "--engine", "sglang"])
+    assert any("no SGLang plugin" in n for n in d["engine_command"]["notes"])
+
+
+@pytest.mark.parametrize("engine, flag", [("vllm", "serve"), ("sglang", "--model-path"),
+                                          ("kvmem", "serve")])
+def test_engine_commands_name_the_model_as_given_not_its_config_label(tmp_path, capsys,
+                                                                       engine, flag):
+    model = tmp_path / "my model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**BASE_CONFIG,
+                                                   "_name_or_path": "Some Label 135M",
+                                                   "max_position_embeddings": 2048}))
+    for given, named in ((str(model), str(model)), (str(model / "config.json"), str(model))):
+        d = _json(capsys, ["plan", given, "--kv-cache-memory-bytes", "1GiB", "--engine", engine])
+        argv = d["engine_command"]["argv"]
+        assert argv[argv.index(flag) + 1] == named
+        assert "Some Label 135M" not in argv
+    shell = subprocess.run([sys.executable, "-c", "from kvmem.cli import main; main(['plan', "
+                            f"{str(model)!r}, '--kv-cache-memory-bytes', '1GiB', '--engine', "
+                            f"{engine!r}])"], capture_output=True, text=True, check=True).stdout
+    assert f"'{model}'" in shell  # quoted for the shell: a path with a space pastes as one
 
 
 def test_engine_sglang_and_kvmem(capsys):
@@ -227,10 +271,16 @@ def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
     broken.write_text("{not json")
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 64}))
-    for path, match in ((broken, "not valid JSON"), (partial, "missing")):
+    latin1 = tmp_path / "latin1" / "config.json"  # a model directory; "é" as one byte, 0xe9
+    latin1.parent.mkdir()
+    latin1.write_bytes('{"model_type": "llama", "_name_or_path": "café"}'.encode("latin-1"))
+    for path, match in ((broken, "not valid JSON"), (partial, "missing"),
+                        (latin1, f"{latin1}: not valid JSON (not UTF-8 text: byte 0xe9 "
+                                 "at offset 45)"),
+                        (latin1.parent, f"{latin1}: not valid JSON (not UTF-8")):
         assert main(["plan", str(path), "--kv-cache-memory-bytes", "1GiB"]) == 2
         err = capsys.readouterr().err.strip()
-        assert match in err and "\n" not in err
+        assert match in err and "\n" not in err, err
 
 
 def test_plot_to_an_unwritable_path_is_a_clean_error(tmp_path, capsys):

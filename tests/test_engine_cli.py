@@ -79,3 +79,42 @@ def test_serve_on_a_busy_port_fails_fast(model_dir):
         res = kvmem("serve", str(model_dir), "--port", str(port))
     assert res.returncode == 2
     assert res.stderr.strip().startswith("kvmem: error: cannot listen on 127.0.0.1:")
+
+
+@pytest.fixture(scope="module")
+def damaged_models(tmp_path_factory, model_dir):
+    """GGUF files with the right magic and damage after it, and a checkpoint directory
+    whose config.json is not UTF-8."""
+    import shutil
+
+    from tiny_models import embedded_files  # noqa: F401 (the embedded GGUF is installed)
+
+    from kvmem.engine.loader.gguf_convert import embedded_gguf
+
+    root = tmp_path_factory.mktemp("damaged")
+    with embedded_gguf().open("rb") as f:
+        head = f.read(1 << 16)
+    (root / "truncated.gguf").write_bytes(head)  # metadata cut short
+    (root / "garbage.gguf").write_bytes(head[:8] + bytes(range(256)) * 16)  # magic, version
+    latin1 = root / "latin1"
+    shutil.copytree(model_dir, latin1)
+    (latin1 / "config.json").write_bytes(b'{"model_type": "llama", "name": "caf\xe9"}')
+    return root
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("name", ["truncated.gguf", "garbage.gguf", "latin1"])
+def test_a_damaged_model_is_one_line_naming_it_exit_2(damaged_models, tmp_path, monkeypatch,
+                                                      capsys, command, name):
+    """In-process (an uncaught exception would fail the test), so it costs no torch import."""
+    from kvmem.cli import main
+
+    path = damaged_models / name
+    monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))
+    args = ["generate", "hi", "--model", str(path)] if command == "generate" else \
+        ["serve", str(path), "--port", "0"]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvmem: error:"), lines
+    assert str(path) in lines[0]
+    assert not list(tmp_path.glob("models/*"))  # no half-converted model left behind

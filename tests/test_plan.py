@@ -1,5 +1,7 @@
 """kvmem.plan: the acceptance figures of MISSION.md and public vLLM logs, policies, fit check."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvmem.errors import ConfigError, KvmemError
@@ -28,8 +30,10 @@ def test_problem2_uniform_budgets_waste_the_short_stage():
     assert round(p.engine.max_concurrency, 2) == 1.14
 
 
-def test_problem2_proportional_splits_a_5gib_total_by_stage_kv_bytes():
-    p = _qwen32_pp2("proportional", 5 * GiB // 2)  # 2.5 GiB x 2 stages = 5 GiB in total
+def test_problem2_proportional_splits_the_stated_5gib_by_stage_kv_bytes():
+    # seed 001: the stated per-GPU value is one tensor-parallel column's total, split by
+    # each stage's KV bytes per block; no rank gets more than the value it was given
+    p = _qwen32_pp2("proportional", 5 * GiB)
     assert [r.kv_budget_bytes for r in p.ranks] == [int(4.375 * GiB), int(0.625 * GiB)]
     assert [r.tokens for r in p.ranks] == [40_960, 40_960]
     assert p.engine.max_concurrency == pytest.approx(1.0)
@@ -39,10 +43,30 @@ def test_problem2_proportional_splits_a_5gib_total_by_stage_kv_bytes():
     assert p.engine.max_model_len_that_fits == 40_960 - 16
 
 
-def test_optimal_with_fixed_partition_matches_proportional_and_spends_no_more():
-    prop, opt = _qwen32_pp2("proportional", 5 * GiB // 2), _qwen32_pp2("optimal", 5 * GiB // 2)
-    assert opt.engine.num_blocks == prop.engine.num_blocks
-    assert sum(r.kv_budget_bytes for r in opt.ranks) <= 5 * GiB
+def test_proportional_splits_the_value_within_each_tensor_parallel_column():
+    p = plan(load_spec("Qwen/Qwen3-32B"),
+             Layout(tensor_parallel_size=2, pipeline_parallel_size=2, layer_partition=[56, 8]),
+             EngineSettings(kv_cache_memory_bytes=5 * GiB, **QWEN3_32B_FP8),
+             policy="proportional")
+    assert [r.kv_budget_bytes for r in p.ranks] == [int(4.375 * GiB)] * 2 + [int(0.625 * GiB)] * 2
+    assert {r.num_blocks for r in p.ranks} == {p.engine.num_blocks} == {5120}
+
+
+def test_optimal_with_fixed_partition_holds_uniforms_blocks_and_spends_no_more_than_needed():
+    uni, prop, opt = (_qwen32_pp2(policy, 5 * GiB)
+                      for policy in ("uniform", "proportional", "optimal"))
+    assert opt.engine.num_blocks == uni.engine.num_blocks == 2925 > prop.engine.num_blocks
+    assert max(r.kv_budget_bytes for r in opt.ranks) <= 5 * GiB
+    assert [r.kv_budget_bytes for r in opt.ranks] == [2925 * r.bytes_per_block
+                                                      for r in opt.ranks]
+
+
+def test_optimal_never_exceeds_the_stated_value_when_choosing_a_partition():
+    p = plan(load_spec("Qwen/Qwen3-32B"), Layout(pipeline_parallel_size=2),
+             EngineSettings(kv_cache_memory_bytes=5 * GiB, **QWEN3_32B_FP8), policy="optimal")
+    assert p.engine.layer_partition == [32, 32]
+    assert [r.kv_budget_bytes for r in p.ranks] == [5 * GiB, 5 * GiB]
+    assert p.engine.tokens == 81_920
 
 
 # ---------------------------------------------------------------- MISSION.md problem 1
@@ -199,12 +223,15 @@ def test_profile_replaces_estimates_for_its_rank():
     assert r.kv_budget_bytes == 36 * GiB - 18 * GiB
 
 
-def test_disabling_cuda_graphs_frees_their_estimate_for_kv():
+def test_reserved_cuda_graphs_come_out_of_kv_and_enforce_eager_frees_them():
     spec, layout = load_spec("qwen3-8b"), Layout(gpus=["L40S"])
-    on = plan(spec, layout, EngineSettings(cuda_graphs=True)).ranks[0]
-    off = plan(spec, layout, EngineSettings(cuda_graphs=False)).ranks[0]
+    on = plan(spec, layout, EngineSettings(reserve_cuda_graphs=True)).ranks[0]
+    off = plan(spec, layout, EngineSettings(cuda_graphs=False,
+                                            reserve_cuda_graphs=True)).ranks[0]
     assert on.cuda_graph_bytes > 0 and off.cuda_graph_bytes == 0
     assert off.kv_budget_bytes - on.kv_budget_bytes == on.cuda_graph_bytes
+    # by default graphs live in the utilisation's headroom, as vLLM V1 logs show
+    assert plan(spec, layout, EngineSettings()).ranks[0].kv_budget_bytes == off.kv_budget_bytes
 
 
 def test_cpu_offload_moves_weight_bytes_off_the_gpu():
@@ -219,7 +246,13 @@ def test_explicit_budget_larger_than_memory_is_reported_not_hidden():
     p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]),
              EngineSettings(kv_cache_memory_bytes=20 * GiB, max_model_len=4096))
     assert p.ranks[0].over_committed and not p.engine.fits
-    with pytest.raises(FitError, match="exceeds"):
+    with pytest.raises(FitError, match="KV budget 20.00 GiB exceeds the 3.05 GiB left"):
+        p.check_fit()
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]),
+             EngineSettings(kv_cache_memory_bytes=20 * GiB, max_model_len=4096,
+                            max_num_seqs=1024))
+    assert p.ranks[0].over_committed and not p.engine.fits
+    with pytest.raises(FitError, match="cannot hold its KV budget of 20.00 GiB"):
         p.check_fit()
 
 
@@ -240,7 +273,7 @@ def test_optimal_picks_a_partition_for_unequal_gpus():
 
 def test_optimal_unloads_the_last_stage_which_also_holds_lm_head_and_logits():
     spec, layout = load_spec("Qwen/Qwen3-32B"), Layout(pipeline_parallel_size=2, gpus=["H100"])
-    settings = EngineSettings(max_model_len=8192)
+    settings = EngineSettings(max_model_len=8192, max_num_seqs=1024)  # vLLM's H100 default
     even = plan(spec, layout, settings, policy="uniform")
     best = plan(spec, layout, settings, policy="optimal")
     first, last = best.engine.layer_partition
@@ -248,7 +281,7 @@ def test_optimal_unloads_the_last_stage_which_also_holds_lm_head_and_logits():
 
 
 def test_optimal_keeps_the_even_partition_when_it_is_already_best():
-    # the shared kv_cache_memory_bytes total, not any GPU, limits the blocks here
+    # the stated kv_cache_memory_bytes, not any GPU, limits the blocks here
     p = plan(load_spec("Qwen/Qwen3-32B"), Layout(pipeline_parallel_size=2, gpus=["H200"]),
              EngineSettings(kv_cache_memory_bytes=GiB, max_model_len=8192), policy="optimal")
     assert p.engine.layer_partition == [32, 32] and not p.notes
@@ -302,3 +335,75 @@ def test_unknown_gpu_hint_names_each_gpu_once(name):
         plan(load_spec("qwen3-8b"), Layout(gpus=[name]), EngineSettings())
     hint = str(err.value).split("did you mean ")[1].split("?")[0].split(", ")
     assert len(hint) == len(set(hint)) and "H100" in hint
+
+
+# ---------------------------------------------------------------- failure reasons
+
+def _fit_message(p):
+    with pytest.raises(FitError) as err:
+        p.check_fit()
+    return str(err.value)
+
+
+def test_weights_alone_over_a_rank_are_named_with_what_would_fit():
+    spec = load_spec("Qwen/Qwen3-32B")
+    settings = EngineSettings(max_model_len=40960)
+    p = plan(spec, Layout(pipeline_parallel_size=2, layer_partition=[56, 8], gpus=["RTX-3090"]),
+             settings)
+    msg = _fit_message(p)
+    assert msg.startswith("rank 0 (pp stage 0, tp rank 0) holds 52.31 GiB of weights (layers "
+                          "0-55), more than the 21.32 GiB it may use of 23.69 GiB device memory, "
+                          "before any KV cache")
+    assert "KV budget of 0 B" not in msg and "fits is 0" not in msg
+    # the smallest doubling that fits: every named layout fits, no smaller one does
+    assert p.alternatives == [a for a in p.alternatives if a.endswith("tokens)")]
+    named = [a for a in p.alternatives if a.startswith("tp ")]
+    assert named and all("(4 GPUs" in a for a in named)
+    for tp, pp in ((1, 4), (2, 2)):
+        assert plan(spec, Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                 gpus=["RTX-3090"]), settings).engine.fits
+        assert f"tp {tp} x pp {pp} (4 GPUs" in msg
+    for tp, pp in ((1, 2), (2, 1)):  # world 2 does not fit; (4, 1) is no doubling of pp 2
+        assert not plan(spec, Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                     gpus=["RTX-3090"]), settings).engine.fits
+
+
+def test_activation_and_graph_estimates_that_leave_no_kv_room_are_named():
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]),
+             EngineSettings(max_model_len=40960, max_num_seqs=1024))
+    msg = _fit_message(p)
+    r = p.ranks[0]
+    assert r.weights_bytes < r.budget_bytes < r.non_kv_bytes
+    assert msg.startswith("rank 0 (pp stage 0, tp rank 0): 15.26 GiB of weights, 5.65 GiB peak "
+                          "activation")
+    assert "leaving 0 B for KV cache" in msg and "tp 1 x pp 2 (2 GPUs" in msg
+
+
+def test_a_quantised_checkpoint_and_an_fp8_cache_are_suggested_when_they_fit():
+    spec = load_spec("Qwen/Qwen3-32B")
+    p = plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=40960))
+    assert any(a.startswith("8-bit weights") for a in p.alternatives)
+    assert plan(replace(spec, weight_bits=8), Layout(gpus=["H100"]),
+                EngineSettings(max_model_len=40960)).engine.fits
+    p = plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=40960))
+    assert p.alternatives[0].startswith("an fp8 KV cache")
+    assert plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=40960,
+                                                            kv_cache_dtype="fp8")).engine.fits
+
+
+def test_another_partition_is_suggested_when_it_fits():
+    spec = load_spec("Qwen/Qwen3-14B")
+    p = plan(spec, Layout(pipeline_parallel_size=2, gpus=["V100-16GB", "V100-32GB"]),
+             EngineSettings(max_model_len=32768))
+    best = plan(spec, Layout(pipeline_parallel_size=2, gpus=["V100-16GB", "V100-32GB"]),
+                EngineSettings(max_model_len=32768), policy="optimal")
+    first, second = best.engine.layer_partition
+    assert first < second and best.engine.fits
+    assert any(a.startswith(f"layer partition {first},{second} with optimal KV budgets")
+               for a in p.alternatives)
+
+
+def test_the_engine_sizes_without_searching_alternatives():
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]),
+             EngineSettings(max_model_len=40960, max_num_seqs=1024), suggest=False)
+    assert not p.engine.fits and p.alternatives == []

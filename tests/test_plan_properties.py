@@ -94,19 +94,35 @@ def test_stage_layers_cover_the_model_exactly_once(deployment, policy):
 
 
 @settings(**COMMON)
+@given(deployments(), st.integers(1, 64), st.booleans(),
+       st.sampled_from(["uniform", "proportional", "optimal"]))
+def test_no_rank_gets_more_than_a_stated_kv_cache_memory_bytes(deployment, gib, gpus, policy):
+    spec, layout, engine = deployment
+    value = gib << 30
+    explicit = EngineSettings(**{**engine.__dict__, "kv_cache_memory_bytes": value})
+    if not gpus:  # no GPU: the stated value alone limits
+        layout = Layout(tensor_parallel_size=layout.tensor_parallel_size,
+                        pipeline_parallel_size=layout.pipeline_parallel_size,
+                        layer_partition=layout.layer_partition)
+    p = plan(spec, layout, explicit, policy=policy)
+    assert max(r.kv_budget_bytes for r in p.ranks) <= value
+    if policy == "proportional":  # the value is one tensor-parallel column's total
+        tp = layout.tensor_parallel_size
+        for t in range(tp):
+            assert sum(r.kv_budget_bytes for r in p.ranks if r.tp_rank == t) <= value
+
+
+@settings(**COMMON)
 @given(deployments(), st.integers(1, 64))
-def test_proportional_and_optimal_share_one_explicit_total(deployment, gib):
+def test_optimal_holds_the_most_within_a_stated_value(deployment, gib):
     spec, layout, engine = deployment
     explicit = EngineSettings(**{**engine.__dict__, "kv_cache_memory_bytes": gib << 30})
     plain = Layout(tensor_parallel_size=layout.tensor_parallel_size,
                    pipeline_parallel_size=layout.pipeline_parallel_size,
-                   layer_partition=layout.layer_partition)  # no GPU: the total alone limits
-    total = (gib << 30) * layout.world_size
-    for policy in ("proportional", "optimal"):
-        p = plan(spec, plain, explicit, policy=policy)
-        assert sum(r.kv_budget_bytes for r in p.ranks) <= total
-    uniform = plan(spec, plain, explicit, policy="uniform").engine.tokens
-    assert plan(spec, plain, explicit, policy="optimal").engine.tokens >= uniform
+                   layer_partition=layout.layer_partition)
+    best = plan(spec, plain, explicit, policy="optimal").engine.tokens
+    assert best >= plan(spec, plain, explicit, policy="uniform").engine.tokens
+    assert best >= plan(spec, plain, explicit, policy="proportional").engine.tokens
 
 
 def _exhaustive_best(spec, layout, engine):
@@ -116,7 +132,8 @@ def _exhaustive_best(spec, layout, engine):
         bounds = [0, *cuts, spec.num_layers]
         parts = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
         fixed = Layout(**{**layout.__dict__, "layer_partition": parts})
-        best = max(best, plan(spec, fixed, engine, policy="optimal").engine.num_blocks)
+        best = max(best, plan(spec, fixed, engine, policy="optimal",
+                              suggest=False).engine.num_blocks)
     return best
 
 
@@ -164,3 +181,20 @@ def test_optimal_matches_exhaustive_search_on_random_hybrid_deployments(model, t
                             max_num_seqs=data.draw(st.sampled_from([16, 256])))
     found = plan(spec, layout, engine, policy="optimal").engine.num_blocks
     assert found == _exhaustive_best(spec, layout, engine)
+
+
+@settings(**COMMON)
+@given(deployments(), st.sampled_from(["uniform", "proportional", "optimal"]))
+def test_a_fit_error_never_blames_an_empty_kv_budget(deployment, policy):
+    """When non-KV memory leaves a rank no room, the message names that memory, never a
+    'KV budget of 0 B' with a longest max_model_len of 0."""
+    from kvmem.plan import FitError
+
+    spec, layout, engine = deployment
+    p = plan(spec, layout, engine, policy=policy)
+    try:
+        p.check_fit()
+    except FitError as err:
+        msg = str(err)
+        assert "KV budget of 0 B" not in msg and "that fits is 0" not in msg
+        assert msg.startswith("rank ")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import stat
 import threading
 import time
 from collections import Counter
@@ -233,6 +235,38 @@ def test_disk_tier_stores_files_with_exact_accounting(manager_factory):
     assert handle.ok
     for dst, e in zip((11, 12, 13), expected, strict=True):
         assert same_block(storage, dst, e)
+
+
+@pytest.fixture
+def permissive_umask():
+    old = os.umask(0)  # every file and directory would be world-readable and writable
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_disk_tier_is_private_whatever_the_umask(manager_factory, tmp_path, permissive_umask):
+    """Blocks encode users' prompts: 0700 directories and 0600 files, also in a namespace
+    that an earlier run left 0755."""
+    mgr, _, _ = manager_factory(cpu_blocks=1, disk_blocks=4, disk_dir=tmp_path / "new")
+    mgr.offer([1, 2, 3], keys(1, 2, 3))
+    mgr.drain()
+    paths = [mgr.disk.root, *mgr.disk.root.rglob("*")]
+    assert len([p for p in paths if p.suffix == ".kvb"]) == 3
+    wrong = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in paths
+             if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)}
+    assert wrong == {}
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700  # created here, so ours
+    mgr.shutdown(flush=True)
+
+    root = mgr.disk.root
+    root.chmod(0o755)
+    (root / "identity.json").chmod(0o644)
+    again, _, _ = manager_factory(cpu_blocks=1, disk_blocks=4, disk_dir=tmp_path / "new")
+    assert again.disk.root == root and again.lookup(keys(1, 2, 3)) == 3
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE((root / "identity.json").stat().st_mode) == 0o600
 
 
 def test_disk_tier_evicts_to_stay_within_budget(manager_factory):

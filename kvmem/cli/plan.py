@@ -48,24 +48,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of total GPU memory the engine may use (default 0.9)")
     e.add_argument("--kv-cache-memory-bytes", metavar="SIZE",
-                   help="KV bytes per rank, e.g. 5GiB, 512MiB or plain bytes; skips estimates")
+                   help="most KV bytes any GPU may get, e.g. 5GiB, 512MiB or plain bytes; "
+                        "skips estimates")
     e.add_argument("--kv-budget", default="uniform",
                    choices=("uniform", "proportional", "optimal"),
-                   help="uniform: same budget on every rank (as vLLM); proportional: the total "
-                        "split by each stage's KV bytes; optimal: best partition and budgets "
-                        "for each GPU's memory (default uniform)")
+                   help="uniform: same budget on every rank (as vLLM); proportional: the "
+                        "stated budget (else the GPUs' pooled memory) split over the pipeline "
+                        "stages by their KV bytes; optimal: best partition and budgets within "
+                        "each GPU's memory and the stated budget (default uniform)")
     e.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="auto (model dtype), bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2")
     e.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV block (default 16)")
     e.add_argument("--max-model-len", type=int, metavar="N",
                    help="longest request in tokens (default: the model's context length)")
-    e.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
-                   help="most requests running at once (default 256)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
-                   help="tokens per scheduler step (default 8192)")
+    e.add_argument("--max-num-seqs", type=int, metavar="N",
+                   help="most requests running at once (default: vLLM's for the GPU, 1024 "
+                        "from 70 GiB except A100s, else 256)")
+    e.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   help="tokens per scheduler step (default: vLLM's for the GPU, 16384 from "
+                        "160 GiB, 8192 from 70 GiB except A100s, else 2048)")
     e.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (their memory is then not reserved)")
+                   help="no CUDA graphs")
+    e.add_argument("--reserve-cuda-graphs", action="store_true",
+                   help="subtract the CUDA-graph estimate from the KV budget, as vLLM >= 0.21 "
+                        "does (default: graphs use the utilisation's headroom)")
     e.add_argument("--weight-offload-gib", type=float, default=0.0, metavar="GiB",
                    help="weight GiB per GPU kept in CPU memory (vLLM's --cpu-offload-gb; "
                         "default 0)")
@@ -111,7 +118,7 @@ def _gib_list(text: str, what: str) -> list[int]:
     return out
 
 
-def _inputs(args: argparse.Namespace):
+def _inputs(args: argparse.Namespace, measured=None):
     from kvmem.plan import EngineSettings, Layout
     from kvmem.plan.partition import parse_partition
     from kvmem.units import gib_bytes, parse_size
@@ -131,13 +138,28 @@ def _inputs(args: argparse.Namespace):
                  if args.layer_partition is not None else None)
     layout = Layout(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                     layer_partition=partition, gpus=gpus, gpu_memory_bytes=memory)
+    batched, seqs = _batch_defaults(layout, measured)
     settings = EngineSettings(
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
         block_size=args.block_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graphs=not args.enforce_eager, cpu_offload_bytes=offload,
-        kv_cache_dtype=args.kv_cache_dtype)
+        max_num_seqs=seqs if args.max_num_seqs is None else args.max_num_seqs,
+        max_num_batched_tokens=(batched if args.max_num_batched_tokens is None
+                                else args.max_num_batched_tokens),
+        cuda_graphs=not args.enforce_eager, reserve_cuda_graphs=args.reserve_cuda_graphs,
+        cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype)
     return layout, settings
+
+
+def _batch_defaults(layout, measured) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) when not given: a profile's own, else what
+    vLLM picks for rank 0's GPU (kvmem.plan.estimates.vllm_batch_defaults)."""
+    from kvmem.plan.estimates import vllm_batch_defaults
+    from kvmem.plan.validate import rank_memory
+
+    if measured is not None:
+        return measured.max_num_batched_tokens, measured.max_num_seqs
+    memory = rank_memory(layout)[0]
+    return vllm_batch_defaults(memory, layout.gpus[0] if layout.gpus else None)
 
 
 def _offload_config(args: argparse.Namespace):
@@ -194,6 +216,17 @@ def _offload_flags(config) -> list[str]:
     if config.policy != "lru":
         argv += ["--offload-policy", config.policy]
     return argv
+
+
+def served_model(model: str, spec) -> str:
+    """The model as an engine command names it: the path the user gave (a config.json's
+    directory), else the hub name of the catalog entry (never the config's label)."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return str(Path(model).parent) if Path(model).parent != Path() else "."
+    if path.is_dir():
+        return model
+    return spec.name
 
 
 def _checkpoint_dir(model: str) -> Path | None:
@@ -268,13 +301,14 @@ def run(args: argparse.Namespace) -> int:
     from kvmem.spec import load_spec
 
     spec = load_spec(args.model)
-    layout, settings = _inputs(args)
-    offload = _offload_config(args)
     measured = None
     if args.profile:
         from kvmem.engine.profiler import MemoryProfile  # reads JSON; imports no torch
 
         measured = MemoryProfile.load(args.profile)
+    layout, settings = _inputs(args, measured)
+    offload = _offload_config(args)
+    if measured is not None:
         _check_profile_matches(measured, layout, settings, args.profile)
     result = plan(spec, layout, settings, policy=args.kv_budget,
                   profile=[measured.to_rank_profile()] if measured else None,
@@ -282,8 +316,8 @@ def run(args: argparse.Namespace) -> int:
     if measured is not None:
         result.notes.append(f"measured memory of {measured.model} on {measured.device} "
                             f"({args.profile}) replaces the estimates on every rank")
-    model = spec.hf_id or args.model
-    command = engine_command(result, args.engine, model) if args.engine else None
+    command = (engine_command(result, args.engine, served_model(args.model, spec))
+               if args.engine else None)
     offload_section = kv_offload(result, offload)
     if command is not None and offload_section is not None:
         if args.engine == "kvmem":
@@ -314,8 +348,7 @@ def run(args: argparse.Namespace) -> int:
         if offload_section is not None:
             out["kv_offload"] = offload_section
         if command is not None:
-            out["engine_command"] = {"argv": command.argv, "env": command.env,
-                                     "notes": command.notes}
+            out["engine_command"] = command.to_dict()
         print(json.dumps(out, indent=1))
     else:
         from kvmem.plan.report import print_plan

@@ -6,8 +6,15 @@ import argparse
 import os
 import signal
 import socket
+import threading
 
 from kvmem.errors import KvmemError
+
+# SIGINT/SIGTERM: in-flight requests get this long to finish, then the engine fails those
+# still running, so each response ends with an error (a 503 body, or an error event and
+# [DONE] on a stream); uvicorn cancels what is left only after a further margin.
+GRACEFUL_SHUTDOWN_S = 5.0
+_CANCEL_MARGIN_S = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("KVMEM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $KVMEM_API_KEY)")
+    g.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key")
+    g.add_argument("--max-request-bytes", default="16MiB", metavar="SIZE",
+                   help="refuse request bodies larger than this with 413 (default: 16MiB)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
 
@@ -36,6 +47,26 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class(base: type) -> type:
+    """``base`` (uvicorn.Server) that, once asked to exit, gives in-flight requests
+    GRACEFUL_SHUTDOWN_S and then fails the ones still running in the engine."""
+
+    class Server(base):
+        def __init__(self, config, engine) -> None:
+            super().__init__(config)
+            self._abort_timer = threading.Timer(
+                GRACEFUL_SHUTDOWN_S, engine.abort_all,
+                args=("the server is shutting down; the request was aborted",))
+            self._abort_timer.daemon = True
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if self._abort_timer.ident is None:  # the first signal starts the countdown
+                self._abort_timer.start()
+
+    return Server
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -45,9 +76,11 @@ def run(args: argparse.Namespace) -> int:
     from kvmem.engine.config import EngineConfig
     from kvmem.engine.llm_engine import LLMEngine
     from kvmem.serve import create_app
+    from kvmem.units import parse_size
 
     if not 0 <= args.port <= 65535:
         raise KvmemError(f"--port must be in 0..65535, got {args.port}")
+    max_request_bytes = parse_size(args.max_request_bytes, "--max-request-bytes")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_config = EngineConfig.from_args(args)
     parallel = None
@@ -59,8 +92,11 @@ def run(args: argparse.Namespace) -> int:
             return run_launched_worker(engine_config, parallel)  # rank 0 serves HTTP
     sock = _listen(args.host, args.port)  # fail before loading the model if the port is taken
     engine = LLMEngine(engine_config, parallel=parallel)
-    app = create_app(AsyncLLMEngine(engine), api_key=args.api_key)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, api_key=args.api_key, max_request_bytes=max_request_bytes,
+                     public_metrics=args.public_metrics)
+    config = uvicorn.Config(app, log_level=args.log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + _CANCEL_MARGIN_S)
     host, port = sock.getsockname()[:2]
     logging.getLogger("kvmem.serve").info("serving %s on http://%s:%d", engine.model_name,
                                           host, port)
@@ -69,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     # requested shutdown exits 0 instead of dying by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server = uvicorn.Server(config)
+    server = _server_class(uvicorn.Server)(config, async_engine)
     if engine.parallel is not None:  # a failed rank stops the server, which then exits 2
         engine.parallel.on_failure(lambda _: setattr(server, "should_exit", True))
     server.run(sockets=[sock])

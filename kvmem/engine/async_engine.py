@@ -43,6 +43,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self._ready = threading.Event()
         self._idle_poll_s = idle_poll_s
         self._thread = threading.Thread(target=self._run, name="kvmem-engine", daemon=True)
@@ -59,9 +60,17 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def abort_all(self, reason: str) -> None:
+        """Refuse new requests and fail every running one with EngineError(``reason``), so
+        each open response ends with an error (a server's last step before it stops).
+        Thread-safe; the engine thread keeps running until shutdown()."""
+        self._draining.set()
+        self._send("abort_all", reason)
+
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self._thread.is_alive() and not self._stopping.is_set()
+        return self._ready.is_set() and self._thread.is_alive() and not self._stopping.is_set() \
+            and not self._draining.is_set()
 
     # -- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams,
@@ -72,6 +81,8 @@ class AsyncLLMEngine:
 
     async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Outputs of ``request`` as it advances; aborts it if the consumer stops early."""
+        if self._draining.is_set():
+            raise EngineError("the server is shutting down")
         if not self.is_ready:
             raise EngineError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -115,11 +126,11 @@ class AsyncLLMEngine:
                 outputs = self.engine.step()
             except Exception as e:  # a bug must not take the server down: fail what runs
                 logger.exception("engine step failed; failing the running requests")
-                outputs = self._fail_all(e)
+                outputs = self._fail_all(f"engine error: {e}")
             self.snapshot = self.engine.snapshot()
             for output in outputs:
                 self._deliver(output.request_id, output)
-        self._fail_all(EngineError("the server is shutting down"))
+        self._fail_all("engine error: the server is shutting down")
 
     def _apply_commands(self) -> None:
         while True:
@@ -127,23 +138,27 @@ class AsyncLLMEngine:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
+            if kind == "add" and self._draining.is_set():  # sent just before abort_all
+                self._deliver(payload.request_id, EngineError("the server is shutting down"))
+            elif kind == "add":
                 try:
                     self.engine.add_request(payload)
                 except KvmemError as e:
                     self._deliver(payload.request_id, e)
             elif kind == "abort":
                 self.engine.abort_request(payload)
+            elif kind == "abort_all":
+                self._fail_all(payload)
         self.snapshot = self.engine.snapshot()
 
-    def _fail_all(self, error: BaseException) -> list[RequestOutput]:
+    def _fail_all(self, message: str) -> list[RequestOutput]:
         ids = list(self.engine.requests)
         try:
             self.engine.abort_request(ids)
         except Exception:  # pragma: no cover - the engine state is already broken
             logger.exception("could not abort requests after a failed step")
         for request_id in ids:
-            self._deliver(request_id, EngineError(f"engine error: {error}"))
+            self._deliver(request_id, EngineError(message))
         return []
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:

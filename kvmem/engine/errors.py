@@ -18,3 +18,8 @@ class PromptTooLongError(InvalidRequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, param="prompt")
+
+    @classmethod
+    def for_length(cls, num_tokens: int, max_model_len: int) -> PromptTooLongError:
+        return cls(f"the prompt has {num_tokens} tokens but max_model_len is {max_model_len} "
+                   f"(at most {max_model_len - 1} prompt tokens)")

@@ -56,7 +56,8 @@ def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         cuda_graphs=False, cpu_offload_bytes=0, kv_cache_dtype=kv_dtype)
     profiles = profile if isinstance(profile, list) else [profile] if profile else None
-    result = plan(spec, layout, settings, policy=config.kv_budget, profile=profiles)
+    result = plan(spec, layout, settings, policy=config.kv_budget, profile=profiles,
+                  suggest=False)
     if layout.world_size == 1:
         result.check_fit()
     return result

@@ -234,23 +234,23 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt, max_model_len=self.max_model_len)
         else:
             prompt_text, token_ids = None, list(prompt)
-            vocab = self.spec.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
-                                          param="prompt")
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         n, limit = len(token_ids), self.max_model_len
         if n >= limit:
-            raise PromptTooLongError(f"the prompt has {n} tokens but max_model_len is {limit} "
-                                     f"(at most {limit - 1} prompt tokens)")
+            raise PromptTooLongError.for_length(n, limit)
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise PromptTooLongError(
                 f"{n} prompt tokens + max_tokens {params.max_tokens} = {n + params.max_tokens} "
                 f"exceeds max_model_len {limit}; lower max_tokens or shorten the prompt")
+        vocab = self.spec.vocab_size  # checked after the length: at most max_model_len ids
+        if prompt_text is None and not all(isinstance(t, int) and 0 <= t < vocab
+                                           for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
+                                      param="prompt")
         request = Request(request_id, token_ids, params, prompt=prompt_text,
                           cache_salt=cache_salt, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         if params.seed is not None:

@@ -58,6 +58,8 @@ class SamplingParams:
             raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if not all(_is_unicode(s) for s in self.stop):  # a lone surrogate can never match
+            raise bad("stop", "must be valid Unicode (no lone surrogates)")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
 
@@ -68,6 +70,14 @@ class SamplingParams:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_number(x: object) -> bool:

@@ -3,6 +3,10 @@
 Wraps a ``tokenizers`` tokenizer.json with what serving needs: the model's chat template
 (rendered with jinja2 the way HuggingFace tokenizers do), its end-of-sequence ids, and
 an incremental detokenizer that never emits a broken UTF-8 piece.
+
+Encoding releases the GIL (a long prompt takes seconds), so a server that encodes on a
+worker thread keeps answering meanwhile; text that is not valid Unicode (a lone UTF-16
+surrogate such as ``"\\ud800"``, which JSON allows) is an InvalidRequestError.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.errors import KvmemError
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -21,10 +26,20 @@ class ChatTemplateError(KvmemError):
     """Messages that the model's chat template cannot render (or no template)."""
 
 
+def check_unicode(text: str, param: str | None = "prompt") -> None:
+    """Raise InvalidRequestError unless ``text`` encodes to UTF-8 (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{param or 'text'} is not valid Unicode: a lone surrogate "
+            f"{text[e.start]!r} at character {e.start}", param=param) from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
+        return json.loads(path.read_bytes()) if path.is_file() else {}
+    except (OSError, ValueError):  # not JSON, or not UTF-8
         return {}
 
 
@@ -73,10 +88,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               param: str | None = "prompt", max_model_len: int | None = None) -> list[int]:
         """Token ids; ``add_special_tokens`` adds e.g. BOS where the model's tokenizer does
-        (pass False for text rendered by the chat template, which already has them)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        (pass False for text rendered by the chat template, which already has them).
+        Text that is not valid Unicode raises InvalidRequestError naming ``param``; with
+        ``max_model_len``, text of that many tokens or more raises PromptTooLongError."""
+        check_unicode(text, param)
+        # The batch call releases the GIL while it works (encode holds it), so other threads,
+        # an HTTP server's event loop among them, run while a long prompt is encoded; the
+        # "fast" one skips character offsets, which makes it ~2.5x faster and its result
+        # cheap to free (freeing is done holding the GIL).
+        encoding = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        if max_model_len is not None and len(encoding) >= max_model_len:
+            raise PromptTooLongError.for_length(len(encoding), max_model_len)  # ids not copied
+        return encoding.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

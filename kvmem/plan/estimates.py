@@ -1,14 +1,29 @@
-"""Estimates of the non-KV memory a rank needs when nothing was measured.
+"""Estimates of the non-KV memory a vLLM V1 rank needs when nothing was measured.
 
-Calibrated to public vLLM memory profiles (docs/plan.md lists the figures and the errors):
+Each term follows what vLLM V1 does at start-up (``gpu_worker.determine_available_memory``
+and ``gpu_model_runner.profile_run``, read in vLLM's source) and is checked against public
+start-up logs (docs/plan.md lists every case and its error):
 
-- peak activation: one chunked-prefill step of ``max_num_batched_tokens`` tokens. The last
-  pipeline stage holds fp32 logits for every token (tokens x vocab x 4 bytes); every stage
-  holds a few hidden-size and intermediate-size buffers per token (and expert routing
-  buffers for MoE models);
-- CUDA graphs: a constant per captured batch size per decoder layer on the rank, twice as
-  much with tensor parallelism (all-reduce nodes and their buffers);
-- non-torch memory (CUDA context, communicators): 0.15 GiB alone, 0.5 GiB with parallelism.
+- **peak activation** is the larger of two peaks measured during ``profile_run``:
+  the dummy forward pass over ``max_num_batched_tokens`` tokens (``_dummy_run``) and, on
+  the last pipeline stage, the sampler warm-up (``_dummy_sampler_run``) over
+  ``min(max_num_seqs, max_num_batched_tokens)`` requests. The sampler's logits span the
+  whole vocabulary on every tensor-parallel rank (vLLM V1 all-gathers them) and the
+  top-k/top-p path keeps several vocabulary-sized tensors alive at once, so with the
+  large defaults of H100-class GPUs (1,024 sequences) it is the peak for most models:
+  4.76 GiB logged for Llama-3.1-8B, 7.38 GiB for gpt-oss-20b.
+- **non-torch** memory (cuBLAS workspaces; NCCL and custom all-reduce buffers when the
+  rank has peers): 0.13 GiB alone and 0.55 GiB with tensor or pipeline parallelism, as
+  logged on H100.
+- **CUDA graphs**: a constant per captured batch size per decoder layer, twice as much
+  with tensor parallelism (all-reduce nodes); sizes as vLLM captures them by default.
+  vLLM before 0.21 captures graphs after sizing the KV cache, inside the utilisation
+  headroom, so its logged KV budget does not include them; later versions subtract an
+  estimate (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``), which the planner follows
+  when ``EngineSettings.reserve_cuda_graphs`` is set.
+
+Also the batch defaults vLLM picks per GPU (``EngineArgs.get_batch_defaults``), which
+decide the two peaks above. Imports no torch.
 """
 
 from __future__ import annotations
@@ -16,11 +31,31 @@ from __future__ import annotations
 from kvmem.spec import ModelSpec, dtype_bytes
 from kvmem.units import GiB, MiB
 
-HIDDEN_BUFFERS = 8  # hidden-size activations alive per token at the peak (residual, qkv, ...)
-INTERMEDIATE_BUFFERS = 3  # gate, up and activated intermediate per token
+# Sampler warm-up, bytes per logit alive at its peak beyond the model-dtype logits: float32
+# logits (4), top-k/top-p sort values and int64 indices (4 + 8), sorted probabilities and
+# their cumulative sum (4 + 4), the top-p mask (1), logits scattered back (4), sampling
+# probabilities and exponential noise (4 + 4). Logged peaks give 38.4-39.8 bytes per logit
+# with bf16 logits (Llama-3.1-8B, Qwen3-0.6B, Qwen3-32B, gpt-oss-20b, gemma-3-4b-it).
+SAMPLER_BYTES_PER_LOGIT = 37
+# Forward pass, per token: the residual stream and the layer's input and output (hidden
+# size each) stay alive while the widest of the attention (q, k, v and attention output)
+# or MLP (gate and up projections, activated intermediate) transients is live.
+HIDDEN_BUFFERS = 3
 GRAPH_BYTES_PER_LAYER_PER_SIZE = round(0.384 * MiB)
-NON_TORCH_SINGLE = round(0.15 * GiB)
-NON_TORCH_PARALLEL = round(0.5 * GiB)
+NON_TORCH_SINGLE = round(0.13 * GiB)
+NON_TORCH_PARALLEL = round(0.55 * GiB)
+
+
+def vllm_batch_defaults(memory_bytes: int | None, gpu: str | None = None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that ``vllm serve`` picks for a GPU of this
+    total memory: 16,384 and 1,024 from 160 GiB; 8,192 and 1,024 from 70 GiB except on
+    A100s; 2,048 and 256 below (and when the memory is not known)."""
+    if memory_bytes is not None and memory_bytes >= 160 * GiB:
+        return 16384, 1024
+    if memory_bytes is not None and memory_bytes >= 70 * GiB and \
+            "a100" not in (gpu or "").lower():
+        return 8192, 1024
+    return 2048, 256
 
 
 def cuda_graph_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -31,18 +66,34 @@ def cuda_graph_capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= largest]
 
 
-def activation_bytes(spec: ModelSpec, tp: int, max_num_batched_tokens: int,
-                     is_last_stage: bool) -> int:
-    """Peak activation memory of one rank during a step of max_num_batched_tokens tokens."""
+def forward_activation_bytes(spec: ModelSpec, tp: int, num_tokens: int) -> int:
+    """Peak of the dummy forward pass over ``num_tokens`` tokens on one rank."""
     elem = dtype_bytes(spec.dtype)
+    q = spec.num_attention_heads * spec.head_dim // tp
+    kv = 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim
+    attention = 2 * q + kv  # q, k, v projections and the attention output
     moe = spec.moe
-    inter = moe.moe_intermediate_size if moe else spec.intermediate_size
-    per_token = elem * (HIDDEN_BUFFERS * spec.hidden_size + INTERMEDIATE_BUFFERS * inter // tp)
-    if moe:  # routed copies of each token's hidden state and expert intermediates
-        per_token += elem * moe.experts_per_token * (spec.hidden_size + 3 * inter // tp)
-    if is_last_stage:
-        per_token += 4 * spec.vocab_size  # fp32 logits, gathered over tensor-parallel ranks
-    return max_num_batched_tokens * per_token
+    if moe:  # fused MoE: each token's top-k copies through gate/up and down projections
+        inter = moe.moe_intermediate_size // tp
+        mlp = moe.experts_per_token * (3 * inter + spec.hidden_size)
+        mlp += 3 * moe.num_shared_experts * inter
+    else:
+        mlp = 3 * spec.intermediate_size // tp
+    return num_tokens * elem * (HIDDEN_BUFFERS * spec.hidden_size + max(attention, mlp))
+
+
+def sampler_bytes(spec: ModelSpec, num_reqs: int) -> int:
+    """Peak of the sampler warm-up over ``num_reqs`` requests (full-vocabulary logits)."""
+    return num_reqs * spec.vocab_size * (dtype_bytes(spec.dtype) + SAMPLER_BYTES_PER_LOGIT)
+
+
+def activation_bytes(spec: ModelSpec, tp: int, max_num_batched_tokens: int,
+                     max_num_seqs: int, is_last_stage: bool) -> int:
+    """Peak activation memory vLLM's ``profile_run`` measures on one rank."""
+    forward = forward_activation_bytes(spec, tp, max_num_batched_tokens)
+    if not is_last_stage:
+        return forward
+    return max(forward, sampler_bytes(spec, min(max_num_seqs, max_num_batched_tokens)))
 
 
 def cuda_graph_bytes(num_layers_on_rank: int, tp: int, max_num_seqs: int) -> int:

@@ -1,4 +1,12 @@
-"""The command line and environment that make vLLM, SGLang or kvmem run a plan."""
+"""The command line and environment that make vLLM, SGLang or kvmem run a plan.
+
+vLLM takes one KV budget for every rank. When a plan gives ranks different budgets, the
+plain vLLM command carries the one value every rank can hold (and says what it buys), and
+a second command runs the plan itself through kvmem's vLLM plugin: the ``kvmem`` package
+registers it under vLLM's ``vllm.general_plugins`` entry point, and
+``KVMEM_VLLM_KV_BUDGET`` (uniform, proportional or optimal) selects the policy.
+SGLang has no kvmem plugin: its command says what it cannot express.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +14,12 @@ import shlex
 from dataclasses import dataclass, field
 
 from kvmem.errors import ConfigError
-from kvmem.plan.partition import format_partition
+from kvmem.plan.partition import even_partition, format_partition
 from kvmem.plan.types import Plan
+from kvmem.units import format_bytes
 
 ENGINES = ("vllm", "sglang", "kvmem")
+PLUGIN_POLICY_ENV = "KVMEM_VLLM_KV_BUDGET"  # read by kvmem.integrations.vllm
 
 
 @dataclass
@@ -18,6 +28,13 @@ class EngineCommand:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    plugin: EngineCommand | None = None  # the same engine with kvmem's plugin: runs the plan
+
+    def to_dict(self) -> dict:
+        out = {"argv": self.argv, "env": self.env, "notes": self.notes}
+        if self.plugin is not None:
+            out["plugin"] = self.plugin.to_dict()
+        return out
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -28,6 +45,16 @@ class EngineCommand:
 def _partition(plan: Plan) -> str | None:
     parts = plan.engine.layer_partition
     return format_partition(parts) if len(parts) > 1 else None
+
+
+def _custom_partition(plan: Plan) -> str | None:
+    """The partition when it is not vLLM's default split (which needs no variable)."""
+    parts = plan.engine.layer_partition
+    return None if parts == even_partition(sum(parts), len(parts)) else format_partition(parts)
+
+
+def _uneven(plan: Plan) -> bool:
+    return len({r.kv_budget_bytes for r in plan.ranks}) > 1
 
 
 def _uniform_budget(plan: Plan) -> tuple[int, bool]:
@@ -55,18 +82,21 @@ def _uniform_note(plan: Plan, budget: int, largest: bool) -> str:
     source = ("the largest per-rank budget; every rank reserves all of it" if largest
               else "the smallest rank's KV capacity; the largest per-rank budget does not fit "
                    "on every rank")
+    spent, planned = budget * len(plan.ranks), sum(r.kv_budget_bytes for r in plan.ranks)
     return (f"vLLM takes one KV budget for every rank: {budget:,} bytes ({source}) gives "
-            f"{blocks:,} blocks ({tokens:,} tokens); `kvmem serve` with per-rank budgets "
-            f"reaches the plan's {e.num_blocks:,} blocks ({e.tokens:,} tokens)")
+            f"{blocks:,} blocks ({tokens:,} tokens) for {format_bytes(spent)} of KV over "
+            f"{len(plan.ranks)} GPUs; the plan's per-rank budgets hold {e.num_blocks:,} "
+            f"blocks ({e.tokens:,} tokens) in {format_bytes(planned)}")
 
 
 def engine_command(plan: Plan, engine: str, model: str) -> EngineCommand:
+    """The command for ``engine``; ``model`` is named exactly as the user gave it."""
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     return {"vllm": _vllm, "sglang": _sglang, "kvmem": _kvmem}[engine](plan, model)
 
 
-def _vllm(plan: Plan, model: str) -> EngineCommand:
+def _vllm_argv(plan: Plan, model: str) -> list[str]:
     s, e, lay = plan.settings, plan.engine, plan.layout
     kv_dtype = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}.get(e.kv_dtype, "auto")
     argv = ["vllm", "serve", model,
@@ -75,20 +105,53 @@ def _vllm(plan: Plan, model: str) -> EngineCommand:
             "--max-model-len", str(e.max_model_len), "--block-size", str(e.block_size),
             "--kv-cache-dtype", kv_dtype, "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
-    cmd = EngineCommand("vllm", argv)
-    if s.kv_cache_memory_bytes is not None or plan.engine.policy != "uniform":
-        budget, largest = _uniform_budget(plan)
-        argv += ["--kv-cache-memory-bytes", str(budget)]
-        if len({r.kv_budget_bytes for r in plan.ranks}) > 1 or not largest:
-            cmd.notes.append(_uniform_note(plan, budget, largest))
-    else:
-        argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    return argv
+
+
+def _vllm_tail(plan: Plan) -> list[str]:
+    s, argv = plan.settings, []
     if s.cpu_offload_bytes:
         argv += ["--cpu-offload-gb", f"{s.cpu_offload_bytes / (1 << 30):g}"]
     if not s.cuda_graphs:
         argv.append("--enforce-eager")
-    if (part := _partition(plan)) is not None:
+    return argv
+
+
+def _vllm(plan: Plan, model: str) -> EngineCommand:
+    s = plan.settings
+    cmd = EngineCommand("vllm", _vllm_argv(plan, model))
+    if (part := _custom_partition(plan)) is not None:
         cmd.env["VLLM_PP_LAYER_PARTITION"] = part
+    if not _uneven(plan) and s.kv_cache_memory_bytes is None and plan.engine.policy == "uniform":
+        cmd.argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    elif not _uneven(plan):
+        cmd.argv += ["--kv-cache-memory-bytes", str(plan.ranks[0].kv_budget_bytes)]
+    else:  # one value for every rank: the most each rank can hold, and what it buys
+        budget, largest = _uniform_budget(plan)
+        cmd.argv += ["--kv-cache-memory-bytes", str(budget)]
+        cmd.notes.append(_uniform_note(plan, budget, largest))
+        cmd.plugin = _vllm_plugin(plan, model)
+        cmd.notes.append(
+            f"kvmem's vLLM plugin (installed with the kvmem package, registered under "
+            f"vllm.general_plugins) gives each rank its own budget: run the plugin command "
+            f"with {PLUGIN_POLICY_ENV}={plan.engine.policy}")
+    cmd.argv += _vllm_tail(plan)
+    return cmd
+
+
+def _vllm_plugin(plan: Plan, model: str) -> EngineCommand:
+    """vLLM with kvmem's plugin: the stated value (or the utilisation) and the policy; the
+    plugin repeats this plan on every rank."""
+    s = plan.settings
+    cmd = EngineCommand("vllm", _vllm_argv(plan, model),
+                        env={PLUGIN_POLICY_ENV: plan.engine.policy})
+    if (part := _custom_partition(plan)) is not None:
+        cmd.env["VLLM_PP_LAYER_PARTITION"] = part
+    if s.kv_cache_memory_bytes is not None:
+        cmd.argv += ["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)]
+    else:
+        cmd.argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    cmd.argv += _vllm_tail(plan)
     return cmd
 
 
@@ -111,8 +174,14 @@ def _sglang(plan: Plan, model: str) -> EngineCommand:
         cmd.notes.append("no GPU memory given: set --mem-fraction-static for your GPU")
     if not s.cuda_graphs:
         argv.append("--disable-cuda-graph")
-    if (part := _partition(plan)) is not None:
+    if (part := _partition(plan)) is not None:  # SGLang's default split may differ: say it
         cmd.env["SGLANG_PP_LAYER_PARTITION"] = part
+    if _uneven(plan):
+        cmd.notes.append(
+            "SGLang takes one memory fraction for every rank and kvmem has no SGLang plugin, "
+            "so the plan's per-rank KV budgets cannot be expressed: --max-total-tokens caps "
+            f"the pool at the plan's {e.tokens:,} tokens, but every rank still reserves the "
+            "largest rank's share; `kvmem serve` (or vLLM with kvmem's plugin) runs the plan")
     return cmd
 
 

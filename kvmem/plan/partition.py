@@ -79,37 +79,6 @@ def greedy_partition(num_layers: int, pp: int, longest: LongestStage,
     return parts
 
 
-# A stage row: (stage, first layer) -> for each end layer first+1, first+2, ..., num_layers,
-# (fixed bytes, bytes per block, capacity or None when unbounded) of that stage interval.
-StageRow = Callable[[int, int], list[tuple[int, int, int | None]]]
-
-
-def cheapest_partition(num_layers: int, pp: int, row: StageRow,
-                       blocks: int) -> tuple[int, list[int]] | None:
-    """(least total bytes, partition) over the partitions whose every stage holds ``blocks``:
-    fixed + blocks x bytes per block <= capacity; a stage's bytes are that same need.
-
-    Exact dynamic programming over stage ends (O(pp x num_layers^2) steps). A row stops at
-    the first interval that does not fit: longer intervals from the same start never fit.
-    """
-    frontier: dict[int, tuple[int, list[int]]] = {0: (0, [])}
-    for s in range(pp):
-        last_end = num_layers - (pp - s - 1)  # leave one layer for each later stage
-        nxt: dict[int, tuple[int, list[int]]] = {}
-        for start, (paid, parts) in frontier.items():
-            for k, (fixed, per_block, cap) in enumerate(row(s, start)):
-                end = start + k + 1
-                need = fixed + blocks * per_block
-                if end > last_end or (cap is not None and need > cap):
-                    break
-                if s == pp - 1 and end < num_layers:
-                    continue
-                if end not in nxt or paid + need < nxt[end][0]:
-                    nxt[end] = (paid + need, [*parts, end - start])
-        frontier = nxt
-    return frontier.get(num_layers)
-
-
 def partition_fits(partition: list[int], fits: StageFits) -> bool:
     return all(fits(s, r.start, r.stop) for s, r in enumerate(stage_layers(partition)))
 

@@ -7,11 +7,13 @@ budget holds. The engine uses the minimum block count over ranks.
 
 KV budget policies:
 - ``uniform``: every rank uses all it has (or the same kv_cache_memory_bytes), as vLLM does;
-- ``proportional``: the ranks' total KV budget split across pipeline stages in proportion
-  to each stage's bytes per block, so every stage holds the same number of blocks;
+- ``proportional``: one tensor-parallel column's KV bytes split across its pipeline stages
+  in proportion to each stage's bytes per block, so every stage holds the same number of
+  blocks. The column's bytes are a stated kv_cache_memory_bytes (so no rank gets more than
+  the stated per-GPU value), else the ranks' pooled capacities;
 - ``optimal``: the layer partition (when not given) and per-rank budgets that maximise the
-  engine's blocks given each rank's real memory; each rank gets exactly what those blocks
-  need and the rest stays free.
+  engine's blocks while no rank exceeds its real memory or a stated kv_cache_memory_bytes;
+  each rank gets exactly what those blocks need and the rest stays free.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from pathlib import Path
 
 from kvmem.errors import ConfigError
 from kvmem.plan import estimates
+from kvmem.plan.alternatives import alternatives
 from kvmem.plan.geometry import KVGeometry, StageKV
 from kvmem.plan.partition import (
     best_partition,
-    cheapest_partition,
     even_partition,
     format_partition,
     greedy_partition,
@@ -48,9 +50,21 @@ from kvmem.spec.weights import weight_breakdown
 
 def plan(spec: ModelSpec, layout: Layout, settings: EngineSettings, policy: str = "uniform",
          profile: list[RankProfile] | None = None,
-         checkpoint_dir: str | Path | None = None) -> Plan:
-    """Plan KV memory for ``spec`` on ``layout`` with ``settings`` (see the module doc)."""
-    return _Planner(spec, layout, settings, policy, profile, checkpoint_dir).run()
+         checkpoint_dir: str | Path | None = None, suggest: bool = True) -> Plan:
+    """Plan KV memory for ``spec`` on ``layout`` with ``settings`` (see the module doc).
+
+    When the plan does not fit and ``suggest`` is set, ``Plan.alternatives`` lists layouts,
+    dtypes and policies that do, each planned the same way (kvmem.plan.alternatives)."""
+    result = _Planner(spec, layout, settings, policy, profile, checkpoint_dir).run()
+    if suggest and not result.engine.fits:
+        def planner(s: ModelSpec, lay: Layout, st: EngineSettings, pol: str) -> Plan:
+            same = s is spec and lay.world_size == layout.world_size
+            return _Planner(s, lay, st, pol, profile if same else None,
+                            checkpoint_dir if s is spec else None).run()
+
+        result.alternatives = alternatives(planner, spec, result, policy,
+                                           profiled=bool(profile))
+    return result
 
 
 @dataclass(frozen=True)
@@ -88,10 +102,9 @@ class _Planner:
                                    dtype_bytes(spec.dtype), settings.block_size,
                                    settings.max_num_batched_tokens)
         self.weights = weight_breakdown(spec, self.tp, checkpoint_dir)
-        explicit = settings.kv_cache_memory_bytes
-        self.pool = None if explicit is None else explicit * self.world  # total KV bytes
+        self.explicit = settings.kv_cache_memory_bytes  # per GPU: no rank gets more
         self.limit = max(self.max_model_len, spec.max_position_embeddings or 0)
-        self._rows: dict[tuple[int, int], list[tuple[int, int, int | None]]] = {}
+        self._estimated: dict[tuple[int, int, int], _NonKV] = {}
 
     # ------------------------------------------------------------------ per-rank memory
     def non_kv(self, rank: int, stage: int, start: int, end: int) -> _NonKV:
@@ -99,15 +112,21 @@ class _Planner:
         if prof is not None:
             return _NonKV(prof.weights_bytes, prof.activation_bytes, prof.cuda_graph_bytes,
                           prof.non_torch_bytes)
+        key = (stage, start, end)  # estimates are the same for every rank of a stage
+        if key not in self._estimated:
+            self._estimated[key] = self._estimate(stage, start, end)
+        return self._estimated[key]
+
+    def _estimate(self, stage: int, start: int, end: int) -> _NonKV:
         last = stage == self.pp - 1
         w = self.weights.stage_bytes(range(start, end), stage == 0, last)
         s = self.settings
         graphs = (estimates.cuda_graph_bytes(end - start, self.tp, s.max_num_seqs)
-                  if s.cuda_graphs else 0)
+                  if s.cuda_graphs and s.reserve_cuda_graphs else 0)
         return _NonKV(
             weights=max(0, w - s.cpu_offload_bytes),
             activation=estimates.activation_bytes(self.spec, self.tp, s.max_num_batched_tokens,
-                                                  last),
+                                                  s.max_num_seqs, last),
             cuda_graphs=graphs,
             non_torch=estimates.non_torch_bytes(self.tp, self.pp),
         )
@@ -123,14 +142,17 @@ class _Planner:
     def reserve(self, kv: StageKV) -> int:
         return self.settings.max_num_seqs * kv.state_bytes_per_request
 
+    def kv_limit(self, rank: int, non_kv: _NonKV) -> int:
+        """Most KV bytes the rank may get: its capacity, and no more than a stated
+        kv_cache_memory_bytes (a per-GPU figure: what the user knows fits)."""
+        limits = [c for c in (self.capacity(rank, non_kv), self.explicit) if c is not None]
+        return max(0, min(limits))
+
     # ------------------------------------------------------------------ optimal partition
     def _stage_holds(self, blocks: int, stage: int, start: int, end: int, kv: StageKV) -> bool:
         need = self.reserve(kv) + blocks * kv.bytes_per_block
-        for rank in self.ranks_of(stage):
-            cap = self.capacity(rank, self.non_kv(rank, stage, start, end))
-            if cap is not None and need > cap:
-                return False
-        return True
+        return all(need <= self.kv_limit(rank, self.non_kv(rank, stage, start, end))
+                   for rank in self.ranks_of(stage))
 
     def _search(self, blocks: int) -> list[int] | None:
         geo = self.geometry
@@ -154,29 +176,15 @@ class _Planner:
                 end = i + 1
             return end
 
-        parts = greedy_partition(self.spec.num_layers, self.pp, longest, fits)
-        if parts is None or (self.pool is not None and blocks > self._pool_blocks(
-                [self.geometry.stage(r) for r in stage_layers(parts)])):
-            return None
-        return parts
-
-    def _pool_blocks(self, kvs: list[StageKV]) -> int:
-        """Blocks the shared total (kv_cache_memory_bytes x ranks) pays for on every rank."""
-        per_block = self.tp * sum(kv.bytes_per_block for kv in kvs)
-        left = (self.pool or 0) - self.tp * sum(self.reserve(kv) for kv in kvs)
-        return max(0, left) // per_block if per_block else 0
+        return greedy_partition(self.spec.num_layers, self.pp, longest, fits)
 
     def optimal_partition(self, default: list[int]) -> list[int]:
         if self.pp == 1:
             return default
-        if self.pool is not None and not self._additive():
-            return self._pool_partition(default)
-        if all(m is None for m in self.memory):
-            return default
         smallest = min((b for b in self.geometry.layer_bytes_per_token if b), default=0)
         if not smallest:
             return default
-        most = max([c for c in self.budget if c is not None] + [self.pool or 0])
+        most = max(min(x for x in (b, self.explicit) if x is not None) for b in self.budget)
         found = best_partition(most // (smallest * self.settings.block_size) + 1, self._search)
         if found is None:
             return default
@@ -187,73 +195,6 @@ class _Planner:
                                      self.geometry.stage(range(start, end)))
 
         return default if partition_fits(default, holds) else parts
-
-    # ------------------------------------------------------------------ shared total
-    def _additive(self) -> bool:
-        """Whether a stage's bytes per block is the sum of its layers' (one KV group, equal
-        layers): then every partition costs the shared total the same per block, and the
-        greedy search, which ignores that total, is exact."""
-        geo = self.geometry
-        pages = {geo.layer_bytes_per_token[i] for i in geo.slots}
-        return len(set(geo.slots.values())) == len(geo.slots) and len(pages) <= 1
-
-    def _stage_capacity(self, stage: int, start: int, end: int) -> int | None:
-        """Least KV capacity over the stage's ranks holding layers [start, end)."""
-        caps, shared = [], None
-        for rank in self.ranks_of(stage):
-            if self.budget[rank] is None:
-                continue
-            if self.profiles[rank] is None:  # estimates: the same for every rank of a stage
-                shared = shared or self.non_kv(rank, stage, start, end)
-                caps.append(self.budget[rank] - shared.total)
-            else:
-                caps.append(self.capacity(rank, self.non_kv(rank, stage, start, end)))
-        return min(caps) if caps else None
-
-    def _row(self, stage: int, start: int) -> list[tuple[int, int, int | None]]:
-        """(states, bytes per block, capacity) of stage intervals [start, end), end ascending."""
-        key = (stage, start)
-        if key not in self._rows:
-            geo, row, slots, page, states = self.geometry, [], set(), 0, 0
-            for i in range(start, self.spec.num_layers):
-                if i in geo.slots:
-                    slots.add(geo.slots[i])
-                    page = max(page, geo.block_size * geo.layer_bytes_per_token[i])
-                states += geo.layer_state_bytes[i]
-                row.append((self.settings.max_num_seqs * states, len(slots) * page,
-                            self._stage_capacity(stage, start, i + 1)))
-            self._rows[key] = row
-        return self._rows[key]
-
-    def _cheapest(self, blocks: int) -> list[int] | None:
-        """A partition holding ``blocks`` on every rank within the shared total, if any."""
-        found = cheapest_partition(self.spec.num_layers, self.pp, self._row, blocks)
-        if found is None or self.tp * found[0] > (self.pool or 0):
-            return None
-        return found[1]
-
-    def _holds_within_pool(self, parts: list[int], blocks: int) -> bool:
-        paid = 0
-        for s, r in enumerate(stage_layers(parts)):
-            fixed, per_block, cap = self._row(s, r.start)[len(r) - 1]
-            need = fixed + blocks * per_block
-            if cap is not None and need > cap:
-                return False
-            paid += need
-        return self.tp * paid <= (self.pool or 0)
-
-    def _pool_partition(self, default: list[int]) -> list[int]:
-        """Exact search when the shared total's cost per block depends on the partition
-        (hybrid models: stages share slot tensors across KV groups)."""
-        smallest = min((b for b in self.geometry.layer_bytes_per_token if b), default=0)
-        if not smallest:
-            return default
-        hi = (self.pool or 0) // (self.tp * smallest * self.settings.block_size) + 1
-        found = best_partition(hi, self._cheapest)
-        if found is None:
-            return default
-        blocks, parts = found
-        return default if self._holds_within_pool(default, blocks) else parts
 
     # ------------------------------------------------------------------ budgets and plan
     def run(self) -> Plan:
@@ -273,7 +214,7 @@ class _Planner:
             nk = self.non_kv(rank, stage, stages[stage].start, stages[stage].stop)
             non_kv.append(nk)
             caps.append(self.capacity(rank, nk))
-        budgets = self._budgets(kvs, caps)
+        budgets = self._budgets(kvs, non_kv, caps)
         ranks = [self._rank_plan(r, stages, kvs, non_kv[r], caps[r], budgets[r])
                  for r in range(self.world)]
         engine = self._engine(ranks, partition)
@@ -287,27 +228,25 @@ class _Planner:
         return Plan(self.spec.hf_id or self.spec.name, self.layout, self.settings, ranks,
                     engine, notes)
 
-    def _budgets(self, kvs: list[StageKV], caps: list[int | None]) -> list[int]:
-        explicit = self.settings.kv_cache_memory_bytes
+    def _budgets(self, kvs: list[StageKV], non_kv: list[_NonKV],
+                 caps: list[int | None]) -> list[int]:
+        explicit = self.explicit
         if self.policy == "uniform":
             return [explicit if explicit is not None else max(0, c or 0) for c in caps]
         stage_of = [r // self.tp for r in range(self.world)]
+        limits = [self.kv_limit(r, nk) for r, nk in enumerate(non_kv)]
         if self.policy == "proportional":
-            pool = self.pool if self.pool is not None else sum(max(0, c or 0) for c in caps)
-            shares = [self._proportional_share(pool // self.tp, kvs, s) for s in stage_of]
-        else:  # optimal: the most blocks every rank can hold and the shared total can pay for
-            limits = [(max(0, cap) - self.reserve(kvs[s])) // kvs[s].bytes_per_block
-                      for cap, s in zip(caps, stage_of, strict=True)
-                      if cap is not None and kvs[s].bytes_per_block]
-            if self.pool is not None:
-                limits.append(self._pool_blocks(kvs))
-            blocks = max(0, min(limits)) if limits else 0
+            # a stated value is one tensor-parallel column's total (seed 001); without one,
+            # the ranks' capacities pooled and shared out again
+            column = explicit if explicit is not None else \
+                sum(max(0, c or 0) for c in caps) // self.tp
+            shares = [self._proportional_share(column, kvs, s) for s in stage_of]
+        else:  # optimal: the most blocks every rank can hold within its limit
+            most = [(lim - self.reserve(kvs[s])) // kvs[s].bytes_per_block
+                    for lim, s in zip(limits, stage_of, strict=True) if kvs[s].bytes_per_block]
+            blocks = max(0, min(most)) if most else 0
             shares = [self.reserve(kvs[s]) + blocks * kvs[s].bytes_per_block for s in stage_of]
-            if self.pool is not None and sum(shares) > self.pool:  # states alone overflow it
-                shares = [self._proportional_share(self.pool // self.tp, kvs, s)
-                          for s in stage_of]
-        return [share if cap is None else min(share, max(0, cap))
-                for share, cap in zip(shares, caps, strict=True)]
+        return [min(share, lim) for share, lim in zip(shares, limits, strict=True)]
 
     def _proportional_share(self, column: int, kvs: list[StageKV], stage: int) -> int:
         """Stage's part of one pipeline column's KV bytes: its linear-attention states, then

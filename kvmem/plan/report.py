@@ -74,5 +74,8 @@ def print_plan(plan: Plan, command: EngineCommand | None = None,
         console.print(command.shell(), markup=False, soft_wrap=True)
         for note in command.notes:
             console.print(f"note: {note}", highlight=False)
+        if command.plugin is not None:
+            console.print(f"\n{command.engine} command with kvmem's plugin (per-rank budgets):")
+            console.print(command.plugin.shell(), markup=False, soft_wrap=True)
     if plot:
         console.print(f"plot saved to {plot}")

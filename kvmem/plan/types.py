@@ -41,6 +41,10 @@ class EngineSettings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     cuda_graphs: bool = True
+    # subtract the CUDA-graph estimate from the KV budget, as vLLM >= 0.21 does by default
+    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1); off: graphs live in the headroom the
+    # utilisation leaves, as in the public vLLM V1 logs (kvmem.plan.estimates)
+    reserve_cuda_graphs: bool = False
     cpu_offload_bytes: int = 0  # weight bytes per GPU kept in CPU memory
     kv_cache_dtype: str = "auto"
 
@@ -119,6 +123,7 @@ class Plan:
     ranks: list[RankPlan]
     engine: EnginePlan
     notes: list[str] = field(default_factory=list)
+    alternatives: list[str] = field(default_factory=list)  # what fits instead, when not
 
     def to_dict(self) -> dict:
         ranks = []
@@ -128,27 +133,70 @@ class Plan:
             ranks.append(d)
         layout = asdict(self.layout)
         return {"model": self.model, "layout": layout, "settings": asdict(self.settings),
-                "ranks": ranks, "engine": asdict(self.engine), "notes": list(self.notes)}
+                "ranks": ranks, "engine": asdict(self.engine), "notes": list(self.notes),
+                "alternatives": list(self.alternatives)}
 
     def check_fit(self) -> None:
-        """Raise FitError naming the worst rank when any rank cannot serve max_model_len."""
+        """Raise FitError naming the worst rank when any rank cannot serve max_model_len:
+        what leaves it no room (weights and the other non-KV memory, or a KV budget too
+        small), and what would fit instead."""
         bad = [r for r in self.ranks if not r.fits]
         if not bad:
             return
-        worst = min(bad, key=lambda r: (not r.over_committed, r.max_model_len_that_fits, r.rank))
-        where = f"rank {worst.rank} (pp stage {worst.pp_stage}, tp rank {worst.tp_rank})"
+        crowded = [r for r in bad if _no_room_for_kv(r)]
+        if crowded:
+            message = _crowded_message(max(crowded, key=lambda r: (r.non_kv_bytes, -r.rank)))
+        else:
+            message = self._kv_message(
+                min(bad, key=lambda r: (not r.over_committed, r.max_model_len_that_fits, r.rank)))
+        if self.alternatives:
+            message += "; would fit instead: " + "; ".join(self.alternatives)
+        raise FitError(message)
+
+    def _kv_message(self, worst: RankPlan) -> str:
+        where = _where(worst)
         memory = (f" of {format_bytes(worst.memory_bytes)} device memory"
                   if worst.memory_bytes is not None else "")
         if worst.over_committed:
-            raise FitError(
-                f"{where}: KV budget {format_bytes(worst.kv_budget_bytes)} exceeds the "
-                f"{format_bytes(worst.kv_capacity_bytes or 0)} left{memory} after weights, "
-                f"activations, CUDA graphs and overhead")
+            return (f"{where}: KV budget {format_bytes(worst.kv_budget_bytes)} exceeds the "
+                    f"{format_bytes(worst.kv_capacity_bytes or 0)} left{memory} after weights, "
+                    f"activations, CUDA graphs and overhead")
         need, have = worst.need_bytes_at_max_model_len, worst.kv_budget_bytes
         need_text, have_text = format_bytes(need), format_bytes(have)
         if need_text == have_text:  # too close to tell apart in GiB: give exact bytes
             need_text, have_text = f"{need:,} bytes", f"{have:,} bytes"
-        raise FitError(
-            f"{where} needs {need_text} of KV cache (incl. the null block) for max_model_len "
-            f"{self.engine.max_model_len:,} but has a KV budget of {have_text}{memory}; the "
-            f"longest max_model_len that fits is {worst.max_model_len_that_fits:,}")
+        longest = (f"the longest max_model_len that fits is {worst.max_model_len_that_fits:,}"
+                   if worst.max_model_len_that_fits else "not one block of a request fits")
+        return (f"{where} needs {need_text} of KV cache (incl. the null block) for "
+                f"max_model_len {self.engine.max_model_len:,} but has a KV budget of "
+                f"{have_text}{memory}; {longest}")
+
+
+def _where(r: RankPlan) -> str:
+    return f"rank {r.rank} (pp stage {r.pp_stage}, tp rank {r.tp_rank})"
+
+
+def _no_room_for_kv(r: RankPlan) -> bool:
+    """Weights and the other non-KV memory leave the rank less than the null block and one
+    block of KV (and its linear-attention states)."""
+    if r.kv_capacity_bytes is None:
+        return False
+    return r.kv_capacity_bytes < r.state_bytes_reserved + 2 * r.bytes_per_block
+
+
+def _crowded_message(r: RankPlan) -> str:
+    usable = (f"the {format_bytes(r.budget_bytes or 0)} it may use of "
+              f"{format_bytes(r.memory_bytes or 0)} device memory")
+    if r.weights_bytes > (r.budget_bytes or 0):
+        return (f"{_where(r)} holds {format_bytes(r.weights_bytes)} of weights (layers "
+                f"{r.layers[0]}-{r.layers[-1]}), more than {usable}, before any KV cache")
+    parts = [f"{format_bytes(r.weights_bytes)} of weights"]
+    for size, what in ((r.activation_bytes, "peak activation"),
+                       (r.cuda_graph_bytes, "CUDA graphs"), (r.non_torch_bytes, "non-torch")):
+        if size:
+            parts.append(f"{format_bytes(size)} {what}")
+    left = format_bytes(max(0, r.kv_capacity_bytes or 0))
+    short = (f"which cannot hold its KV budget of {format_bytes(r.kv_budget_bytes)}"
+             if r.over_committed else "less than one block and the null block")
+    return (f"{_where(r)}: {', '.join(parts)} (layers {r.layers[0]}-{r.layers[-1]}) take "
+            f"{format_bytes(r.non_kv_bytes)} of {usable}, leaving {left} for KV cache, {short}")

@@ -1,23 +1,24 @@
 """The FastAPI app: OpenAI-compatible completions and chat, models, health and metrics.
 
-Bad input never reaches the engine: bodies are validated by pydantic and SamplingParams,
-prompts are tokenized and checked against max_model_len before a request is queued, and
-every failure becomes a 4xx with an OpenAI-style ``{"error": {...}}`` body. A client that
-disconnects, streaming or not, aborts its requests and frees their KV blocks.
+Bad input never reaches the engine: the API key and the body size are checked before the
+body is read (kvmem.serve.middleware), bodies are validated by pydantic and SamplingParams,
+prompts are tokenized (on a worker thread, so the event loop keeps answering) and checked
+against max_model_len before a request is queued, and every failure becomes a 4xx with an
+OpenAI-style ``{"error": {...}}`` body. A client that disconnects, streaming or not, aborts
+its requests and frees their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,13 +28,21 @@ from kvmem.engine.async_engine import AsyncLLMEngine, EngineError
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.outputs import RequestOutput
 from kvmem.engine.request import Request as EngineRequest
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.engine.tokenizer import check_unicode
 from kvmem.errors import KvmemError
 from kvmem.serve.metrics import make_registry
+from kvmem.serve.middleware import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+)
 from kvmem.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
     error_response,
+    field_path,
 )
 
 # How often a non-streaming request checks that its client is still connected.
@@ -50,8 +59,13 @@ class _HTTPError(Exception):
 
 
 def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
-               model_name: str | None = None) -> FastAPI:
-    """An app serving ``engine``; the engine thread starts and stops with the app."""
+               model_name: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               public_metrics: bool = False) -> FastAPI:
+    """An app serving ``engine``; the engine thread starts and stops with the app.
+
+    With ``api_key``, every route but /health (and /metrics if ``public_metrics``)
+    requires it. Bodies over ``max_request_bytes`` are refused with 413."""
     name = model_name or engine.engine.model_name
     tokenizer = engine.engine.tokenizer
     registry = make_registry(lambda: engine.snapshot, name)
@@ -67,15 +81,10 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
     app = FastAPI(title="kvmem", lifespan=lifespan, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
-
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise _HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                             code="invalid_api_key")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key is not None:  # added last, so it runs first: before the body is read
+        open_paths = {"/health", "/metrics"} if public_metrics else {"/health"}
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
 
     def check_model(requested: str) -> None:
         if requested != name:
@@ -84,11 +93,17 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         if not engine.is_ready:
             raise _HTTPError(503, "the engine is not ready")
 
-    def make_request(prompt: str | list[int], body, max_tokens: int | None) -> EngineRequest:
-        try:
-            return engine.make_request(prompt, body.sampling_params(max_tokens))
-        except PromptTooLongError as e:
-            raise _HTTPError(400, str(e), e.param, "context_length_exceeded") from None
+    async def make_request(prompt: str | list[int], params: SamplingParams) -> EngineRequest:
+        # tokenizing a long prompt takes seconds: not on the event loop
+        return await asyncio.to_thread(engine.make_request, prompt, params)
+
+    def chat_prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
+        for i, m in enumerate(messages):
+            check_unicode(m["content"], f"messages.{i}.content")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template adds the special tokens; the text holds the messages' contents
+        return tokenizer.encode(text, add_special_tokens=False, param="messages",
+                                max_model_len=engine.engine.max_model_len)
 
     @app.get("/health")
     async def health() -> Response:
@@ -100,19 +115,20 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created_at, "owned_by": "kvmem",
             "max_model_len": engine.engine.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(body.model)
         prompts = body.prompts()
         if body.stream and len(prompts) > 1:
             raise InvalidRequestError("streaming supports one prompt per request", "prompt")
-        requests = [make_request(p, body, body.max_tokens) for p in prompts]
+        params = body.sampling_params(body.max_tokens)  # checked before any tokenizing
+        requests = [await make_request(p, params) for p in prompts]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
             return _sse(_completion_chunks(engine, requests[0], meta, body.include_usage))
@@ -125,13 +141,13 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         return JSONResponse({**meta, "object": "text_completion", "choices": choices,
                              "usage": _usage(finals)})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model)
+        params = body.sampling_params(body.effective_max_tokens)
         messages = [m.as_template_message() for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # the template adds them
-        request = make_request(prompt_ids, body, body.effective_max_tokens)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, messages)
+        request = await make_request(prompt_ids, params)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
             return _sse(_chat_chunks(engine, request, meta, body.include_usage))
@@ -214,8 +230,8 @@ async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, met
                 yield {**meta, "object": "text_completion", "choices": [{
                     "index": 0, "text": delta.delta_text, "logprobs": None,
                     "finish_reason": delta.finish_reason}]}
-    except KvmemError as e:
-        yield error_body(str(e), 500)
+    except KvmemError as e:  # the engine failed or is shutting down
+        yield _stream_error(e)
         return
     if include_usage and last is not None:
         yield {**meta, "object": "text_completion", "choices": [], "usage": _usage([last])}
@@ -239,17 +255,28 @@ async def _chat_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dic
                 yield chunk({"content": out.delta_text}, None)
             if last.finished:
                 yield chunk({}, out.finish_reason)
-    except KvmemError as e:
-        yield error_body(str(e), 500)
+    except KvmemError as e:  # the engine failed or is shutting down
+        yield _stream_error(e)
         return
     if include_usage and last is not None:
         yield {**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage([last])}
+
+
+def _stream_error(e: KvmemError) -> dict[str, Any]:
+    """The last event of a stream the engine could not finish (the status it would have had)."""
+    if isinstance(e, InvalidRequestError):
+        return error_body(str(e), 400, e.param)
+    return error_body(str(e), 503 if isinstance(e, EngineError) else 500)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(_HTTPError)
     async def http_error(_: Request, e: _HTTPError) -> JSONResponse:
         return error_response(str(e), e.status, e.param, e.code)
+
+    @app.exception_handler(PromptTooLongError)
+    async def prompt_too_long(_: Request, e: PromptTooLongError) -> JSONResponse:
+        return error_response(str(e), 400, e.param, "context_length_exceeded")
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
@@ -270,10 +297,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(f"malformed JSON body: {first.get('msg', '')}", 400,
                                   code="invalid_json")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "bad body"))
-        return error_response(message, 400, param)
+        param, in_union = field_path(first.get("loc", ()))
+        msg = str(first.get("msg", "bad body"))
+        if in_union:  # pydantic reports one error per type the field accepts: name none
+            msg = f"not one of the accepted types ({msg.lower()}, ...)"
+        return error_response(f"{param}: {msg}" if param else msg, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -1,7 +1,13 @@
-"""Request bodies of the OpenAI API (the fields kvmem serves) and OpenAI-style error bodies."""
+"""Request bodies of the OpenAI API (the fields kvmem serves) and OpenAI-style error bodies.
+
+Types are strict, as the OpenAI API's are: ``"max_tokens": "4"``, ``"n": true`` or
+``"stream": "yes"`` are 400 errors naming the field, not coerced (an integer is still a
+valid float).
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -12,11 +18,13 @@ from kvmem.engine.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     temperature: float | None = None
@@ -86,7 +94,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -128,3 +136,21 @@ def error_body(message: str, status: int, param: str | None = None,
 def error_response(message: str, status: int = 400, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+# pydantic's location of an error inside a union names the member type ("str",
+# "list[int]", "function-after[...]"); OpenAI's ``param`` is the field path alone
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def field_path(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
+    """The dotted field path of a validation error's ``loc`` (without "body" and union
+    member names), and whether a union member name was cut off."""
+    parts = [p for p in loc if p != "body"]
+    path: list[str] = []
+    for part in parts:
+        if isinstance(part, str) and (part in _TYPE_NAMES or not _FIELD.fullmatch(part)):
+            return ".".join(path) or None, True
+        path.append(str(part))
+    return ".".join(path) or None, False

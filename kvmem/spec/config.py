@@ -258,9 +258,12 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes())  # JSON is UTF-8 whatever the locale says
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (not UTF-8 text: byte "
+                          f"0x{e.object[e.start]:02x} at offset {e.start})") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
 

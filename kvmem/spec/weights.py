@@ -233,13 +233,16 @@ def _estimate(spec: ModelSpec, tp: int) -> WeightBreakdown:
     quant = spec.weight_bits / 8 if spec.weight_bits else full
     experts_only = _quant_method(spec) == "mxfp4"  # gpt-oss: only the experts are MXFP4
     linear = full if experts_only else quant
+    # vLLM's MXFP4 MoE kernels on Hopper pad the experts' hidden dimension to a multiple
+    # of 256 (gpt-oss: 2880 -> 3072), as its logged weights show (13.47 and 64.38 GiB)
+    pad = -(-spec.hidden_size // 256) * 256 / spec.hidden_size if experts_only else 1.0
     kv_share = max(1, spec.num_kv_heads // tp) / spec.num_kv_heads
     per_layer = []
     for i in range(spec.num_layers):
         p = layer_params(spec, i)
         per_layer.append(round(
             (p.attention / tp + p.kv_proj * kv_share + p.mlp / tp) * linear
-            + p.experts / tp * quant + p.norms * full))
+            + p.experts / tp * quant * pad + p.norms * full))
     embedding = -(-spec.vocab_size // tp) * spec.hidden_size * full
     head = spec.hidden_size * full + (0 if spec.tie_word_embeddings else embedding)
     return WeightBreakdown(tuple(per_layer), embedding, head, spec.tie_word_embeddings)

@@ -8,6 +8,9 @@ renamed, so a crash leaves either a whole file or none; every load checks the he
 name and the checksum. On start-up the namespace is scanned, so blocks written by an
 earlier process with the same identity are found again (oldest first in LRU order).
 A directory that disappears disables the tier with a warning.
+
+Blocks encode users' prompts: the namespace and its folders are created 0700 and files
+0600 whatever the umask, and a namespace left with wider modes is narrowed on start-up.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kvmem.tiers.store import BlockStore, Entry, LoadError
 MAGIC = b"KVMEMBLK"
 _HEADER = struct.Struct("<8sIIQ16s")  # magic, version, name length, payload length, checksum
 SUFFIX = ".kvb"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 
 class DiskStore(BlockStore):
@@ -39,8 +44,11 @@ class DiskStore(BlockStore):
         self.block_nbytes = block_nbytes
         self.root = identity.namespace_dir(root)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            (self.root / "identity.json").write_text(identity.to_json() + "\n")
+            Path(root).mkdir(mode=DIR_MODE, parents=True, exist_ok=True)  # if it is ours
+            self.root.mkdir(mode=DIR_MODE, exist_ok=True)
+            self.root.chmod(DIR_MODE)  # an earlier version made it 0755
+            with _private_file(self.root / "identity.json") as f:
+                f.write((identity.to_json() + "\n").encode())
         except OSError as exc:
             raise ConfigError(f"--disk-offload-dir {root}: {exc.strerror}") from None
         self._scan()
@@ -81,11 +89,11 @@ class DiskStore(BlockStore):
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(name), payload.nbytes,
                               xxhash.xxh3_128_digest(payload))
         path: Path = entry.handle
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             self.faults.before_write()
-            with open(tmp, "wb") as f:
+            with _private_file(tmp) as f:
                 f.write(header)
                 f.write(name)
                 f.write(memoryview(payload))
@@ -120,3 +128,15 @@ class DiskStore(BlockStore):
     def _io_failed(self, exc: OSError) -> None:
         if not self.root.is_dir():
             self.disable(f"directory {self.root} is gone ({exc.strerror or exc})")
+
+
+def _private_file(path: Path):
+    """``path`` opened for writing, created (or truncated) with mode 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)  # O_CREAT's mode is narrowed by the umask, never widened;
+        # a file that existed keeps its mode unless changed here
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise

