@@ -9,7 +9,7 @@ from kvmem.engine.attention import cpu_kernels
 from kvmem.engine.attention.metadata import AttentionMetadata
 from kvmem.engine.attention.reference import ReferenceBackend
 
-pytestmark = pytest.mark.skipif(cpu_kernels._load() is None,
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler for the CPU kernel")
 
 

@@ -99,6 +99,11 @@ def _load() -> ctypes.CDLL | None:
     return library
 
 
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return _load() is not None
+
+
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode`` runs for this query and cache (CPU, a layout it handles,
     and the kernel built)."""
