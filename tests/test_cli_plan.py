@@ -116,6 +116,13 @@ def test_vllm_default_partition_and_even_budgets_need_no_plugin_or_variable(caps
     assert cmd["argv"][cmd["argv"].index("--kv-cache-memory-bytes") + 1] == str(5 << 30)
 
 
+def test_a_plan_without_kv_blocks_says_its_command_will_not_start(capsys):
+    d = _json(capsys, ["plan", "Qwen/Qwen3-32B", "--pp", "2", "--layer-partition", "56,8",
+                       "--gpu", "RTX-3090", "--engine", "vllm"])
+    assert d["engine"]["num_blocks"] == 0
+    assert d["engine_command"]["notes"][0].startswith("this plan holds no KV blocks")
+
+
 def test_sglang_says_it_cannot_express_per_rank_budgets(capsys):
     d = _json(capsys, PROBLEM2 + ["--kv-budget", "proportional", "--engine", "sglang"])
     assert any("no SGLang plugin" in n for n in d["engine_command"]["notes"])
@@ -133,7 +140,7 @@ def test_engine_commands_name_the_model_as_given_not_its_config_label(tmp_path, 
     for given, named in ((str(model), str(model)), (str(model / "config.json"), str(model))):
         d = _json(capsys, ["plan", given, "--kv-cache-memory-bytes", "1GiB", "--engine", engine])
         argv = d["engine_command"]["argv"]
-        assert argv[argv.index(flag) + 1] == named
+        assert argv[argv.index(flag) + 1] == named and d["model"] == named
         assert "Some Label 135M" not in argv
     shell = subprocess.run([sys.executable, "-c", "from kvmem.cli import main; main(['plan', "
                             f"{str(model)!r}, '--kv-cache-memory-bytes', '1GiB', '--engine', "

@@ -97,6 +97,33 @@ def test_tokens_match_plain_and_shutdown_leaves_the_ledger(tiny, reference):
         engine.step()
 
 
+def test_engine_reservation_is_the_planners(tiny):
+    """The engine sizes its elastic reservation with the function `kvmem plan --kv-memory
+    elastic` calls, over the same plan: the planner's blocks are the engine's."""
+    import mmap
+
+    import torch
+
+    from kvmem.engine.kv_cache_setup import plan_kv_cache
+    from kvmem.memory.sizing import plan_elastic
+    from kvmem.spec import load_spec
+
+    options = dict(kv_memory="elastic", engine_name="tiny-plan", kv_memory_limit_bytes="3MiB",
+                   **OPTIONS)
+    config = EngineConfig(model=str(tiny), **options)
+    llm = LLM(str(tiny), **options)
+    try:
+        spec = load_spec(str(tiny))
+        planned = plan_kv_cache(spec, config, device=torch.device("cpu"), kv_dtype="float32",
+                                max_model_len=llm.engine.max_model_len)
+        [sizing] = plan_elastic(planned, spec, 3 << 20, granularity=mmap.PAGESIZE)
+        assert llm.engine.elastic.sizing == sizing
+        assert llm.engine.num_blocks == sizing.max_blocks
+        assert sizing.limit_bytes == 3 << 20
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_parallel_tokens_match_plain(tiny, reference, tp, pp):
     """Every rank maps rank 0's pages (pp ranks hold different slots over the same blocks)."""

@@ -19,9 +19,9 @@ from tiny_models import make_tiny_checkpoint
 
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
-from kvmem.engine.offload_setup import attach_offload
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.tiers import Faults, OffloadConfig
+from kvmem.tiers.faults import NO_FAULTS
 
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp32
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, 2 KV heads, head_dim 16
@@ -29,11 +29,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def make_engine(num_blocks: int, max_model_len: int, model: str | None = None,
-                bytes_per_token: int = BYTES_PER_TOKEN, **options) -> LLMEngine:
+                bytes_per_token: int = BYTES_PER_TOKEN, offload: OffloadConfig | None = None,
+                faults: Faults = NO_FAULTS, **options) -> LLMEngine:
+    """An engine of ``num_blocks`` KV blocks; ``offload``: its tiers (``faults`` injected)."""
     return LLMEngine(EngineConfig(model=model, max_model_len=max_model_len,
                                   max_num_batched_tokens=512,
                                   kv_cache_memory_bytes=num_blocks * 16 * bytes_per_token,
-                                  **options))
+                                  **options), offload=offload, offload_faults=faults)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +71,10 @@ def test_mission3_repeated_long_prompt_comes_back_from_cpu_tier():
     reference = make_engine(num_blocks=25, max_model_len=384)
     expected = [run_one(reference, rid, p)[1].outputs[0].token_ids for rid, p in prompts]
 
-    engine = make_engine(num_blocks=25, max_model_len=384)
-    connector = attach_offload(engine, OffloadConfig(cpu_bytes=64 << 20),
-                               faults=Faults(store_delay_s=0.5))
+    engine = make_engine(num_blocks=25, max_model_len=384,
+                         offload=OffloadConfig(cpu_bytes=64 << 20),
+                         faults=Faults(store_delay_s=0.5))
+    connector = engine.offload
     try:
         results = [run_one(engine, rid, p) for rid, p in prompts]
         for (_, out), tokens in zip(results, expected, strict=True):
@@ -126,12 +129,12 @@ def test_soak_random_requests_with_faults(tmp_path, tiny_model):
                 expected[tuple(out.prompt_token_ids)] = out.outputs[0].token_ids
     del reference
 
-    engine = make_engine(num_blocks=40, max_model_len=160, **tiny)
     block_bytes = 16 * TINY_BYTES_PER_TOKEN
     faults = Faults(store_delay_s=0.002, read_error_rate=0.03, corrupt_rate=0.05, seed=1)
-    connector = attach_offload(engine, OffloadConfig(
+    engine = make_engine(num_blocks=40, max_model_len=160, **tiny, offload=OffloadConfig(
         cpu_bytes=30 * block_bytes, disk_dir=str(tmp_path / "tier"),
         disk_bytes=200 * (block_bytes + 200)), faults=faults)
+    connector = engine.offload
     finals: dict[str, object] = {}
     aborted: set[str] = set()
     abort_at: dict[str, int] = {}  # request id -> loop iteration at which it is aborted
@@ -192,12 +195,12 @@ from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.tiers import OffloadConfig
-from kvmem.engine.offload_setup import attach_offload
 
 disk_dir, block_size, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 engine = LLMEngine(EngineConfig(max_model_len=256, block_size=block_size,
-                                kv_cache_memory_bytes=32 * 16 * BYTES_PER_TOKEN))
-connector = attach_offload(engine, OffloadConfig(disk_dir=disk_dir, disk_bytes=64 << 20))
+                                kv_cache_memory_bytes=32 * 16 * BYTES_PER_TOKEN),
+                   offload=OffloadConfig(disk_dir=disk_dir, disk_bytes=64 << 20))
+connector = engine.offload
 request = engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0,
                                                          ignore_eos=True))
 while engine.has_unfinished_requests():
@@ -254,11 +257,11 @@ def hybrid_run(tmp_path_factory):
     prompts = [("a", a), ("b", b), ("a-again", a)]
 
     def run(faults: Faults | None):
+        offload = OffloadConfig(cpu_bytes=16 << 20) if faults is not None else None
         engine = make_engine(num_blocks=8, max_model_len=112, model=model,
-                             bytes_per_token=TINY_BYTES_PER_TOKEN)
-        connector = None
-        if faults is not None:
-            connector = attach_offload(engine, OffloadConfig(cpu_bytes=16 << 20), faults=faults)
+                             bytes_per_token=TINY_BYTES_PER_TOKEN, offload=offload,
+                             faults=faults or NO_FAULTS)
+        connector = engine.offload
         try:
             results = [run_one(engine, rid, p) for rid, p in prompts]
             if connector is not None:
@@ -313,8 +316,9 @@ def test_disk_tier_is_keyed_by_the_weights_not_the_model_path(tmp_path, monkeypa
     def run(where: str, offload: bool):
         monkeypatch.chdir(tmp_path / where)
         engine = make_engine(num_blocks=16, max_model_len=128, model="tiny-llama",
-                             bytes_per_token=TINY_BYTES_PER_TOKEN)
-        connector = attach_offload(engine, disk) if offload else None
+                             bytes_per_token=TINY_BYTES_PER_TOKEN,
+                             offload=disk if offload else None)
+        connector = engine.offload
         try:
             request, out = run_one(engine, "r", prompt)
             hits = connector.stats()["disk"].hits if connector else 0
@@ -336,9 +340,10 @@ def test_tier_misses_count_every_block_past_the_pool_hit(tmp_path, tiny_model):
     rng = random.Random(7)
     a, b = ([rng.randrange(0, 256) for _ in range(100)] for _ in range(2))
     engine = make_engine(num_blocks=8, max_model_len=112, model=tiny_model,
-                         bytes_per_token=TINY_BYTES_PER_TOKEN)
-    connector = attach_offload(engine, OffloadConfig(cpu_bytes=16 << 20, disk_bytes=16 << 20,
-                                                     disk_dir=str(tmp_path)))
+                         bytes_per_token=TINY_BYTES_PER_TOKEN,
+                         offload=OffloadConfig(cpu_bytes=16 << 20, disk_bytes=16 << 20,
+                                               disk_dir=str(tmp_path)))
+    connector = engine.offload
 
     def counts() -> dict[str, tuple[int, int]]:
         connector.offload.drain()
@@ -364,15 +369,15 @@ def test_preempted_request_resumes_from_the_cpu_tier(tiny_model):
     prompts = {rid: [rng.randrange(0, 256) for _ in range(40)] for rid in ("a", "b")}
     params = SamplingParams(max_tokens=60, **GREEDY)
 
-    def engine_for(num_blocks: int) -> LLMEngine:
+    def engine_for(num_blocks: int, offload: OffloadConfig | None = None) -> LLMEngine:
         return make_engine(num_blocks=num_blocks, max_model_len=112, model=tiny_model,
-                           bytes_per_token=TINY_BYTES_PER_TOKEN)
+                           bytes_per_token=TINY_BYTES_PER_TOKEN, offload=offload)
 
     alone = engine_for(16)
     expected = {rid: run_one(alone, rid, p, max_tokens=60)[1].outputs[0].token_ids
                 for rid, p in prompts.items()}
-    engine = engine_for(8)
-    connector = attach_offload(engine, OffloadConfig(cpu_bytes=16 << 20))
+    engine = engine_for(8, OffloadConfig(cpu_bytes=16 << 20))
+    connector = engine.offload
     try:
         requests = {rid: engine.add_request(rid, p, params) for rid, p in prompts.items()}
         b, offered, outputs = requests["b"], None, {}
@@ -392,20 +397,17 @@ def test_preempted_request_resumes_from_the_cpu_tier(tiny_model):
 def test_identity_changes_with_the_model_dtype_and_the_layout(tiny_model):
     """Through the real identity builder: another model dtype or tensor-parallel layout
     names another disk namespace."""
-    from types import SimpleNamespace
-
     import torch
 
-    from kvmem.engine.offload_setup import engine_identity
+    from kvmem.engine.offload_setup import tier_identity
 
     engine = make_engine(num_blocks=8, max_model_len=64, model=tiny_model,
                          bytes_per_token=TINY_BYTES_PER_TOKEN)
-    base = engine_identity(engine)
-    assert engine_identity(SimpleNamespace(**{**vars(engine), "dtype": torch.bfloat16}))[0] \
-        != base[0]
-    stage = SimpleNamespace(layers=list(range(engine.spec.num_layers)))
-    parallel = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=2,
-                                                        pipeline_parallel_size=1),
-                               state=SimpleNamespace(allocations=[stage, stage]))
-    other = engine_identity(SimpleNamespace(**{**vars(engine), "parallel": parallel}))
+    layers = [engine.spec.num_layers]
+    base = tier_identity(engine.spec, engine.dtype, tiny_model, tensor_parallel_size=1,
+                         partition=layers)
+    assert tier_identity(engine.spec, torch.bfloat16, tiny_model, tensor_parallel_size=1,
+                         partition=layers)[0] != base[0]
+    other = tier_identity(engine.spec, engine.dtype, tiny_model, tensor_parallel_size=2,
+                          partition=layers)
     assert other[0] == base[0] and other[1] != base[1]

@@ -15,6 +15,7 @@ from kvmem.cache.coordinator import LOAD_BLOCK
 from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.scheduler import Scheduler
+from kvmem.engine.step import ModelRunnerOutput
 from kvmem.memory.storage import SlotShape, TensorKVStorage
 from kvmem.spec import AttentionKind, KVGroup
 from kvmem.tiers import OffloadConfig, OffloadConnector, OffloadManager
@@ -69,12 +70,15 @@ def req(rid: str, n: int, start: int = 0) -> Request:
 
 
 def run_step(sched: Scheduler):
-    """Schedule, then play the model: advance computed tokens and sample a token."""
+    """Schedule, then play the model: sample a token for each request that completes its
+    known tokens, and let the scheduler close the step."""
     out = sched.schedule()
-    for r, n in out.scheduled:
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_output_token(1)
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        r = sched.requests[rid]
+        if r.num_computed_tokens + n == r.num_tokens:
+            sampled[rid] = 1
+    sched.update_from_output(out, ModelRunnerOutput(sampled))
     return out
 
 
@@ -115,11 +119,11 @@ def test_tier_hit_parks_the_request_and_counts_toward_max_num_seqs(setup):
     sched.add_request(again)
     sched.add_request(other)
     out = sched.schedule()
-    assert not out.scheduled and sched.loading == [again] and sched.num_running == 0
+    assert out.is_empty and sched.loading == [again] and sched.num_running == 0
     assert sched.has_unfinished_requests() and list(sched.waiting) == [other]
     connector.gate_open = True
     out = sched.schedule()
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a-again", 1)]
+    assert list(out.num_scheduled_tokens.items()) == [("a-again", 1)]
     assert again.num_computed_tokens == 12 and again.num_cached_tokens == 12
     assert sched.stats.prefix_hit_tokens == 12
     assert list(sched.waiting) == [other]  # max_num_seqs 1: still waiting
@@ -151,14 +155,14 @@ def test_lone_request_short_of_held_blocks_waits_instead_of_failing(setup):
     r = req("r", 24)
     sched.add_request(r)
     for _ in range(8):  # prefill (6 blocks), then decodes into blocks 7 and 8
-        out = run_step(sched)
-        if out.preempted or out.failed:
+        run_step(sched)
+        if r.status is not RequestStatus.RUNNING:
             break
-    assert not out.failed and out.preempted == [r] and r.status is RequestStatus.PREEMPTED
+    assert r.status is RequestStatus.PREEMPTED and sched.stats.num_preemptions == 1
     assert list(sched.waiting) == [r]
     connector.gate_open = True
     out = run_step(sched)
-    assert [x.request_id for x, _ in out.scheduled] == ["r"] and not out.failed
+    assert list(out.num_scheduled_tokens) == ["r"] and r.status is RequestStatus.RUNNING
 
 
 def test_wait_blocks_until_the_parked_load_lands(setup):
@@ -172,7 +176,7 @@ def test_wait_blocks_until_the_parked_load_lands(setup):
     assert sched.loading == [again]
     assert connector.wait(5) is True
     connector.gate_open = True
-    assert [r.request_id for r, _ in sched.schedule().scheduled] == ["a-again"]
+    assert list(sched.schedule().num_scheduled_tokens) == ["a-again"]
 
 
 def test_hybrid_hit_loads_only_the_blocks_each_group_needs(setup):
@@ -192,7 +196,7 @@ def test_hybrid_hit_loads_only_the_blocks_each_group_needs(setup):
 
     again = req("a-again", 13)
     sched.add_request(again)
-    assert not sched.schedule().scheduled and sched.loading == [again]
+    assert sched.schedule().is_empty and sched.loading == [again]
     full, sliding = mgr.get_block_ids("a-again")
     assert len(full) == 3 and sliding[:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID]
     assert mgr.usage().used == 4 and connector.stats()["cpu"].hits == 4
@@ -201,7 +205,7 @@ def test_hybrid_hit_loads_only_the_blocks_each_group_needs(setup):
 
     connector.gate_open = True
     out = sched.schedule()
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a-again", 1)]
+    assert list(out.num_scheduled_tokens.items()) == [("a-again", 1)]
     assert again.num_cached_tokens == 12 and sched.stats.prefix_hit_tokens == 12
     for g, table in enumerate((full, sliding)):
         for i, expected in stored[g].items():
@@ -235,7 +239,7 @@ def test_hybrid_hit_mixes_pool_and_tier_blocks(setup):
     assert sliding[:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID] and sliding[2] != NULL_BLOCK_ID
     assert connector.stats()["cpu"].hits - hits_before == 2
     connector.gate_open = True
-    assert [(r.request_id, n) for r, n in sched.schedule().scheduled] == [("a-again", 1)]
+    assert list(sched.schedule().num_scheduled_tokens.items()) == [("a-again", 1)]
     assert again.num_computed_tokens == 12
 
 

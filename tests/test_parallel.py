@@ -120,15 +120,13 @@ def test_mission1_whole_model_need_exceeds_a_rank_but_each_rank_fits(model_dir, 
     """max_model_len 256 needs 16 blocks x 4 layers x 2 heads = 256 KiB for the whole model;
     each rank has 80 KiB. One process refuses to start; tp 2 x pp 2 (a quarter each) starts,
     serves with CPU offload on, and a prompt evicted from the GPU pool comes back from CPU."""
-    from kvmem.engine.distributed import attach_offload
-    from kvmem.tiers import OffloadConfig
-
     per_rank = 20 * 2 * BLOCK_BYTES_PER_LAYER // 2  # 20 blocks of 2 layers x 1 head
     with pytest.raises(FitError, match="max_model_len 256"):
         LLM(str(model_dir), kv_cache_memory_bytes=per_rank, max_model_len=256)
     options = dict(kv_cache_memory_bytes=per_rank, max_model_len=256, max_num_batched_tokens=64)
-    llm = LLM(str(model_dir), tensor_parallel_size=2, pipeline_parallel_size=2, **options)
-    connector = attach_offload(llm.engine, OffloadConfig(cpu_bytes=16 << 20))
+    llm = LLM(str(model_dir), tensor_parallel_size=2, pipeline_parallel_size=2,
+              cpu_offload_gib=16 / 1024, **options)
+    connector = llm.engine.offload
     first, second = list(range(10, 130)), list(range(300, 100, -1))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 from tiny_models import make_tiny_checkpoint
 
-from kvmem.engine.distributed import driver as driver_module
+import kvmem.engine.rank_builder as rank_builder
 from kvmem.engine.distributed.offload import RemoteKVStorage, SharedKVStorage
 from kvmem.engine.llm import LLM
-from kvmem.engine.offload_setup import offload_storage
 from kvmem.engine.sampling_params import SamplingParams
 
 TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
@@ -50,7 +49,7 @@ def run_a_b_a(model_dir, **options) -> tuple[list[list[int]], tuple, type]:
     llm = LLM(str(model_dir), **OPTIONS, **options)
     engine = llm.engine
     try:
-        storage = type(offload_storage(engine)[0])
+        storage = type(engine.offload_storage)
         outs = []
         for prompt in (FIRST, SECOND, FIRST):
             outs.append(llm.generate([prompt], PARAMS)[0])
@@ -73,7 +72,7 @@ def test_elastic_kv_offloads_through_copy_services(model_dir, expected):
 
 def test_plain_kv_copy_services_match_shared_memory(model_dir, expected, monkeypatch):
     shared = run_a_b_a(model_dir)
-    monkeypatch.setattr(driver_module, "SHARE_LOCAL_KV", False)
+    monkeypatch.setattr(rank_builder, "SHARE_LOCAL_KV", False)
     remote = run_a_b_a(model_dir)
     assert (shared[2], remote[2]) == (SharedKVStorage, RemoteKVStorage)
     assert shared[0] == remote[0] == expected

@@ -385,9 +385,9 @@ def test_a_quantised_checkpoint_and_an_fp8_cache_are_suggested_when_they_fit():
     assert any(a.startswith("8-bit weights") for a in p.alternatives)
     assert plan(replace(spec, weight_bits=8), Layout(gpus=["H100"]),
                 EngineSettings(max_model_len=40960)).engine.fits
-    p = plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=40960))
+    p = plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=32768))
     assert p.alternatives[0].startswith("an fp8 KV cache")
-    assert plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=40960,
+    assert plan(spec, Layout(gpus=["H100"]), EngineSettings(max_model_len=32768,
                                                             kv_cache_dtype="fp8")).engine.fits
 
 
@@ -401,6 +401,13 @@ def test_another_partition_is_suggested_when_it_fits():
     assert first < second and best.engine.fits
     assert any(a.startswith(f"layer partition {first},{second} with optimal KV budgets")
                for a in p.alternatives)
+
+
+def test_batch_limits_default_to_vllms_for_the_gpu():
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["H100"]), EngineSettings())
+    assert (p.settings.max_num_batched_tokens, p.settings.max_num_seqs) == (8192, 1024)
+    p = plan(load_spec("qwen3-8b"), Layout(gpus=["L40S"]), EngineSettings(max_num_seqs=64))
+    assert (p.settings.max_num_batched_tokens, p.settings.max_num_seqs) == (2048, 64)
 
 
 def test_the_engine_sizes_without_searching_alternatives():

@@ -111,7 +111,7 @@ def test_common_h100_text_models_are_within_a_quarter_gib():
 @pytest.mark.parametrize("memory_gib, gpu, expected", [
     (79.19, "H100", (8192, 1024)), (139.81, "H200", (8192, 1024)),
     (178.36, "B200", (16384, 1024)), (79.15, "A100-80GB", (2048, 256)),
-    (44.42, "L40S", (2048, 256)), (None, None, (2048, 256))])
+    (44.42, "L40S", (2048, 256)), (None, None, (8192, 256))])
 def test_batch_defaults_follow_vllm_per_gpu(memory_gib, gpu, expected):
     memory = None if memory_gib is None else round(memory_gib * GiB)
     assert vllm_batch_defaults(memory, gpu) == expected

@@ -20,13 +20,9 @@ from tiny_models import make_tiny_checkpoint
 from kvmem.cli import main
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.cuda_graphs import capture_sizes
-from kvmem.engine.profiler import (
-    PROFILE_HEADROOM_BYTES,
-    CPUMeter,
-    MemoryProfile,
-    cuda_graphs_enabled,
-    profile_memory,
-)
+from kvmem.engine.memory_profile import PROFILE_HEADROOM_BYTES, MemoryProfile
+from kvmem.engine.profile_ranks import profile_memory
+from kvmem.engine.profiler import CPUMeter, cuda_graphs_enabled
 from kvmem.errors import ConfigError
 from kvmem.units import GiB, MiB
 
@@ -248,6 +244,43 @@ def test_profile_command_json_and_report(tmp_path, capsys):
     assert "KV budget: fit" in text and "KV budget: whole" in text
 
 
+def test_profile_of_two_pipeline_stages_measures_each_rank(tmp_path, capsys):
+    """`kvmem profile -pp 2 --json`: each rank loads and measures only its stage (its
+    weights, a forward over its layers, the sampler only on the last stage), and `kvmem
+    plan --pp 2 --profile` sizes each rank from its own measurement."""
+    model = make_tiny_checkpoint(tmp_path, num_hidden_layers=4)
+    out = tmp_path / "pp2.json"
+    argv = ["profile", str(model), "--device", "cpu", "--max-num-batched-tokens", "128",
+            "--max-num-seqs", "8", "-pp", "2"]
+    assert main(argv + ["--json", "--output", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["format"] == "kvmem-memory-profiles/1"
+    assert (printed["tensor_parallel_size"], printed["pipeline_parallel_size"]) == (1, 2)
+    ranks = printed["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["layers"] for r in ranks] == [[0, 1], [2, 3]]
+    tensors = _safetensors(model / "model.safetensors")
+    layer_bytes = sum(t.numel() * 4 for name, t in tensors.items() if ".layers.0." in name)
+    embed = tensors["model.embed_tokens.weight"].numel() * 4
+    for r in ranks:
+        assert r["weights_bytes"] >= 2 * layer_bytes  # its two layers, not all four
+        assert r["weights_bytes"] < 4 * layer_bytes + 2 * embed
+        assert r["forward_peak_bytes"] > 0 and r["non_torch_bytes"] > 0
+    assert ranks[0]["sampler_peak_bytes"] == 0 < ranks[1]["sampler_peak_bytes"]
+    from kvmem.engine.memory_profile import load_profiles
+
+    saved = load_profiles(out)
+    assert [p.weights_bytes for p in saved] == [r["weights_bytes"] for r in ranks]
+    planned = _plan_json(capsys, ["plan", str(model), "--pp", "2", "--profile", str(out),
+                                  "--max-num-batched-tokens", "128", "--max-num-seqs", "8"])
+    for rank, p in zip(planned["ranks"], saved, strict=True):
+        assert rank["weights_bytes"] == p.weights_bytes
+        assert rank["activation_bytes"] == p.activation_bytes
+    assert main(["plan", str(model), "--profile", str(out), "--max-num-batched-tokens", "128",
+                 "--max-num-seqs", "8"]) == 2
+    assert "measured the ranks of (tp 1, pp 2)" in capsys.readouterr().err
+
+
 def _safetensors(path):
     from safetensors.torch import load_file
 
@@ -265,17 +298,14 @@ def test_profile_command_errors_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,says", [
-    (["-tp", "2"], "cannot profile the ranks of -tp 2 -pp 1"),
-    (["-pp", "2"], "size the ranks with `kvmem plan`'s estimates or an explicit "
-                   "--kv-cache-memory-bytes"),
     (["--kv-cache-memory-bytes", "1GiB"], "--kv-cache-memory-bytes would only be ignored"),
     (["--kv-memory", "elastic"], "does not measure --kv-memory elastic"),
     (["--cpu-offload-gib", "1"], "does not measure the KV offload tiers"),
     (["--output", "/nonexistent/dir/x.json"], "directory /nonexistent/dir does not exist"),
 ])
 def test_profile_refuses_before_loading_what_it_cannot_do(tmp_path, capsys, flags, says):
-    """Settings a one-process profile would get wrong or ignore, and an --output that could
-    not be written, fail with one line and exit 2 before any weights load."""
+    """Settings a profile would get wrong or ignore, and an --output that could not be
+    written, fail with one line and exit 2 before any weights load."""
     start = time.monotonic()
     assert main(["profile", str(tmp_path / "not-loaded"), "--device", "cpu", *flags]) == 2
     assert time.monotonic() - start < 5

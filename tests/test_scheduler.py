@@ -1,5 +1,6 @@
 """Scheduler policy against the real block manager (no model): token budget, chunked
-prefill, max_num_seqs, decode-first ordering, prefix hits, preemption, failures, aborts."""
+prefill, max_num_seqs, decode-first ordering, prefix hits, preemption, failures, aborts,
+and the step message it emits (block ids reach the runners only through it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from kvmem.cache import KVCacheManager
 from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.scheduler import Scheduler
+from kvmem.engine.step import ModelRunnerOutput, SchedulerOutput
 from kvmem.spec import AttentionKind, KVGroup
 
 BLOCK = 4
@@ -26,14 +28,22 @@ def req(rid: str, n: int, start: int = 0) -> Request:
     return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=100))
 
 
+def play(sched: Scheduler, out: SchedulerOutput, token: int = 1):
+    """Play the model: sample ``token`` for each request that completes its known tokens,
+    and let the scheduler close the step."""
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        r = sched.requests.get(rid)  # None: finished since
+        if r is not None and r.num_computed_tokens + n == r.num_tokens:
+            sampled[rid] = token
+    return sched.update_from_output(out, ModelRunnerOutput(sampled))
+
+
 def run_step(sched: Scheduler, token: int = 1) -> dict[str, int]:
-    """Schedule, then play the model: advance computed tokens and sample ``token``."""
+    """Schedule, then play the model; the tokens scheduled per request."""
     out = sched.schedule()
-    for r, n in out.scheduled:
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_output_token(token)
-    return {r.request_id: n for r, n in out.scheduled}
+    play(sched, out, token)
+    return dict(out.num_scheduled_tokens)
 
 
 def test_token_budget_chunks_prefill_and_mixes_decodes():
@@ -90,9 +100,10 @@ def test_request_that_can_never_fit_fails_and_others_continue():
     sched.add_request(big)
     sched.add_request(small)
     out = sched.schedule()
-    assert out.failed == [big] and big.status is RequestStatus.FINISHED_ERROR
-    assert "too small" in big.error
-    assert [r.request_id for r, _ in out.scheduled] == ["small"]
+    assert list(out.num_scheduled_tokens) == ["small"]
+    updates = play(sched, out)
+    assert [u.request for u in updates if u.request.is_finished] == [big]
+    assert big.status is RequestStatus.FINISHED_ERROR and "too small" in big.error
 
 
 def test_running_request_outgrowing_pool_alone_fails():
@@ -102,7 +113,9 @@ def test_running_request_outgrowing_pool_alone_fails():
     run_step(sched)  # 7 prompt tokens + 1 sampled = 8: still fits
     run_step(sched)  # 9th token: no block anywhere, nobody to preempt
     out = sched.schedule()
-    assert out.failed == [r] and r.status is RequestStatus.FINISHED_ERROR
+    assert out.is_empty
+    assert [u.request for u in play(sched, out)] == [r]
+    assert r.status is RequestStatus.FINISHED_ERROR
     assert sched.kv_cache_manager.usage().used == 0 and not sched.has_unfinished_requests()
 
 
@@ -126,16 +139,63 @@ def test_never_exceeds_budget_and_finishes_everything(budget):
     reqs = [req(f"r{i}", 5 + 3 * i, start=20 * i) for i in range(5)]
     for r in reqs:
         sched.add_request(r)
+    for r in reqs:
+        r.sampling_params.max_tokens = 6
     for _ in range(500):
         out = sched.schedule()
-        assert out.num_batched_tokens <= budget
-        for r, n in out.scheduled:
-            r.num_computed_tokens += n
-            if r.num_computed_tokens == r.num_tokens:
-                r.append_output_token(7)
-                if r.num_output_tokens == 6:
-                    sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+        assert out.total_num_scheduled_tokens <= budget
+        play(sched, out, token=7)
         if not sched.has_unfinished_requests():
             break
-    assert all(r.num_output_tokens == 6 for r in reqs)
+    assert all(r.num_output_tokens == 6 and r.status is RequestStatus.FINISHED_LENGTH
+               for r in reqs)
     assert sched.kv_cache_manager.usage().used == 0
+
+
+def test_step_message_carries_new_tables_then_block_deltas():
+    """A request's first step sends its whole block table; later steps only the blocks
+    added. Preemption makes the runners drop it, and it comes back as new; a finished
+    request is named once, in the next step."""
+    sched = make_scheduler(num_blocks=7)
+    a, b = req("a", 7), req("b", 8, start=100)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    new = {n.req_id: n for n in out.scheduled_new_reqs}
+    assert set(new) == {"a", "b"} and not out.scheduled_cached_reqs
+    assert new["a"].token_ids == list(range(7)) and new["a"].num_computed_tokens == 0
+    assert new["a"].block_ids == sched.kv_cache_manager.get_block_ids("a")
+    assert new["a"].block_ids is not sched.kv_cache_manager.get_block_ids("a")  # a copy
+    play(sched, out, token=5)
+    out = sched.schedule()  # a: its 8th token fills block 2; b: a 9th token needs block 3
+    cached = {c.req_id: c for c in out.scheduled_cached_reqs}
+    assert cached["a"].new_token_ids == [5] and cached["a"].new_block_ids == ([],)
+    assert cached["b"].new_token_ids == [5] and len(cached["b"].new_block_ids[0]) == 1
+    assert cached["b"].num_computed_tokens == 8
+    play(sched, out)
+    c = req("c", 12, start=200)
+    sched.add_request(c)  # needs 3 blocks: only 1 is free, so it waits
+    out = sched.schedule()
+    assert "c" not in out.num_scheduled_tokens
+    sched.finish_request(a, RequestStatus.FINISHED_STOPPED)
+    play(sched, out)
+    out = sched.schedule()
+    assert out.finished_req_ids == {"a"} and "c" in out.num_scheduled_tokens
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["c"]
+
+
+def test_siblings_of_one_prompt_share_its_full_blocks_in_their_first_step():
+    """n samples of one prompt (sibling requests) admitted in one step: the first caches
+    its full prompt blocks as it allocates them, the others hit them, so the full blocks
+    are held once (ref counts) and only the partial last block is per sibling."""
+    sched = make_scheduler(num_blocks=32)
+    siblings = [Request(f"p-{i}", list(range(10)), SamplingParams(max_tokens=4))
+                for i in range(3)]
+    for r in siblings:
+        sched.add_request(r)
+    out = sched.schedule()
+    tables = [n.block_ids[0] for n in out.scheduled_new_reqs]
+    assert [t[:2] for t in tables] == [tables[0][:2]] * 3  # 2 full blocks, shared
+    assert len({t[2] for t in tables}) == 3  # the partial block is each sibling's own
+    assert [out.num_scheduled_tokens[r.request_id] for r in siblings] == [10, 2, 2]
+    assert sched.kv_cache_manager.usage().used == 2 + 3

@@ -12,16 +12,17 @@ A hold on a used block only takes effect when its ref count falls to 0. The pool
 comes from the planner (``kvmem.plan``: ``plan.engine.num_blocks``); the pool never
 computes it.
 
-Hooks for other packages:
+Hooks for other packages (constructor arguments, except the evict listener):
 
 - ``free_queue``: any object with ``FreeBlockQueue``'s methods (e.g. page-aware);
-- ``add_listener(obj)``: ``obj.on_blocks_allocated(ids)`` when blocks leave the free or
+- ``listeners``: ``obj.on_blocks_allocated(ids)`` when blocks leave the free or
   cached-free state to be used, ``obj.on_blocks_released(ids)`` when blocks become free
   with no cached data;
 - ``capacity_guard(n) -> bool``: whether ``n`` more blocks may be taken (an external
   memory limit); a False answer makes the allocation return ``NoCapacity``;
 - ``evict_listener(block_id, block_hash)``: called just before a cached-free block is
-  evicted for reuse, so its content can be copied out first.
+  evicted for reuse, so its content can be copied out first (set by the offload
+  connector, which is built over the pool's manager).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class BlockPool:
     """Ref counts, holds, the free queue and the prefix-cache map over ``num_blocks`` ids."""
 
     def __init__(self, num_blocks: int, num_groups: int = 1, *, enable_events: bool = True,
-                 free_queue: FreeBlockQueue | None = None, max_events: int = 65_536) -> None:
+                 free_queue: FreeBlockQueue | None = None, max_events: int = 65_536,
+                 capacity_guard: Callable[[int], bool] | None = None,
+                 listeners: Iterable[PoolListener] = ()) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), "
                              f"got {num_blocks}")
@@ -60,8 +63,10 @@ class BlockPool:
         self.free_queue = free_queue if free_queue is not None else FreeBlockQueue(
             range(1, num_blocks))
         self.held_idle: set[int] = set()  # ref count 0 and held
-        self.listeners: list[PoolListener] = []
-        self.capacity_guard: Callable[[int], bool] | None = None
+        self.listeners: list[PoolListener] = list(listeners)
+        self.capacity_guard = capacity_guard
+        # set by the offload connector, which needs the pool first (it holds the pool's
+        # blocks during copies, and the pool tells it of evictions)
         self.evict_listener: Callable[[int, BlockHash], None] | None = None
         # Events wait for take_events(); if nobody takes them, the oldest half is dropped
         # whenever more than max_events pile up (counted in events_dropped).

@@ -192,7 +192,7 @@ class KVCacheManager:
         if self.enable_prefix_caching and not loading and \
                 num_computed // self.block_size > min(state.num_cached):
             self._cache_full_blocks(state, request, min(num_computed, request.num_tokens))
-        return Allocation(result, num_computed - num_new_tokens)
+        return Allocation(result, num_computed - num_new_tokens, tuple(state.skipped))
 
     def _extend_single_full(self, state: _RequestState, request: CacheRequest,
                             num_new_tokens: int, num_lookahead_tokens: int

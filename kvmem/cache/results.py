@@ -31,10 +31,13 @@ class PrefixHit:
 
 class Allocation(NamedTuple):
     """A successful ``allocate_slots`` (always truthy): the block ids added to each group's
-    table, and the tokens computed before this step (including a prefix hit)."""
+    table, the tokens computed before this step (including a prefix hit), and per group how
+    many leading table entries are now the null block (empty: unchanged, no group releases
+    blocks)."""
 
     new_block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    num_null_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,20 +248,37 @@ def _elastic(args: argparse.Namespace, result, spec):
     return plan_elastic(result, spec, limit)
 
 
-def _check_profile_matches(measured, layout, settings, path: str) -> None:
-    """A profile is one process's memory under given batch limits: refuse to apply it to
-    per-rank shards or to other limits (its activation peak would be for other batches)."""
-    if layout.world_size > 1:
-        raise ConfigError(f"{path} measured one process (tp 1, pp 1); it cannot stand for the "
-                          f"ranks of tp {layout.tensor_parallel_size} x pp "
-                          f"{layout.pipeline_parallel_size}: plan them from estimates")
+def _check_profile_matches(profiles, layout, settings, path: str) -> None:
+    """A profile is each rank's memory in one layout under given batch limits: refuse to
+    apply it to another layout or to other limits (its activation peak would be for other
+    batches)."""
+    first = profiles[0]
+    tp, pp = first.tensor_parallel_size, first.pipeline_parallel_size
+    if (tp, pp) != (layout.tensor_parallel_size, layout.pipeline_parallel_size):
+        what = "one process" if tp * pp == 1 else "the ranks of"
+        raise ConfigError(f"{path} measured {what} (tp {tp}, pp {pp}); it cannot stand for "
+                          f"the ranks of tp {layout.tensor_parallel_size} x pp "
+                          f"{layout.pipeline_parallel_size}: profile that layout "
+                          f"(kvmem profile -tp {layout.tensor_parallel_size} -pp "
+                          f"{layout.pipeline_parallel_size}) or plan from estimates")
     for name, planned, profiled in (
             ("--max-num-batched-tokens", settings.max_num_batched_tokens,
-             measured.max_num_batched_tokens),
-            ("--max-num-seqs", settings.max_num_seqs, measured.max_num_seqs)):
+             first.max_num_batched_tokens),
+            ("--max-num-seqs", settings.max_num_seqs, first.max_num_seqs)):
         if planned != profiled:
             raise ConfigError(f"{path} was measured with {name} {profiled} but the plan uses "
                               f"{planned}: plan with {name} {profiled} or profile again")
+
+
+def _check_profile_layers(profiles, result, path: str) -> None:
+    """Each rank's plan holds the layers its profile measured."""
+    for profile, rank in zip(profiles, result.ranks, strict=True):
+        planned = [rank.layers[0], rank.layers[-1]] if rank.layers else []
+        if profile.layers and profile.layers != planned:
+            raise ConfigError(f"{path} measured layers {profile.layers[0]}-"
+                              f"{profile.layers[-1]} on rank {profile.rank} but the plan puts "
+                              f"layers {planned[0]}-{planned[-1]} there: give the profile's "
+                              f"--layer-partition")
 
 
 def _elastic_fit_error(result, spec, sizings) -> str | None:
@@ -303,21 +320,24 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     measured = None
     if args.profile:
-        from kvmem.engine.profiler import MemoryProfile  # reads JSON; imports no torch
+        from kvmem.engine.memory_profile import load_profiles  # imports no torch
 
-        measured = MemoryProfile.load(args.profile)
-    layout, settings = _inputs(args, measured)
+        measured = load_profiles(args.profile)
+    layout, settings = _inputs(args, measured[0] if measured else None)
     offload = _offload_config(args)
     if measured is not None:
         _check_profile_matches(measured, layout, settings, args.profile)
     result = plan(spec, layout, settings, policy=args.kv_budget,
-                  profile=[measured.to_rank_profile()] if measured else None,
+                  profile=[p.to_rank_profile() for p in measured] if measured else None,
                   checkpoint_dir=_checkpoint_dir(args.model))
     if measured is not None:
-        result.notes.append(f"measured memory of {measured.model} on {measured.device} "
-                            f"({args.profile}) replaces the estimates on every rank")
-    command = (engine_command(result, args.engine, served_model(args.model, spec))
-               if args.engine else None)
+        _check_profile_layers(measured, result, args.profile)
+        what = "every rank's" if len(measured) > 1 else "the"
+        result.notes.append(f"{what} measured memory of {measured[0].model} on "
+                            f"{measured[0].device} ({args.profile}) replaces the estimates on "
+                            f"{'its rank' if len(measured) > 1 else 'every rank'}")
+    result.model = served_model(args.model, spec)  # named as the user gave it, everywhere
+    command = engine_command(result, args.engine, result.model) if args.engine else None
     offload_section = kv_offload(result, offload)
     if command is not None and offload_section is not None:
         if args.engine == "kvmem":

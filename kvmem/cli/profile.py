@@ -5,9 +5,10 @@ over max_num_seqs rows, captures the decode CUDA graphs (GPU, unless --enforce-e
 prints what each part takes and two kv_cache_memory_bytes values: one that fits the
 requested gpu_memory_utilization and one that uses all the memory free at start.
 ``--output FILE.json`` saves the profile for ``kvmem plan MODEL --profile FILE.json``; the
-path is checked before the model loads. The profile is of one process holding the whole
-model: tensor/pipeline parallelism, an explicit KV budget, elastic KV memory and the
-offload tiers are refused with a one-line error (``check_profilable``).
+path is checked before the model loads. With ``-tp N -pp M`` every rank is started and
+measured (its stage's layers, its tensor-parallel slice; gloo on CPU, NCCL on GPUs), and
+the report and the file hold one profile per rank. An explicit KV budget, elastic KV
+memory and the offload tiers are refused with a one-line error (``check_profilable``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _EPILOG = """\
 examples:
   kvmem profile                                   # the embedded SmolLM2 on this device
   kvmem profile ./Qwen3-8B --gpu-memory-utilization 0.95 --output qwen3.json
+  kvmem profile ./Qwen3-8B -tp 2 -pp 2 --output qwen3-tp2-pp2.json   # every rank
   kvmem plan ./Qwen3-8B --profile qwen3.json      # plan with the measured figures
   kvmem serve ./Qwen3-8B --kv-cache-memory-bytes 151519866880
 """
@@ -45,7 +47,11 @@ def report_table(profile):
 
     from kvmem.units import GiB
 
-    table = Table(title=f"{profile.model} on {profile.device}: memory profile",
+    shard = ""
+    if profile.tensor_parallel_size * profile.pipeline_parallel_size > 1:
+        shard = (f", rank {profile.rank} (layers {profile.layers[0]}-{profile.layers[-1]} of "
+                 f"tp {profile.tensor_parallel_size} x pp {profile.pipeline_parallel_size})")
+    table = Table(title=f"{profile.model} on {profile.device}{shard}: memory profile",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col, justify in (("", "left"), ("bytes", "right"), ("GiB", "right"), ("", "left")):
         table.add_column(col, justify=justify, no_wrap=justify == "right")
@@ -99,42 +105,52 @@ def check_output(path: str) -> None:
         raise ConfigError(f"--output {path}: not writable")
 
 
-def _save(profile, path: str) -> None:
+def _save(profiles, path: str) -> None:
+    from kvmem.engine.memory_profile import save_profiles
     from kvmem.errors import KvmemError
 
     try:
-        profile.save(path)
+        save_profiles(profiles, path)
     except OSError as e:  # e.g. the disk filled up while profiling
         raise KvmemError(f"--output {path}: cannot write the profile ({e.strerror})") from None
 
 
 def run(args: argparse.Namespace) -> int:
     from kvmem.engine.config import EngineConfig
-    from kvmem.engine.profiler import check_profilable, profile_memory
+    from kvmem.engine.memory_profile import profiles_to_dict
+    from kvmem.engine.profile_ranks import check_profilable, profile_ranks
 
     config = EngineConfig.from_args(args)
     check_profilable(config)
     if args.output:
         check_output(args.output)
-    profile = profile_memory(config)
+    profiles = profile_ranks(config)
     if args.output:
-        _save(profile, args.output)
+        _save(profiles, args.output)
     if args.json:
-        print(json.dumps(profile.to_dict(), indent=1))
+        print(json.dumps(profiles_to_dict(profiles), indent=1))
         return 0
     from rich.console import Console
 
     console = Console(width=None if Console().is_terminal else 120)
-    console.print(report_table(profile))
-    console.print(profile.summary(), highlight=False, soft_wrap=True)
-    for note in profile.notes:
-        console.print(f"note: {note}", highlight=False)
+    for profile in profiles:
+        console.print(report_table(profile))
+        console.print(profile.summary(), highlight=False, soft_wrap=True)
+        for note in profile.notes:
+            console.print(f"note: {note}", highlight=False)
     flag = "--kv-cache-memory-bytes"
-    console.print(f"\nserve within the request: {flag} {profile.suggested_kv_bytes_fit}\n"
-                  f"use all free memory:      {flag} {profile.suggested_kv_bytes_whole}",
-                  highlight=False)
+    if len(profiles) == 1:
+        console.print(f"\nserve within the request: {flag} {profiles[0].suggested_kv_bytes_fit}\n"
+                      f"use all free memory:      {flag} {profiles[0].suggested_kv_bytes_whole}",
+                      highlight=False)
+    else:  # an explicit budget is each rank's: the smallest one fits every rank
+        fit = min(p.suggested_kv_bytes_fit for p in profiles)
+        console.print(f"\nserve within the request on every rank: {flag} {fit}", highlight=False)
+    first = profiles[0]
     if args.output:
+        layout = (f" --tp {first.tensor_parallel_size} --pp {first.pipeline_parallel_size}"
+                  if len(profiles) > 1 else "")
         console.print(f"profile saved to {args.output}; plan with it: kvmem plan "
-                      f"{profile.checkpoint or 'MODEL'} --profile {args.output} "
-                      f"--kv-cache-dtype {profile.dtype}", highlight=False, soft_wrap=True)
+                      f"{first.checkpoint or 'MODEL'}{layout} --profile {args.output} "
+                      f"--kv-cache-dtype {first.dtype}", highlight=False, soft_wrap=True)
     return 0

@@ -1,7 +1,8 @@
 """AsyncLLMEngine: runs LLMEngine steps on a background thread for an asyncio server.
 
 Requests are validated on the caller's thread (so bad input fails before a response
-starts), then handed to the engine thread through a command queue. Outputs come back to
+starts), then handed to the engine thread through a queue of typed commands
+(``AddRequest``, ``AbortRequest``, ``AbortAll``). Outputs come back to
 each request's ``asyncio.Queue`` on the event loop that asked for them. The model's
 forward pass releases the GIL, so the event loop keeps serving while the engine steps.
 """
@@ -36,10 +37,34 @@ class _Stream:
     queue: asyncio.Queue
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """Admit a validated request (made by ``make_request`` on the caller's thread)."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request whose consumer went away."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """Fail every request with ``message`` (the server is draining)."""
+
+    message: str
+
+
+EngineCommand = AddRequest | AbortRequest | AbortAll
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.5) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
@@ -65,7 +90,7 @@ class AsyncLLMEngine:
         each open response ends with an error (a server's last step before it stops).
         Thread-safe; the engine thread keeps running until shutdown()."""
         self._draining.set()
-        self._send("abort_all", reason)
+        self._send(AbortAll(reason))
 
     @property
     def is_ready(self) -> bool:
@@ -87,7 +112,7 @@ class AsyncLLMEngine:
             raise EngineError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
-        self._send("add", request)
+        self._send(AddRequest(request))
         finished = False
         try:
             while True:
@@ -101,7 +126,7 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:  # client went away or the task was cancelled
-                self._send("abort", request.request_id)
+                self._send(AbortRequest(request.request_id))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> RequestOutput:
@@ -109,8 +134,8 @@ class AsyncLLMEngine:
         outputs = [out async for out in self.stream(self.make_request(prompt, params, request_id))]
         return outputs[-1]
 
-    def _send(self, kind: str, payload: object) -> None:
-        self._commands.put((kind, payload))
+    def _send(self, command: EngineCommand) -> None:
+        self._commands.put(command)
         self._wakeup.set()
 
     # -- engine thread --------------------------------------------------------------------
@@ -135,20 +160,22 @@ class AsyncLLMEngine:
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, payload = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add" and self._draining.is_set():  # sent just before abort_all
-                self._deliver(payload.request_id, EngineError("the server is shutting down"))
-            elif kind == "add":
+            if isinstance(command, AddRequest) and self._draining.is_set():
+                # sent just before abort_all
+                self._deliver(command.request.request_id,
+                              EngineError("the server is shutting down"))
+            elif isinstance(command, AddRequest):
                 try:
-                    self.engine.add_request(payload)
+                    self.engine.add_request(command.request)
                 except KvmemError as e:
-                    self._deliver(payload.request_id, e)
-            elif kind == "abort":
-                self.engine.abort_request(payload)
-            elif kind == "abort_all":
-                self._fail_all(payload)
+                    self._deliver(command.request.request_id, e)
+            elif isinstance(command, AbortRequest):
+                self.engine.abort_request(command.request_id)
+            else:
+                self._fail_all(command.message)
         self.snapshot = self.engine.snapshot()
 
     def _fail_all(self, message: str) -> list[RequestOutput]:

@@ -8,9 +8,10 @@ One process::
     manager = KVCacheManager(..., pool=pool)
     elastic.start()                                # only now the pre-mapping thread
 
-A parallel engine's ranks first agree on the page layout (``exchange``: an all-gather over
-the ranks), then ``start(store, timeout)`` runs ``PageMapCoordinator.startup`` so that
-every rank maps the same pages in the same order before serving. Rank and world size are
+Every rank sizes its reservation from the engine's plan (all ranks hold the same plan, so
+they agree on the page layout without talking); a parallel engine's ranks then run
+``start(store, timeout)``, ``PageMapCoordinator.startup``, so that every rank maps the
+same pages in the same order before serving. Rank and world size are
 arguments from the engine's ParallelConfig; only rank 0 takes bytes from the ledger.
 """
 
@@ -21,24 +22,23 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import lcm
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvmem.engine.config import EngineConfig
 from kvmem.errors import ConfigError
 from kvmem.memory import ElasticKVStorage, Ledger, PageMapCoordinator
-from kvmem.memory.pages import blocks_per_page_for
-from kvmem.memory.sizing import CUDA_GRANULARITY, ElasticSizing, elastic_sizing, useful_blocks
+from kvmem.memory.sizing import CUDA_GRANULARITY, ElasticSizing, plan_elastic, useful_blocks
 from kvmem.memory.storage import SlotShape
 from kvmem.spec import ModelSpec
 from kvmem.units import format_bytes
 
-logger = logging.getLogger("kvmem.engine")
+if TYPE_CHECKING:
+    from kvmem.plan import Plan
 
-Exchange = Callable[[Any], list[Any]]  # all-gather of one object per rank, in rank order
+logger = logging.getLogger("kvmem.engine")
 
 
 def default_engine_name(config: EngineConfig) -> str:
@@ -55,14 +55,6 @@ def _granularity(device: torch.device) -> int:
     return mmap.PAGESIZE
 
 
-def _device_free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
-    return psutil.virtual_memory().available
-
-
 @dataclass
 class ElasticSetup:
     """One rank's elastic KV cache: its sizing, then its storage once built."""
@@ -77,11 +69,13 @@ class ElasticSetup:
     storage: ElasticKVStorage | None = None
 
     @classmethod
-    def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan, *, device: torch.device,
-                 max_model_len: int, rank: int = 0, world_size: int = 1,
-                 exchange: Exchange | None = None) -> ElasticSetup:
-        """Size rank ``rank``'s reservation; a parallel engine passes its all-gather."""
-        own = kv_plan.ranks[rank]
+    def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan: Plan, *,
+                 device: torch.device, max_model_len: int, rank: int = 0,
+                 world_size: int = 1) -> ElasticSetup:
+        """Rank ``rank``'s reservation, from ``kvmem.memory.sizing.plan_elastic`` over the
+        engine's plan: the function ``kvmem plan --kv-memory elastic`` calls, so the
+        planner and the engine agree on the blocks by construction (only the page
+        granularity is the device's: 2 MiB on a GPU, the OS page on CPU)."""
         groups = spec.kv_groups()
         block_size, batched = config.block_size, config.max_num_batched_tokens
 
@@ -89,30 +83,18 @@ class ElasticSetup:
             return useful_blocks(groups, max_model_len=num_tokens, block_size=block_size,
                                  max_num_batched_tokens=batched, max_num_seqs=1)
 
-        useful = useful_blocks(groups, max_model_len=max_model_len, block_size=block_size,
-                               max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs)
-        granularity = _granularity(device)
-        mine = (own.num_slots, own.slot_page_bytes,
-                blocks_per_page_for(own.slot_page_bytes, granularity),
-                _device_free_bytes(device) // max(1, own.bytes_per_block))
-        ranks = exchange(mine) if exchange is not None else [mine]
-        k = lcm(*(r[2] for r in ranks))
-        limit = config.kv_memory_limit_bytes or kv_plan.ranks[0].kv_budget_bytes
-        # Rank 0's sizing decides the reservation of every rank (its limit is the ledger's).
-        leader = elastic_sizing(num_slots=ranks[0][0], block_slot_bytes=ranks[0][1],
-                                limit_bytes=limit, device_blocks=min(r[3] for r in ranks),
-                                useful=useful, granularity=granularity, blocks_per_page=k)
-        sizing = leader if rank == 0 else elastic_sizing(
-            num_slots=own.num_slots, block_slot_bytes=own.slot_page_bytes, limit_bytes=limit,
-            device_blocks=None, useful=useful, granularity=granularity, blocks_per_page=k,
-            max_blocks=leader.max_blocks)
+        sizings = plan_elastic(kv_plan, spec, config.kv_memory_limit_bytes,
+                               granularity=_granularity(device))
+        paged = [r.rank for r in kv_plan.ranks if r.num_slots and r.slot_page_bytes]
+        sizing = sizings[paged.index(rank)]
+        leader = sizings[0]  # rank 0's limit is the ledger's
         need = need_blocks(max_model_len)
         if leader.limit_blocks < need:
             raise ConfigError(
-                f"the KV memory limit {format_bytes(limit)} holds {leader.limit_blocks} blocks "
-                f"(whole pages of {leader.blocks_per_page}) but one request of max_model_len "
-                f"{max_model_len:,} needs {need} (incl. the null block); raise "
-                "--kv-memory-limit or lower --max-model-len")
+                f"the KV memory limit {format_bytes(leader.limit_bytes)} holds "
+                f"{leader.limit_blocks} blocks (whole pages of {leader.blocks_per_page}) but "
+                f"one request of max_model_len {max_model_len:,} needs {need} (incl. the null "
+                "block); raise --kv-memory-limit or lower --max-model-len")
         name = config.engine_name or default_engine_name(config)
         return cls(sizing, name, rank, world_size, device, need_blocks,
                    wait_timeout=config.distributed_timeout_s)
@@ -147,10 +129,9 @@ class ElasticSetup:
         from kvmem.cache import BlockPool
 
         storage = self._storage()
-        pool = BlockPool(storage.num_blocks, num_groups, enable_events=enable_events,
-                         free_queue=storage.free_queue())
-        storage.attach(pool)
-        return pool
+        return BlockPool(storage.num_blocks, num_groups, enable_events=enable_events,
+                         free_queue=storage.free_queue(), capacity_guard=storage.capacity_guard,
+                         listeners=[storage])
 
     def start(self, store: Any = None, timeout: float | None = None) -> None:
         """Start background pre-mapping; with ranks, first bring them to one page map."""

@@ -31,8 +31,8 @@ def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device
     """The planner's answer for this engine's layout (config's tp x pp and KV budget policy).
 
     ``profile`` is one RankProfile (or one per rank); ``memory_bytes`` each rank's device
-    memory (default: this device's). A single-rank plan is fit-checked here; the ranks of a
-    parallel engine each check their own RankPlan (kvmem.engine.distributed).
+    memory (default: this device's). Not fit-checked here: every rank checks its own
+    RankPlan (``kvmem.engine.rank_builder``).
     """
     from kvmem.plan import EngineSettings, Layout, plan
 
@@ -56,11 +56,8 @@ def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         cuda_graphs=False, cpu_offload_bytes=0, kv_cache_dtype=kv_dtype)
     profiles = profile if isinstance(profile, list) else [profile] if profile else None
-    result = plan(spec, layout, settings, policy=config.kv_budget, profile=profiles,
-                  suggest=False)
-    if layout.world_size == 1:
-        result.check_fit()
-    return result
+    return plan(spec, layout, settings, policy=config.kv_budget, profile=profiles,
+                suggest=False)
 
 
 def allocate_kv_cache(spec: ModelSpec, kv_plan, *, block_size: int, dtype: torch.dtype,

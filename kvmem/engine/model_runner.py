@@ -1,30 +1,78 @@
-"""ModelRunner: turns a scheduled batch into model inputs, runs the model, samples tokens.
+"""ModelRunner: one rank's part of a step, the same code at every world size.
 
-All sequences of a step are packed into one flat token dimension; each sequence brings
-its block table per KV group, and the slot of every new token is derived from it.
+It keeps what the scheduler's messages told it about each request (token ids, block table
+per KV group, computed tokens, sampling parameters), applies each ``SchedulerOutput``'s
+changes, packs the scheduled tokens into one flat batch (the slot of every new token
+derived from the block table), runs its layers and samples.
+
+Alone (world size 1) it is the whole model and samples. In a tensor x pipeline parallel
+engine (``links``, ``kvmem.engine.distributed.links``) a later stage receives the previous
+stage's hidden states, a stage that is not the last sends its own on, the last stage's
+ranks compute the logits together, and its tp rank 0 samples and sends the tokens to
+rank 0. Seeded requests sample from their own generator, kept here by request id until
+the request finishes (a preempted request keeps it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
 from kvmem.engine.attention.metadata import AttentionMetadata
-from kvmem.engine.request import Request
 from kvmem.engine.sampler import Sampler
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.engine.step import ModelRunnerOutput, SchedulerOutput
+
+
+class StageLinks(Protocol):
+    """How a rank of a parallel engine talks to its neighbours during a step."""
+
+    samples: bool  # this rank samples (tp rank 0 of the last stage)
+
+    def receive_hidden(self, num_tokens: int) -> torch.Tensor | None: ...
+
+    def send_hidden(self, hidden: torch.Tensor) -> bool: ...  # False on the last stage
+
+    def gather_tokens(self, tokens: list[int] | None, count: int) -> list[int] | None: ...
+
+
+class PageMapReplay(Protocol):
+    """Replays rank 0's elastic page decisions on another rank, in order."""
+
+    def apply(self, seq: int, ops: list) -> None: ...
+
+
+@dataclass
+class CachedRequestState:
+    token_ids: list[int]
+    block_ids: list[list[int]]  # per KV group
+    num_null_blocks: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], kv_cache_manager,
-                 *, num_kv_groups: int, block_size: int, device: torch.device,
-                 sampler: Sampler) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], *,
+                 num_kv_groups: int, block_size: int, device: torch.device, sampler: Sampler,
+                 links: StageLinks | None = None, page_map: PageMapReplay | None = None
+                 ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.kv_cache_manager = kv_cache_manager
         self.num_kv_groups = num_kv_groups
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.links = links
+        self.page_map = page_map
+        self.requests: dict[str, CachedRequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own generators
         self.cuda_graphs = None  # a CUDAGraphRunner once capture_cuda_graphs has run
+
+    @property
+    def samples(self) -> bool:
+        return self.links is None or self.links.samples
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
         """Capture the decode forward for ``batch_sizes`` over this runner's KV cache (GPU)."""
@@ -36,58 +84,112 @@ class ModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
-    def prepare_inputs(self, scheduled: list[tuple[Request, int]]
-                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    # -- state ----------------------------------------------------------------------------
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply the step's changes to the requests this runner holds."""
+        if out.page_ops_seq and self.page_map is not None:
+            self.page_map.apply(out.page_ops_seq, out.page_ops)  # before any layer runs
+        for rid in out.finished_req_ids:
+            self.requests.pop(rid, None)
+            self.generators.pop(rid, None)
+        for rid in out.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                list(new.token_ids), [list(t) for t in new.block_ids], [0] * len(new.block_ids),
+                new.num_computed_tokens, new.sampling_params)
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+            for g, ids in enumerate(cached.new_block_ids):
+                if ids:
+                    state.block_ids[g].extend(ids)
+            for g, n in enumerate(cached.num_null_blocks):
+                table, done = state.block_ids[g], state.num_null_blocks[g]
+                if n > done:  # blocks that left a sliding window: the null block now
+                    table[done:n] = [0] * (n - done)
+                    state.num_null_blocks[g] = n
+
+    def prepare_inputs(self, out: SchedulerOutput
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
+                                  list[str]]:
+        """Packed token ids, positions, attention metadata, and the rows (with their
+        request ids) whose logits are sampled: each request that completes its tokens."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
         tables: list[list[list[int]]] = [[] for _ in range(self.num_kv_groups)]
-        for request, num_new in scheduled:
-            start = request.num_computed_tokens
-            input_ids.extend(request.all_token_ids[start:start + num_new])
+        sample_rows, sample_ids = [], []
+        for rid, num_new in out.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start:start + num_new])
             positions.extend(range(start, start + num_new))
             query_lens.append(num_new)
             seq_lens.append(start + num_new)
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            for group, ids in zip(tables, block_ids, strict=True):
-                group.append(list(ids))
+            for group, ids in zip(tables, state.block_ids, strict=True):
+                group.append(ids)
+            if start + num_new == len(state.token_ids):  # its last known token: sample
+                sample_rows.append(len(input_ids) - 1)
+                sample_ids.append(rid)
         metadata = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
                                            device=self.device)
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device), metadata)
+                torch.tensor(positions, dtype=torch.long, device=self.device), metadata,
+                sample_rows, sample_ids)
 
+    # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
-        """Run one step; returns the sampled token of every request that completes its input.
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run this rank's part of ``out``; on rank 0, the sampled tokens.
 
         A request samples when this step computes its last known token: the end of its
         prompt (or of its recomputed tokens after preemption), or a decode. Partial prefill
         chunks only fill the cache.
         """
-        input_ids, positions, metadata = self.prepare_inputs(scheduled)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+        self.update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        input_ids, positions, metadata, rows, ids = self.prepare_inputs(out)
+        links = self.links
+        if links is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
-        else:
+        elif links is None:
             hidden = self.model(input_ids, positions, metadata, self.kv_caches)
-        samplers: list[Request] = []
-        last_indices: list[int] = []
-        end = 0
-        for request, num_new in scheduled:
-            end += num_new
-            if request.num_computed_tokens + num_new == request.num_tokens:
-                samplers.append(request)
-                last_indices.append(end - 1)
-        if not samplers:
-            return {}
-        index = torch.tensor(last_indices, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden[index])
-        tokens = self.sampler(logits, [r.sampling_params for r in samplers],
-                              [getattr(r, "generator", None) for r in samplers])
-        return {r.request_id: t for r, t in zip(samplers, tokens, strict=True)}
+        else:
+            hidden_in = links.receive_hidden(len(input_ids))
+            hidden = self.model(input_ids, positions, metadata, self.kv_caches,
+                                hidden_states=hidden_in)
+            if links.send_hidden(hidden):
+                hidden = None  # a later stage computes the logits
+        tokens = None
+        if hidden is not None and rows:
+            index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])  # tp ranks: an all-gather
+            if self.samples:
+                tokens = self._sample(logits, ids)
+        if links is not None and rows:
+            tokens = links.gather_tokens(tokens, len(rows))
+        return ModelRunnerOutput(dict(zip(ids, tokens, strict=True)) if tokens else {})
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[int]:
+        params = [self.requests[rid].sampling_params for rid in request_ids]
+        generators = [self._generator(rid, p.seed)
+                      for rid, p in zip(request_ids, params, strict=True)]
+        return self.sampler(logits, params, generators)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if request_id not in self.generators:
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.generators[request_id]
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int) -> None:
-        """A forward pass over ``num_tokens`` prompt tokens that writes no KV (peak activations).
+        """A forward pass over ``num_tokens`` prompt tokens that writes no KV (peak activations);
+        a later pipeline stage starts from zero hidden states, only the last computes logits.
 
         The tokens form sequences of at most ``max_model_len``; their block tables point at
         the null block and their slot mappings are -1, so the cache is left untouched.
@@ -112,5 +214,12 @@ class ModelRunner:
             block_size=self.block_size)
         positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
-        self.model.compute_logits(hidden[-min(len(query_lens), 256):])
+        hidden_in = None
+        if not getattr(self.model, "is_first", True):  # a later pipeline stage's input
+            hidden_in = torch.zeros((num_tokens, int(self.model.config["hidden_size"])),
+                                    dtype=next(self.model.parameters()).dtype,
+                                    device=self.device)
+        hidden = self.model(input_ids, positions, metadata, self.kv_caches,
+                            hidden_states=hidden_in)
+        if getattr(self.model, "is_last", True):
+            self.model.compute_logits(hidden[-min(len(query_lens), 256):])

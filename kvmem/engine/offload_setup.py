@@ -1,15 +1,14 @@
-"""Turn CPU/disk offloading (``kvmem.tiers``) on in an ``LLMEngine``.
+"""CPU/disk offloading (``kvmem.tiers``) for an engine, built before its scheduler.
 
-``attach_offload(engine, config)`` builds the ``OffloadManager`` over the KV storage the
-engine's block ids address, wraps it in an ``OffloadConnector`` and hands that to the
-scheduler (``Scheduler.offload``). ``LLMEngine`` calls it when ``EngineConfig`` has an
-offload budget; tests call it directly to inject faults. ``kvmem.tiers`` knows nothing
-about the engine: everything engine-specific (which storage, how many slots, what the
-blocks depend on) is decided here.
+``build_offload`` makes the ``OffloadManager`` over the KV storage the engine's block ids
+address, wraps it in an ``OffloadConnector`` and returns it; the engine hands it to the
+``Scheduler``'s constructor. ``kvmem.tiers`` knows nothing about the engine: everything
+engine-specific (which storage, how many slots, what the blocks depend on) is decided
+here and by the engine.
 
 One process: the storage is the engine's own. Tensor/pipeline parallel: a host row holds
-one block of every rank and is stored and loaded whole; the driver reaches the workers'
-KV through shared memory (local CPU ranks with plain KV) or through each worker's copy
+one block of every rank and is stored and loaded whole; rank 0 reaches the workers' KV
+through shared memory (local CPU ranks with plain KV) or through each worker's copy
 service (``kvmem.engine.distributed.offload``).
 
 Queued stores are written out when the engine shuts down, or at interpreter exit for an
@@ -20,28 +19,17 @@ from __future__ import annotations
 
 import atexit
 from pathlib import Path
-from typing import Any
 
-from kvmem.errors import ConfigError
+import torch
+
+from kvmem.cache import KVCacheManager
 from kvmem.memory.storage import KVStorage
+from kvmem.spec import ModelSpec
 from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.connector import OffloadConnector
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.manager import OffloadManager
 from kvmem.tiers.weights import weights_digest
-
-
-def offload_storage(engine: Any) -> tuple[KVStorage, int]:
-    """The storage holding every slot of the engine's blocks, and its slot count."""
-    explicit = getattr(engine, "offload_storage", None)
-    if explicit is not None:
-        return explicit, explicit.num_slots
-    if engine.parallel is not None:
-        from kvmem.engine.distributed.offload import parallel_kv_storage
-
-        storage = parallel_kv_storage(engine.parallel)
-        return storage, storage.num_slots
-    return engine.kv_storage, engine.kv_plan.ranks[0].num_slots
 
 
 def weight_files(source: str | None) -> list[Path]:
@@ -58,57 +46,44 @@ def weight_files(source: str | None) -> list[Path]:
     return resolve_model(source).weight_files
 
 
-def model_identity(engine: Any) -> str:
+def model_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None) -> str:
     """The model part of a tier's identity: architecture, model dtype and a digest of the
     weights themselves (not the path they were loaded from, which may hold other weights
     later or elsewhere)."""
-    spec = engine.spec
-    dtype = str(engine.dtype).removeprefix("torch.")
-    digest = weights_digest(weight_files(engine.config.model))
-    return f"{spec.name}|{spec.architecture}|dtype={dtype}|weights={digest}"
+    name = str(dtype).removeprefix("torch.")
+    digest = weights_digest(weight_files(source))
+    return f"{spec.name}|{spec.architecture}|dtype={name}|weights={digest}"
 
 
-def engine_identity(engine: Any) -> tuple[str, str]:
+def tier_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None, *,
+                  tensor_parallel_size: int, partition: list[int]) -> tuple[str, str]:
     """(model, layout): what an engine's stored KV blocks depend on besides their tokens.
 
     The model names the weights by their digest; the layout names the real
-    tensor/pipeline layout and layer partition, so a disk tier written by one model or
-    layout is never read by another.
+    tensor/pipeline layout and layer partition (layers per stage), so a disk tier written
+    by one model or layout is never read by another.
     """
-    spec = engine.spec
-    model = model_identity(engine)
     groups = ";".join(f"{g.kind.value}:{g.window}:{','.join(map(str, g.layers))}"
                       for g in spec.kv_groups())
-    if engine.parallel is not None:
-        p = engine.parallel.parallel
-        stages = engine.parallel.state.allocations[::p.tensor_parallel_size]
-        tp, pp, partition = (p.tensor_parallel_size, p.pipeline_parallel_size,
-                             [len(a.layers) for a in stages])
-    else:
-        tp, pp, partition = 1, 1, [spec.num_layers]
-    return model, (f"tp={tp} pp={pp} partition={','.join(map(str, partition))} ranks=all "
-                   f"groups={groups}")
+    return model_identity(spec, dtype, source), (
+        f"tp={tensor_parallel_size} pp={len(partition)} "
+        f"partition={','.join(map(str, partition))} ranks=all groups={groups}")
 
 
-def attach_offload(engine: Any, config: OffloadConfig,
-                   faults: Faults = NO_FAULTS) -> OffloadConnector:
-    """Give ``engine`` CPU/disk tiers; returns the connector (also ``engine.offload``)."""
-    if getattr(engine, "offload", None) is not None:
-        raise ConfigError("offloading is already on for this engine")
-    storage, num_slots = offload_storage(engine)
-    model, layout = engine_identity(engine)
-    manager = OffloadManager(config, storage, num_slots, engine.kv_cache_manager,
-                             model=model, layout=layout, faults=faults)
-    connector = OffloadConnector(manager, engine.kv_cache_manager)
-    engine.scheduler.offload = connector
-    engine.offload = connector
+def build_offload(config: OffloadConfig, kv_cache_manager: KVCacheManager, storage: KVStorage,
+                  num_slots: int, identity: tuple[str, str],
+                  faults: Faults = NO_FAULTS) -> OffloadConnector:
+    """The tiers over ``storage`` (``num_slots`` slots per block) as the scheduler uses them."""
+    model, layout = identity
+    manager = OffloadManager(config, storage, num_slots, kv_cache_manager, model=model,
+                             layout=layout, faults=faults)
+    connector = OffloadConnector(manager, kv_cache_manager)
     atexit.register(connector.shutdown, flush=True)
     return connector
 
 
-def shutdown_offload(engine: Any) -> None:
+def shutdown_offload(connector: OffloadConnector | None) -> None:
     """Write out queued stores and stop the tiers' threads (idempotent)."""
-    connector = getattr(engine, "offload", None)
     if connector is None:
         return
     atexit.unregister(connector.shutdown)

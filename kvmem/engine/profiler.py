@@ -1,9 +1,5 @@
-"""Measured memory profile of one device: what the weights, activations, runtime and CUDA
-graphs really take, and the KV budget that is left.
-
->>> profile = profile_memory(EngineConfig(model=None, max_num_batched_tokens=512))
->>> profile.suggested_kv_bytes_fit, profile.suggested_kv_bytes_whole
->>> profile.save("profile.json")  # `kvmem plan MODEL --profile profile.json` reads it
+"""Measuring one rank's memory: what the weights, activations, runtime and CUDA graphs of
+its model shard really take (``kvmem.engine.memory_profile.MemoryProfile``).
 
 On a GPU the figures come from the CUDA caching allocator and the driver
 (``torch.cuda.memory_stats`` / ``mem_get_info``); CUDA-graph memory is the device memory
@@ -11,204 +7,27 @@ that capturing the decode batch sizes takes. On CPU they come from the process's
 accounting: resident memory after start-up, parameter bytes, and the resident high-water
 mark (``VmHWM``) over the dummy forward and the sampler; no CUDA graphs are captured.
 
-The suggestions follow the arithmetic of vLLM's start-up report:
-
-    requested = ceil(total x gpu_memory_utilization)
-    non_kv    = weights + peak activation + non-torch + CUDA graphs
-    fit       = requested - non_kv - headroom
-    whole     = free at start - non_kv - headroom
-
-``whole`` starts from the memory free when the process started, not the device total: what
-other processes (and this process's CUDA context) held then is not the engine's to use.
-``headroom`` (150 MiB) absorbs what a profiling step cannot see (allocator fragmentation,
-kernels' workspaces). ``fit`` is the one definition of a profiled device's KV budget: the
-engine sizing its KV cache from a measured profile and ``kvmem plan --profile`` get the
-same value, because ``to_rank_profile`` hands the planner the headroom with non-torch.
-This module imports torch only inside the measuring functions, so
-``kvmem plan --profile`` can read a saved profile without it.
+Every rank of an engine is measured the same way, by ``kvmem.engine.rank_builder`` while
+it starts (its shard: its stage's layers, its tensor-parallel slice);
+``kvmem.engine.profile_ranks`` starts the ranks of a layout only to measure them. This
+module imports torch only inside the measuring functions.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from math import ceil
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from kvmem.engine.memory_profile import (  # noqa: F401 (re-exported)
+    PROFILE_FORMAT,
+    PROFILE_HEADROOM_BYTES,
+    MemoryProfile,
+)
 from kvmem.errors import ConfigError
-from kvmem.units import GiB, MiB
-
-PROFILE_HEADROOM_BYTES = 150 * MiB
-PROFILE_FORMAT = "kvmem-memory-profile/1"
-
-
-@dataclass
-class MemoryProfile:
-    """Every measured figure of one device (bytes), and the KV budgets they leave."""
-
-    model: str
-    device: str  # "cpu", "cuda:0"
-    total_bytes: int  # device memory (on CPU: the machine's RAM)
-    free_bytes_at_start: int  # free when the engine started (on CPU: available RAM)
-    gpu_memory_utilization: float
-    weights_bytes: int
-    forward_peak_bytes: int  # dummy forward of max_num_batched_tokens tokens
-    sampler_peak_bytes: int  # logits and sampling of max_num_seqs rows
-    non_torch_bytes: int  # on GPU: CUDA context growth, communicators; on CPU: runtime RSS
-    cuda_graph_bytes: int  # 0 when none were captured
-    cuda_graph_sizes: list[int] = field(default_factory=list)  # decode batch sizes captured
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int = 0
-    block_size: int = 16
-    dtype: str = "float32"  # model and KV dtype the engine uses
-    checkpoint: str | None = None  # the checkpoint directory (a `kvmem plan` MODEL)
-    headroom_bytes: int = PROFILE_HEADROOM_BYTES
-    weights_resident_bytes: int | None = None  # CPU: resident-memory growth while loading
-    notes: list[str] = field(default_factory=list)
-
-    # -------------------------------------------------------------- the report arithmetic
-    @property
-    def activation_bytes(self) -> int:
-        """Peak activation: the larger of the forward and the sampler peaks."""
-        return max(self.forward_peak_bytes, self.sampler_peak_bytes)
-
-    @property
-    def requested_bytes(self) -> int:
-        """What gpu_memory_utilization grants (the planner's per-rank budget)."""
-        return ceil(self.total_bytes * self.gpu_memory_utilization)
-
-    @property
-    def non_kv_bytes(self) -> int:
-        return (self.weights_bytes + self.activation_bytes + self.non_torch_bytes
-                + self.cuda_graph_bytes)
-
-    @property
-    def suggested_kv_bytes_fit(self) -> int:
-        """kv_cache_memory_bytes that keeps the engine within gpu_memory_utilization."""
-        return max(0, self.requested_bytes - self.non_kv_bytes - self.headroom_bytes)
-
-    @property
-    def suggested_kv_bytes_whole(self) -> int:
-        """kv_cache_memory_bytes that uses all the memory free at start."""
-        return max(0, self.free_bytes_at_start - self.non_kv_bytes - self.headroom_bytes)
-
-    @property
-    def graphs_captured(self) -> bool:
-        return bool(self.cuda_graph_sizes)
-
-    def with_utilization(self, gpu_memory_utilization: float) -> MemoryProfile:
-        """The same measurements judged against another utilisation."""
-        _check_utilization(gpu_memory_utilization)
-        return MemoryProfile(**{**self._fields(), "gpu_memory_utilization":
-                                gpu_memory_utilization})
-
-    def to_rank_profile(self):
-        """The planner's view (kvmem.plan.RankProfile): measured figures replace estimates.
-
-        The headroom travels as part of the non-torch figure (the planner has no headroom
-        of its own), so the planner's KV capacity of this device, and hence the budget of
-        an engine sized from this profile and of ``kvmem plan --profile``, is exactly
-        ``suggested_kv_bytes_fit``.
-        """
-        from kvmem.plan import RankProfile
-
-        return RankProfile(weights_bytes=self.weights_bytes,
-                           activation_bytes=self.activation_bytes,
-                           non_torch_bytes=self.non_torch_bytes + self.headroom_bytes,
-                           cuda_graph_bytes=self.cuda_graph_bytes, total_bytes=self.total_bytes)
-
-    def summary(self) -> str:
-        """The one-paragraph report, in the words of vLLM's start-up log."""
-        g = _gib
-        graphs = (f"CUDA graphs {g(self.cuda_graph_bytes)} GiB"
-                  f" ({len(self.cuda_graph_sizes)} batch sizes)" if self.graphs_captured
-                  else "CUDA graphs not captured"
-                  + (" (CPU)" if self.device == "cpu" else " (eager)"))
-        where = "the whole machine" if self.device == "cpu" else "the whole GPU"
-        return (f"{self.model} on {self.device}: free {g(self.free_bytes_at_start)} of "
-                f"{g(self.total_bytes)} GiB; utilisation {self.gpu_memory_utilization:g} requests "
-                f"{g(self.requested_bytes)} GiB; weights {g(self.weights_bytes)} GiB, peak "
-                f"activation {g(self.activation_bytes)} GiB, non-torch "
-                f"{g(self.non_torch_bytes)} GiB, {graphs}; headroom "
-                f"{g(self.headroom_bytes)} GiB; suggested KV budget "
-                f"{self.suggested_kv_bytes_fit:,} bytes to fit the request, or "
-                f"{self.suggested_kv_bytes_whole:,} bytes to use {where}."
-                + self._overcommit_warning())
-
-    def _overcommit_warning(self) -> str:
-        """Other processes (or, on CPU, the rest of the system) hold memory: the utilisation
-        then requests more than was free, and the fit value would not fit."""
-        if self.suggested_kv_bytes_fit <= self.suggested_kv_bytes_whole:
-            return ""
-        return (f" Warning: utilisation {self.gpu_memory_utilization:g} requests "
-                f"{_gib(self.requested_bytes)} GiB but only {_gib(self.free_bytes_at_start)} GiB "
-                "was free at start, so the fit value would not fit: use the whole value or a "
-                "lower --gpu-memory-utilization.")
-
-    # -------------------------------------------------------------- JSON
-    def _fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"format": PROFILE_FORMAT, **asdict(self)}
-        out["derived"] = {
-            "activation_bytes": self.activation_bytes, "requested_bytes": self.requested_bytes,
-            "non_kv_bytes": self.non_kv_bytes,
-            "suggested_kv_bytes_fit": self.suggested_kv_bytes_fit,
-            "suggested_kv_bytes_whole": self.suggested_kv_bytes_whole,
-        }
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Any, source: str = "profile") -> MemoryProfile:
-        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-            raise ConfigError(f"{source}: not a kvmem memory profile (written by "
-                              "`kvmem profile --output FILE.json`)")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        try:
-            profile = cls(**values)
-        except TypeError as e:
-            raise ConfigError(f"{source}: incomplete memory profile ({e})") from None
-        for name in ("total_bytes", "free_bytes_at_start", "weights_bytes", "forward_peak_bytes",
-                     "sampler_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
-                     "headroom_bytes"):
-            value = getattr(profile, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{source}: {name} must be a non-negative integer, "
-                                  f"got {value!r}")
-        if profile.total_bytes == 0:
-            raise ConfigError(f"{source}: total_bytes must be positive")
-        _check_utilization(profile.gpu_memory_utilization, source)
-        return profile
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> MemoryProfile:
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"profile {path}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"profile {path}: cannot read it as JSON ({e})") from None
-        return cls.from_dict(data, f"profile {path}")
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f}"
-
-
-def _check_utilization(value: Any, source: str = "gpu_memory_utilization") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"{source}: gpu_memory_utilization must be in (0, 1], got {value!r}")
 
 
 # ================================================================== measuring
@@ -402,55 +221,10 @@ class LoadedModel:
     max_model_len: int
     name: str
     checkpoint: str | None = None
-
-
-def check_profilable(config) -> None:
-    """Refuse, with one line naming what to do instead, the settings a profile of one
-    process cannot measure or that it would silently ignore."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        raise ConfigError(
-            f"kvmem profile measures one process holding the whole model; it cannot profile "
-            f"the ranks of -tp {config.tensor_parallel_size} -pp "
-            f"{config.pipeline_parallel_size} (its figures would be wrong for a rank): size "
-            f"the ranks with `kvmem plan`'s estimates or an explicit --kv-cache-memory-bytes")
-    if config.kv_cache_memory_bytes is not None:
-        raise ConfigError("kvmem profile measures what is left for the KV cache; "
-                          "--kv-cache-memory-bytes would only be ignored: drop it")
-    if config.kv_memory != "plain":
-        raise ConfigError(f"kvmem profile does not measure --kv-memory {config.kv_memory}: "
-                          f"profile without it and pass the suggested budget to the engine "
-                          f"that uses it")
-    if config.cpu_offload_gib or config.disk_offload_dir or config.disk_offload_gib:
-        raise ConfigError("kvmem profile does not measure the KV offload tiers (host memory "
-                          "and disk, not device memory): profile without --cpu-offload-gib "
-                          "and --disk-offload-*")
-
-
-def profile_memory(config) -> MemoryProfile:
-    """Load ``config``'s model and measure its memory on the engine's device (see module doc).
-
-    Raises ConfigError for settings a one-process profile cannot measure (``check_profilable``).
-    """
-    check_profilable(config)
-    from kvmem.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
-    from kvmem.engine.loader import resolve_model
-    from kvmem.engine.models import build_model
-    from kvmem.spec import spec_from_config
-
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    files = resolve_model(config.model)
-    files.tokenizer  # noqa: B018 (part of the runtime a server holds, so measured at start)
-    spec = spec_from_config(files.config, files.name)
-    max_model_len = LLMEngine.max_model_len_for(spec, config)
-    meter = meter_for(device)
-    meter.start()
-    model = build_model(files.config, dtype=dtype, device=device,
-                        attention_backend=config.attention_backend)
-    model.load_weights(files.weights())
-    loaded = LoadedModel(model, spec, device, dtype, max_model_len,
-                         config.served_model_name or files.name, str(files.path))
-    return measure_loaded(loaded, config, meter)
+    rank_plan: Any = None  # kvmem.plan.RankPlan of a shard; None: the whole model
+    rank: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 def measure_loaded(loaded: LoadedModel, config, meter: DeviceMeter) -> MemoryProfile:
@@ -475,8 +249,11 @@ def _measure(loaded: LoadedModel, config, meter: DeviceMeter) -> MemoryProfile:
     model, spec, device = loaded.model, loaded.spec, loaded.device
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights_resident = meter.weights_resident()
-    scratch = scratch_kv_caches(spec, config.block_size, loaded.dtype, device)
-    runner = ModelRunner(model, scratch, None, num_kv_groups=len(spec.kv_groups()),
+    rank_plan = loaded.rank_plan
+    scratch = scratch_kv_caches(spec, config.block_size, loaded.dtype, device,
+                                layers=rank_plan.layers if rank_plan else None,
+                                kv_heads=rank_plan.kv_heads_on_rank if rank_plan else None)
+    runner = ModelRunner(model, scratch, num_kv_groups=len(spec.kv_groups()),
                          block_size=config.block_size, device=device,
                          sampler=Sampler(config.seed))
     forward_peak = meter.peak(lambda: runner.profile_run(config.max_num_batched_tokens,
@@ -490,11 +267,13 @@ def _measure(loaded: LoadedModel, config, meter: DeviceMeter) -> MemoryProfile:
     def sample() -> None:
         runner.sampler(model.compute_logits(hidden), params, [None] * num_seqs)
 
-    sampler_peak = meter.peak(sample)
+    last_stage = getattr(model, "is_last", True)  # only the last stage computes logits
+    sampler_peak = meter.peak(sample) if last_stage else 0
     non_torch = meter.non_torch()
     notes = []
     graph_bytes, sizes = 0, []
-    if device.type == "cuda" and cuda_graphs_enabled(config, model):
+    alone = loaded.tensor_parallel_size * loaded.pipeline_parallel_size == 1
+    if device.type == "cuda" and alone and cuda_graphs_enabled(config, model):
         from kvmem.engine.cuda_graphs import CUDAGraphRunner, capture_sizes
 
         sizes = capture_sizes(config.max_num_seqs)
@@ -504,6 +283,8 @@ def _measure(loaded: LoadedModel, config, meter: DeviceMeter) -> MemoryProfile:
                                  device=device)
         graph_bytes = meter.growth(graphs.capture)
         graphs.release()
+    elif device.type == "cuda" and not alone:
+        notes.append("CUDA graphs are captured only by a world-size-1 engine")
     elif device.type == "cuda":
         notes.append("CUDA graphs off (--enforce-eager or an attention backend that cannot "
                      "be captured)")
@@ -519,7 +300,10 @@ def _measure(loaded: LoadedModel, config, meter: DeviceMeter) -> MemoryProfile:
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=num_seqs,
         max_model_len=loaded.max_model_len, block_size=config.block_size,
         dtype=str(loaded.dtype).removeprefix("torch."), checkpoint=loaded.checkpoint,
-        weights_resident_bytes=weights_resident, notes=notes)
+        weights_resident_bytes=weights_resident, notes=notes, rank=loaded.rank,
+        layers=[rank_plan.layers[0], rank_plan.layers[-1]] if rank_plan else [],
+        tensor_parallel_size=loaded.tensor_parallel_size,
+        pipeline_parallel_size=loaded.pipeline_parallel_size)
 
 
 def cuda_graphs_enabled(config, model) -> bool:
@@ -536,14 +320,17 @@ def cuda_graphs_enabled(config, model) -> bool:
     return _supported_block_size(config.block_size)
 
 
-def scratch_kv_caches(spec, block_size: int, dtype, device) -> list:
-    """A two-block KV cache per layer for profiling: the forward writes no KV (slot -1) and
-    reads only the null block, so its size does not change the measurement."""
+def scratch_kv_caches(spec, block_size: int, dtype, device, *, layers=None,
+                      kv_heads: int | None = None) -> list:
+    """A two-block KV cache per layer (of ``layers``: a rank's, default all) for profiling:
+    the forward writes no KV (slot -1) and reads only the null block, so its size does not
+    change the measurement. ``kv_heads``: a tensor-parallel rank's share."""
     import torch
 
     caches = []
-    for layer in spec.layers:
-        heads = layer.num_kv_heads or 1
+    for index in (layers if layers is not None else range(spec.num_layers)):
+        layer = spec.layers[index]
+        heads = kv_heads or layer.num_kv_heads or 1
         head_dim = layer.head_dim or 1
         caches.append(torch.zeros((2, 2, block_size, heads, head_dim), dtype=dtype,
                                   device=device))

@@ -11,6 +11,7 @@ from kvmem.engine.sampling_params import SamplingParams
 class RequestStatus(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is loading from an offload tier
     PREEMPTED = "preempted"  # back in the waiting queue; its KV will be recomputed
     FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
@@ -84,6 +85,22 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int, max_model_len: int | None = None) -> RequestStatus | None:
+        """The finished status if the newest token ``token_id`` ends the request by a token
+        rule (EOS, a stop token id, max_tokens, max_model_len); stop strings need text and
+        are the detokenizer's."""
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if max_model_len is not None and self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "

@@ -1,43 +1,73 @@
-"""Scheduler: continuous batching with chunked prefill under a token budget.
+"""Scheduler: continuous batching with chunked prefill under a token budget; owns every
+request's state from admission to finish.
 
-Each step first gives running requests their next tokens (a decode, or the next chunk
+``schedule()`` first gives running requests their next tokens (a decode, or the next chunk
 of a prompt), then admits waiting requests, reusing prefix-cache hits. When the block
 manager reports no capacity, the newest running request is preempted: its blocks are
-freed and it goes back to the front of the waiting queue to be recomputed later.
+freed and it goes back to the front of the waiting queue to be recomputed later. The
+result is one ``SchedulerOutput`` (``kvmem.engine.step``) carrying everything the
+runners need, block ids included: they never ask the block manager.
 
-With offloading (an ``offload`` connector, see ``kvmem.tiers.connector``), a finished or
+``update_from_output()`` closes the step: it advances computed tokens, appends the sampled
+tokens, applies token stops (EOS, stop token ids, max_tokens, max_model_len), finishes
+requests and frees their blocks. Stop strings need text, so the engine's detokenizer
+applies them and finishes the request through ``finish_request``.
+
+With offloading (an ``OffloadHooks``, ``kvmem.tiers.OffloadConnector``), a finished or
 preempted request's blocks are offered to the CPU/disk tiers before they are freed (a
-preempted one resumes from a tier if the pool evicts them meanwhile), a waiting request
-whose prefix continues in a tier is parked while its blocks load (it counts toward
-``max_num_seqs``) and joins the running queue when the load is done, and a request
-short of blocks while transfers still hold some waits for them instead of failing.
+preempted one resumes from a tier if the pool evicts them meanwhile); a waiting request
+whose prefix continues in a tier waits in this scheduler's ``loading`` queue (status
+``WAITING_FOR_KV``, counted toward ``max_num_seqs``) until the connector reports its load
+done; and a request short of blocks while transfers still hold some waits for them
+instead of failing.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
+from kvmem.cache import KVCacheManager, PrefixHit
+from kvmem.cache.results import Allocation
 from kvmem.engine.request import Request, RequestStatus
+from kvmem.engine.step import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
-@dataclass
-class SchedulerOutput:
-    """One step's batch: each scheduled request with how many new tokens it computes."""
+class OffloadHooks(Protocol):
+    """The CPU/disk tiers as the scheduler uses them (``kvmem.tiers.OffloadConnector``)."""
 
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # finished with an error this step
+    def offer(self, request: Request) -> int: ...
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    def start_load(self, request: Request, hit: PrefixHit) -> bool: ...
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    def poll(self) -> list[tuple[str, int]]: ...  # (request id, computed tokens) per done load
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def wait(self, timeout: float) -> bool: ...
+
+
+class KVMemory(Protocol):
+    """KV memory whose limit other engines share (``ElasticSetup``): a refusal that fits the
+    engine's own limit means "wait", not "fail"."""
+
+    def fits_limit(self, num_tokens: int) -> bool: ...
+
+    def backoff(self) -> None: ...
+
+
+class PageOpsSource(Protocol):
+    """Rank 0's page mapping decisions, numbered, for the other ranks to replay."""
+
+    def drain(self) -> tuple[int, list]: ...
 
 
 @dataclass
@@ -52,34 +82,51 @@ class SchedulerStats:
             else 0.0
 
 
+@dataclass
+class RequestUpdate:
+    """A request that advanced in a step: its new tokens, or its finish (an error)."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, kv_cache_manager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True, offload: Any = None) -> None:
-        """``offload``: an ``OffloadConnector`` (CPU/disk tiers), or None for none."""
+    def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, offload: OffloadHooks | None = None,
+                 kv_memory: KVMemory | None = None,
+                 page_ops: PageOpsSource | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = offload
+        self.kv_memory = kv_memory
+        self.page_ops = page_ops
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is last
+        self._loading: dict[str, Request] = {}  # waiting for a tier load to land
         self.stats = SchedulerStats()
-        self.offload = offload
-        # an elastic KV cache (kvmem.engine.elastic_setup.ElasticSetup) whose limit is shared
-        # with other engines: a refusal that fits the engine's own limit means "wait"
-        self.kv_memory: Any = None
+        self._runner_tokens: dict[str, int] = {}  # requests the runners hold: tokens they know
+        self._finished_ids: set[str] = set()  # since the last step, for the runners
+        self._preempted_ids: set[str] = set()
+        self._failed: list[Request] = []  # finished with an error, reported by the next update
 
     # -- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self._loading or self._failed)
 
     @property
     def loading(self) -> list[Request]:
-        """Requests parked while their prefix loads from an offload tier."""
-        return self.offload.loading if self.offload is not None else []
+        """Requests waiting for their prefix to load from an offload tier."""
+        return list(self._loading.values())
 
     @property
     def num_waiting(self) -> int:
@@ -89,39 +136,108 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self._loading)
+
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Mark ``request`` finished, take it out of its queue and free its blocks."""
+        rid = request.request_id
+        if request.is_finished:
+            request.status = status  # e.g. a stop string in the token that hit max_tokens
+            return
         if request in self.running:
             self.running.remove(request)
             if self.offload is not None:
                 self.offload.offer(request)  # holds its cached blocks until copied out
             self.kv_cache_manager.free(request)
-        elif self.offload is not None and self.offload.cancel(request.request_id) is not None:
-            pass  # it was parked loading: the connector freed its blocks
+        elif self._loading.pop(rid, None) is not None:
+            self.offload.cancel(rid)  # waits for the load, frees its blocks
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        self._forget(rid)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        wanted = set(request_ids)
-        found = [r for r in (*self.running, *self.loading, *self.waiting)
-                 if r.request_id in wanted]
+        found = [self.requests[rid] for rid in dict.fromkeys(request_ids)
+                 if rid in self.requests]
         for request in found:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return found
 
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._runner_tokens.pop(request_id, None)
+        self._finished_ids.add(request_id)  # runners drop its state and sampling state
+
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
         if self.offload is not None:
             self._admit_loaded()
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:  # after a preemption, memory is short: admit nobody this step
-            self._schedule_waiting(out, budget)
+        scheduled: list[tuple[Request, int, Allocation]] = []
+        preemptions = self.stats.num_preemptions
+        budget = self._schedule_running(scheduled, self.max_num_batched_tokens)
+        if self.stats.num_preemptions == preemptions:  # else memory is short: admit nobody
+            self._schedule_waiting(scheduled, budget)
+        if not scheduled:  # nothing runs: what the runners must learn waits for a step
+            return SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self._finished_ids,
+                              preempted_req_ids=self._preempted_ids)
+        self._finished_ids, self._preempted_ids = set(), set()
+        for request, num_new, allocation in scheduled:
+            self._add_to_step(out, request, num_new, allocation)
+        if self.page_ops is not None:  # after every allocation and free of this step
+            out.page_ops_seq, out.page_ops = self.page_ops.drain()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _add_to_step(self, out: SchedulerOutput, request: Request, num_new: int,
+                     allocation: Allocation) -> None:
+        rid = request.request_id
+        known = self._runner_tokens.get(rid)
+        if known is None:  # new to the runners, or resumed after preemption
+            tables = self.kv_cache_manager.get_block_ids(rid)
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, list(request.all_token_ids), tuple(list(t) for t in tables),
+                request.num_computed_tokens, request.sampling_params))
+        else:
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                rid, request.all_token_ids[known:], allocation.new_block_ids,
+                allocation.num_null_blocks, request.num_computed_tokens))
+        self._runner_tokens[rid] = request.num_tokens
+        out.num_scheduled_tokens[rid] = num_new
+
+    def update_from_output(self, out: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Close the step ``out``: advance, append samples, stop and finish requests."""
+        updates = [RequestUpdate(r) for r in self._failed]
+        self._failed = []
+        now = time.monotonic()
+        sampled = runner_output.sampled_token_ids
+        for rid, num_new in out.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None:  # finished between schedule and update (e.g. aborted)
+                continue
+            request.num_computed_tokens += num_new
+            token = sampled.get(rid)
+            if token is None:
+                continue  # a partial prefill chunk: nothing to report yet
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.append_output_token(token)
+            status = request.check_stop(token, self.max_model_len)
+            if status is not None:
+                self.finish_request(request, status)
+            updates.append(RequestUpdate(request, [token]))
+        return updates
+
+    def idle(self) -> None:
+        """Called when a step scheduled nothing: wait briefly for what unblocks it."""
+        if self.kv_memory is not None and self.waiting:
+            self.kv_memory.backoff()  # waiting for memory other engines hold
+        elif self.offload is not None and self._loading:
+            self.offload.wait(0.05)  # nothing to run until a tier load lands
+
+    def _schedule_running(self, scheduled: list, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -131,15 +247,15 @@ class Scheduler:
                 if not result.can_ever_fit or (victim is request and i == 0):
                     if result.can_ever_fit and (self._transfers_hold_blocks(request)
                                                 or self._memory_frees_later(request)):
-                        self._preempt(request, out)  # the blocks come back soon: wait
+                        self._preempt(request)  # the blocks come back soon: wait
                     else:  # even alone there is no room: it can never run in this pool
-                        self._fail(request, out, self._too_big(request))
+                        self._fail(request, self._too_big(request))
                     break
-                self._preempt(victim, out)
+                self._preempt(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append((request, num_new))
+                scheduled.append((request, num_new, result))
                 budget -= num_new
                 i += 1
                 continue
@@ -148,25 +264,28 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, scheduled: list, budget: int) -> None:
         mgr = self.kv_cache_manager
         while self.waiting and budget > 0 and \
-                len(self.running) + len(self.loading) < self.max_num_seqs:
+                len(self.running) + len(self._loading) < self.max_num_seqs:
             request = self.waiting[0]
             hit = mgr.get_computed_blocks(request) if self.enable_prefix_caching else None
             if hit is not None and self.offload is not None and \
                     self.offload.start_load(request, hit):
-                self.waiting.popleft()  # parked until its blocks arrive from a tier
+                self.waiting.popleft()  # waits here until its blocks arrive from a tier
                 self.stats.prefix_queried_tokens += request.num_tokens
+                request.num_computed_tokens = hit.num_tokens
+                request.status = RequestStatus.WAITING_FOR_KV
+                self._loading[request.request_id] = request
                 continue
             num_cached = hit.num_tokens if hit is not None else 0
             num_new = min(request.num_tokens - num_cached, budget)
             result = mgr.allocate_slots(request, num_new, prefix_hit=hit)
             if not result:
-                alone = not self.running and not self.loading and mgr.usage().held == 0
+                alone = not self.running and not self._loading and mgr.usage().held == 0
                 if not result.can_ever_fit or (alone and not self._memory_frees_later(request)):
                     self.waiting.popleft()
-                    self._fail(request, out, self._too_big(request))
+                    self._fail(request, self._too_big(request))
                     continue
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
@@ -177,15 +296,19 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            scheduled.append((request, num_new, result))
             budget -= num_new
 
     def _admit_loaded(self) -> None:
-        """Move requests whose tier loads are done into the running queue."""
-        for request in self.offload.poll():
-            if request.status is RequestStatus.WAITING:
-                request.num_cached_tokens = request.num_computed_tokens
-            self.stats.prefix_hit_tokens += request.num_computed_tokens
+        """Move requests whose tier loads the connector reports done into the running queue."""
+        for rid, num_computed in self.offload.poll():
+            request = self._loading.pop(rid, None)
+            if request is None:
+                continue
+            request.num_computed_tokens = num_computed
+            if request.num_preemptions == 0:  # a first admission, not a resumption
+                request.num_cached_tokens = num_computed
+            self.stats.prefix_hit_tokens += num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
@@ -198,9 +321,9 @@ class Scheduler:
         if self.offload is None:
             return False
         mgr = self.kv_cache_manager
-        return bool(mgr.usage().held or self.loading) and mgr.can_fit(request.num_tokens)
+        return bool(mgr.usage().held or self._loading) and mgr.can_fit(request.num_tokens)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         if self.offload is not None:
             self.offload.offer(request)  # held until copied out, like a finished one
@@ -210,18 +333,20 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
-        out.preempted.append(request)
+        if self._runner_tokens.pop(request.request_id, None) is not None:
+            self._preempted_ids.add(request.request_id)  # runners drop its blocks
 
     def _too_big(self, request: Request) -> str:
         return _too_big(request, elastic=self.kv_memory is not None)
 
-    def _fail(self, request: Request, out: SchedulerOutput, message: str) -> None:
+    def _fail(self, request: Request, message: str) -> None:
         if request in self.running:
             self.running.remove(request)
             self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ERROR
         request.error = message
-        out.failed.append(request)
+        self._forget(request.request_id)
+        self._failed.append(request)
 
 
 def _too_big(request: Request, elastic: bool = False) -> str:

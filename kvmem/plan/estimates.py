@@ -49,11 +49,13 @@ NON_TORCH_PARALLEL = round(0.55 * GiB)
 def vllm_batch_defaults(memory_bytes: int | None, gpu: str | None = None) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) that ``vllm serve`` picks for a GPU of this
     total memory: 16,384 and 1,024 from 160 GiB; 8,192 and 1,024 from 70 GiB except on
-    A100s; 2,048 and 256 below (and when the memory is not known)."""
-    if memory_bytes is not None and memory_bytes >= 160 * GiB:
+    A100s; 2,048 and 256 below. Without a GPU (only kv_cache_memory_bytes sizes the KV
+    cache, so the activation peaks do not matter): 8,192 and 256."""
+    if memory_bytes is None:
+        return 8192, 256
+    if memory_bytes >= 160 * GiB:
         return 16384, 1024
-    if memory_bytes is not None and memory_bytes >= 70 * GiB and \
-            "a100" not in (gpu or "").lower():
+    if memory_bytes >= 70 * GiB and "a100" not in (gpu or "").lower():
         return 8192, 1024
     return 2048, 256
 

@@ -93,7 +93,11 @@ def engine_command(plan: Plan, engine: str, model: str) -> EngineCommand:
     """The command for ``engine``; ``model`` is named exactly as the user gave it."""
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    return {"vllm": _vllm, "sglang": _sglang, "kvmem": _kvmem}[engine](plan, model)
+    cmd = {"vllm": _vllm, "sglang": _sglang, "kvmem": _kvmem}[engine](plan, model)
+    if plan.engine.num_blocks == 0:  # the fit error says why
+        cmd.notes.insert(0, "this plan holds no KV blocks (see the error above): the engine "
+                            "will not start with these flags")
+    return cmd
 
 
 def _vllm_argv(plan: Plan, model: str) -> list[str]:

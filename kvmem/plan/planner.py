@@ -18,7 +18,7 @@ KV budget policies:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 from pathlib import Path
 
@@ -67,6 +67,22 @@ def plan(spec: ModelSpec, layout: Layout, settings: EngineSettings, policy: str 
     return result
 
 
+def _with_batch_defaults(settings: EngineSettings, layout: Layout,
+                         profile: list[RankProfile] | None) -> EngineSettings:
+    """Settings with vLLM's per-GPU batch defaults for the limits not given (rank 0's GPU)."""
+    if settings.max_num_seqs is not None and settings.max_num_batched_tokens is not None:
+        return settings
+    try:
+        memory = profile[0].total_bytes if profile else rank_memory(layout)[0]
+    except (ConfigError, IndexError, AttributeError):  # reported by the checks that follow
+        memory = None
+    batched, seqs = estimates.vllm_batch_defaults(memory, layout.gpus[0] if layout.gpus else None)
+    return replace(settings,
+                   max_num_seqs=seqs if settings.max_num_seqs is None else settings.max_num_seqs,
+                   max_num_batched_tokens=(batched if settings.max_num_batched_tokens is None
+                                           else settings.max_num_batched_tokens))
+
+
 @dataclass(frozen=True)
 class _NonKV:
     weights: int
@@ -86,6 +102,7 @@ class _Planner:
         if layout.layer_partition is not None:  # before memory: the layout error comes first
             validate_partition(layout.layer_partition, spec.num_layers,
                                layout.pipeline_parallel_size)
+        settings = _with_batch_defaults(settings, layout, profile)
         self.kv_dtype, self.max_model_len = check_settings(spec, settings, policy)
         self.spec, self.layout, self.settings, self.policy = spec, layout, settings, policy
         self.tp, self.pp = layout.tensor_parallel_size, layout.pipeline_parallel_size

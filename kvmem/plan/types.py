@@ -38,8 +38,10 @@ class EngineSettings:
     kv_cache_memory_bytes: int | None = None  # per rank; skips the memory estimates
     block_size: int = 16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: what `vllm serve` picks for rank 0's GPU (kvmem.plan.estimates.vllm_batch_defaults);
+    # Plan.settings holds the values used
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     cuda_graphs: bool = True
     # subtract the CUDA-graph estimate from the KV budget, as vLLM >= 0.21 does by default
     # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1); off: graphs live in the headroom the

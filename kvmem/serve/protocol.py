@@ -106,6 +106,9 @@ class ChatMessage(BaseModel):
             if len(texts) != len(content):
                 raise InvalidRequestError("only text content parts are supported",
                                           param="messages")
+            if not all(isinstance(t, str) for t in texts):
+                raise InvalidRequestError("a text content part's text must be a string",
+                                          param="messages")
             content = "".join(texts)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}

@@ -1,18 +1,18 @@
 """``OffloadConnector``: the tiers in the scheduler's terms (requests and block tables).
 
 It sits between a ``kvmem.cache.KVCacheManager`` and an ``OffloadManager`` and needs only
-duck-typed requests (``request_id``, ``all_token_ids``, ``num_tokens``,
-``num_computed_tokens``). The scheduler calls it at four points:
+duck-typed requests (``request_id``, ``all_token_ids``, ``num_tokens``). The scheduler
+keeps its requests (those waiting for a load too) and calls the connector at four points:
 
 - ``offer(request)`` just before ``kv_cache_manager.free(request)`` (finish, preempt,
   abort): the request's cached blocks are held and copied to the tiers;
 - ``start_load(request, hit)`` when admitting a waiting request, after the device pool's
   prefix hit: if the pool and the tiers together give a longer hit, blocks for it are
-  allocated (all or nothing), the load starts, and the request is parked here (True is
-  returned);
-- ``poll()`` at the start of every step: finishes transfers and returns parked requests
-  whose load is done, with ``num_computed_tokens`` set past what loaded correctly;
-- ``cancel(request_id)`` for a parked request that is aborted.
+  allocated (all or nothing) and the load starts (True is returned: the scheduler holds
+  the request back until the load is reported done);
+- ``poll()`` at the start of every step: finishes transfers and reports each load that is
+  done as (request id, computed tokens): how far the request's KV is now valid;
+- ``cancel(request_id)`` for a request whose load is in flight and that is aborted.
 
 The hit must be valid for every KV group, by each group's own rule (``kvmem.cache``'s
 managers, here looking blocks up in the pool and then the tiers): full attention needs
@@ -74,8 +74,8 @@ class OffloadConnector:
         self.offload = offload
         self.kv = kv_cache_manager
         self.block_size: int = kv_cache_manager.block_size
-        # parked requests: the request, its load, and the (block, group) of each loaded block
-        self._loading: dict[str, tuple[Any, LoadHandle, list[Position]]] = {}
+        # loads in flight: the request, its load, and the (block, group) of each loaded block
+        self._loads: dict[str, tuple[Any, LoadHandle, list[Position]]] = {}
         # (request id, length) of the latest searches already counted in the tiers' stats
         self._looked_up: OrderedDict[tuple[str, int], None] = OrderedDict()
         kv_cache_manager.pool.evict_listener = self._on_evict
@@ -103,10 +103,10 @@ class OffloadConnector:
 
     # -- loads ----------------------------------------------------------------------------
     def start_load(self, request: Any, hit: PrefixHit) -> bool:
-        """Continue ``hit`` (the device pool's ``PrefixHit``) from the tiers; True if the
-        request now waits here for its load (its blocks are allocated). False: admit it as
-        usual."""
-        if request.request_id in self._loading:
+        """Continue ``hit`` (the device pool's ``PrefixHit``) from the tiers; True if a load
+        started (the request's blocks are allocated; ``poll`` reports when it is done).
+        False: admit it as usual."""
+        if request.request_id in self._loads:
             return False
         bs = self.block_size
         end = (request.num_tokens - 1) // bs  # always leave a prompt token to compute
@@ -135,8 +135,7 @@ class OffloadConnector:
         self.offload.record_lookups([found[k] for k in keys], not_found if first else 0)
         tables = self.kv.get_block_ids(request.request_id)
         handle = self.offload.load(request.request_id, keys, [tables[g][i] for i, g in loads])
-        request.num_computed_tokens = hit.num_tokens
-        self._loading[request.request_id] = (request, handle, loads)
+        self._loads[request.request_id] = (request, handle, loads)
         return True
 
     def _first_lookup(self, request: Any) -> bool:
@@ -150,28 +149,28 @@ class OffloadConnector:
             self._looked_up.popitem(last=False)
         return True
 
-    def poll(self) -> list[Any]:
-        """Finish transfers; return parked requests whose load is done, ready to run."""
-        ready = []
+    def poll(self) -> list[tuple[str, int]]:
+        """Finish transfers; (request id, computed tokens) of each request whose load is
+        done: its KV is valid up to there (a failed block shortens it)."""
+        done = []
         for handle in self.offload.poll():
-            parked = self._loading.pop(handle.request_id, None)
-            if parked is None:  # cancelled meanwhile
+            load = self._loads.pop(handle.request_id, None)
+            if load is None:  # cancelled meanwhile
                 continue
-            request, _, loads = parked
+            request, _, loads = load
             if handle.num_loaded < len(loads) and self._retry_after_failure(
                     request, loads, handle.num_loaded,
                     handle.error or "block no longer in a tier"):
-                continue  # parked again for a shorter load
-            request.num_computed_tokens = self.kv.num_computed_tokens(request.request_id)
-            ready.append(request)
-        return ready
+                continue  # a shorter load started
+            done.append((request.request_id, self.kv.num_computed_tokens(request.request_id)))
+        return done
 
     def _retry_after_failure(self, request: Any, loads: list[Position], num_loaded: int,
                              error: str) -> bool:
         """``loads[num_loaded:]`` did not load (a failed block is dropped from its tier).
         The blocks that did are made findable by hash, the request's blocks are freed, and
         its hit is looked up again, in the pool and then the tiers: the longest length
-        still valid for every group. True if it is parked again for a new load."""
+        still valid for every group. True if a new load started."""
         rid = request.request_id
         tables = self.kv.get_block_ids(rid)
         hashes = self.kv.request_block_hashes(request, len(tables[0]))
@@ -179,41 +178,38 @@ class OffloadConnector:
             self.kv.pool.cache_table_blocks(g, tables[g], hashes, i, i + 1)
         self.kv.free(rid)
         hit = self.kv.get_computed_blocks(request)
-        parked = self.start_load(request, hit)
-        if not parked and hit.num_tokens:
+        reloading = self.start_load(request, hit)
+        if not reloading and hit.num_tokens:
             # NoCapacity (no room to adopt it now) leaves it to compute from the start
             self.kv.allocate_slots(request, 0, prefix_hit=hit)
         log.warning("offload: request %s: %s; %s", rid, error,
-                    "loading a shorter hit" if parked else
+                    "loading a shorter hit" if reloading else
                     f"recomputing from token {self.kv.num_computed_tokens(rid)}")
-        return parked
+        return reloading
 
     def wait(self, timeout: float) -> bool:
-        """Block until the oldest parked load is done (or ``timeout`` s); True if it is.
+        """Block until the oldest load in flight is done (or ``timeout`` s); True if it is.
         For an engine with nothing else to run, instead of spinning on ``poll``."""
-        for _, handle, _ in self._loading.values():
+        for _, handle, _ in self._loads.values():
             return handle.done.wait(timeout)
         return False
 
-    def cancel(self, request_id: str) -> Any | None:
-        """Forget a parked request (e.g. aborted); waits for its load, frees its blocks."""
-        parked = self._loading.pop(request_id, None)
-        if parked is None:
-            return None
-        parked[1].done.wait()
+    def cancel(self, request_id: str) -> bool:
+        """Drop the load of a request (e.g. aborted): waits for it, frees its blocks. False
+        if no load of ``request_id`` is in flight."""
+        load = self._loads.pop(request_id, None)
+        if load is None:
+            return False
+        load[1].done.wait()
         self.kv.free(request_id)
-        return parked[0]
+        return True
 
     def stats(self) -> dict[str, Any]:
         """``TierStats`` of each tier by name ("cpu", "disk")."""
         return self.offload.stats()
 
-    @property
-    def loading(self) -> list[Any]:
-        return [parked[0] for parked in self._loading.values()]
-
     def shutdown(self, flush: bool = False) -> None:
-        """Cancel parked requests and stop the tiers (finishing queued stores when ``flush``)."""
-        for request_id in list(self._loading):
+        """Cancel loads in flight and stop the tiers (finishing queued stores when ``flush``)."""
+        for request_id in list(self._loads):
             self.cancel(request_id)
         self.offload.shutdown(flush=flush)

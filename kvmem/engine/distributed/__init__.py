@@ -2,12 +2,13 @@
 
 Rank 0 (the driver) runs the scheduler and the KV cache manager and is tp rank 0 of
 stage 0; the other ranks are worker processes it spawns (or that ``torchrun`` starts).
-Every rank loads its shard (its stage's layers, its tensor-parallel slice), plans its KV
-cache with the planner for the engine's real layout, checks its own fit, agrees with the
-others on the minimum block count and allocates exactly its RankPlan's KV cache.
+Every rank, rank 0 included, is built by ``kvmem.engine.rank_builder.build_rank`` (the
+code a world-size-1 engine runs) with this package's ``GroupPeers`` for the collectives,
+and runs the same ``ModelRunner`` on the ``SchedulerOutput`` rank 0 broadcasts; this
+package is the communication only.
 
 Public API: ``ParallelConfig``, ``from_torchrun_env``, ``init_distributed``,
-``start_parallel`` / ``ParallelDriver`` / ``ParallelModelRunner`` (the driver side),
+``start_parallel`` / ``ParallelDriver`` (the driver side),
 ``run_launched_worker`` (a torchrun rank > 0) and the errors ``ParallelError``,
 ``WorkerDiedError``, ``StartupError``. Submodules import torch; this package's
 ``__init__`` only re-exports lazily.
@@ -22,10 +23,8 @@ _EXPORTS = {
     "ParallelConfig": "config", "from_torchrun_env": "config",
     "ParallelError": "errors", "WorkerDiedError": "errors", "StartupError": "errors",
     "init_distributed": "state", "destroy_distributed": "state",
-    "start_parallel": "driver", "ParallelDriver": "driver", "ParallelModelRunner": "driver",
+    "start_parallel": "driver", "ParallelDriver": "driver",
     "run_worker": "worker", "run_launched_worker": "worker",
-    "RankContext": "rank_setup", "RankAllocation": "rank_setup",
-    "attach_offload": "offload",
 }
 
 

@@ -2,10 +2,10 @@
 manager and is tp rank 0 of pipeline stage 0.
 
 ``start_parallel`` spawns the local workers (or joins ranks torchrun started), sets rank 0
-up like every other rank, and watches the workers. ``ParallelModelRunner`` is the engine's
-model runner: each step it broadcasts the scheduled batch, runs stage 0's part here and
-returns the sampled tokens. A worker that dies, or a step that fails or times out, stops
-the engine with one error naming the rank; every later step raises the same error.
+up like every other rank, and watches the workers. The engine's ``Executor`` broadcasts
+each step through ``broadcast`` and runs rank 0's part itself. A worker that dies, or a
+step that fails or times out, stops the engine with one error naming the rank; every later
+step raises the same error.
 """
 
 from __future__ import annotations
@@ -18,34 +18,26 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from kvmem.engine.config import EngineConfig
 from kvmem.engine.distributed.channel import broadcast_step
-from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import ParallelError, StartupError, WorkerDiedError
 from kvmem.engine.distributed.page_ops import PageOpsFeed
-from kvmem.engine.distributed.rank_setup import (
-    RankContext,
-    RankState,
-    local_copier,
-    setup_rank,
-)
+from kvmem.engine.distributed.rank_setup import GroupPeers, local_copier
 from kvmem.engine.distributed.remote_copy import RemoteBlockCopier
 from kvmem.engine.distributed.state import destroy_distributed, init_distributed
-from kvmem.engine.distributed.step import StepInput
 from kvmem.engine.distributed.worker import worker_main
-from kvmem.engine.request import Request
+from kvmem.engine.memory_profile import MemoryProfile
+from kvmem.engine.rank_builder import RankContext, RankState, build_rank, load_rank
+from kvmem.engine.step import SchedulerOutput
 from kvmem.errors import ConfigError
 
 logger = logging.getLogger("kvmem.engine.distributed")
 
 DEATH_NOTICE_S = 3.0  # how long a failed step waits for the watchdog to name a dead worker
-# Local CPU workers with plain KV put it in shared memory for the driver's offload tiers;
-# False sends their offload copies through the copy services instead (remote_copy.py).
-SHARE_LOCAL_KV = True
 
 
 def free_port() -> int:
@@ -54,20 +46,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_parallel(config: EngineConfig, parallel: ParallelConfig | None, *,
-                   max_model_len: int, dtype: torch.dtype,
-                   device: torch.device) -> ParallelDriver:
-    """Start every rank of ``config``'s tp x pp layout and return the driver (rank 0)."""
-    if parallel is None:
-        parallel = ParallelConfig.from_engine_config(config, master_port=free_port())
+def start_parallel(ctx: RankContext) -> ParallelDriver:
+    """Start every rank of ``ctx``'s tp x pp layout and return the driver (rank 0). With
+    ``ctx.profile_only`` the ranks only measure themselves (``ParallelDriver.profiles``)."""
+    parallel = ctx.parallel
     if parallel.rank != 0:
         raise ConfigError(f"{parallel.describe()} is a worker; only rank 0 runs the engine")
-    if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) != \
-            (config.tensor_parallel_size, config.pipeline_parallel_size):
-        raise ConfigError("the parallel layout differs from the engine config's")
-    ctx = RankContext(config=config, parallel=parallel, max_model_len=max_model_len,
-                      dtype=str(dtype).removeprefix("torch."), device_type=device.type,
-                      share_kv=shares_kv(config, parallel, device))
+    if parallel.launcher == "local" and parallel.master_port == 0:
+        ctx = replace(ctx, parallel=replace(parallel, master_port=free_port()))
     driver = ParallelDriver(ctx)
     try:
         driver.start()
@@ -77,19 +63,13 @@ def start_parallel(config: EngineConfig, parallel: ParallelConfig | None, *,
     return driver
 
 
-def shares_kv(config: EngineConfig, parallel: ParallelConfig, device: torch.device) -> bool:
-    """Whether the workers' KV goes to shared memory: local CPU ranks with plain KV
-    (elastic pages stay private to each process)."""
-    return SHARE_LOCAL_KV and device.type == "cpu" and parallel.launcher == "local" \
-        and config.kv_memory == "plain"
-
-
 class ParallelDriver:
     def __init__(self, ctx: RankContext) -> None:
         self.ctx = ctx
         self.parallel = ctx.parallel
         self.processes: dict[int, Any] = {}  # rank -> multiprocessing.Process (local launch)
         self.state: RankState | None = None
+        self.profiles: list[MemoryProfile] | None = None  # every rank's, when profiling
         self.shared_slots: list[torch.Tensor] | None = None  # every rank's KV, rank order
         self.page_feed: PageOpsFeed | None = None  # elastic page decisions, numbered
         self.remote_copier: RemoteBlockCopier | None = None  # offload without shared KV
@@ -119,7 +99,12 @@ class ParallelDriver:
             torch.cuda.set_device(device)
         self.groups = self._bounded("joining the process group",
                                     lambda: init_distributed(self.parallel, device))
-        self.state = self._bounded("starting", lambda: setup_rank(self.ctx, self.groups))
+        if self.ctx.profile_only:
+            self.profiles = self._bounded("measuring", lambda: load_rank(
+                self.ctx, GroupPeers(self.groups)).profiles)
+            return
+        self.state = self._bounded("starting",
+                                   lambda: build_rank(self.ctx, GroupPeers(self.groups)))
         if handoff is not None:
             self.shared_slots = self._collect_shared_slots(handoff)
         if self.state.elastic is not None:
@@ -220,6 +205,11 @@ class ParallelDriver:
                 logger.exception("failure callback raised")
         return error
 
+    # -- steps ---------------------------------------------------------------------------
+    def broadcast(self, out: SchedulerOutput) -> None:
+        """Send one step to every worker (bounded by the step timeout)."""
+        broadcast_step(out, self.groups.control, self.parallel.timeout_s)
+
     def step_failed(self, exc: BaseException) -> ParallelError:
         """The error to raise for a step whose communication failed with ``exc``."""
         if self.error is not None:
@@ -242,7 +232,7 @@ class ParallelDriver:
             if self._closed:
                 return
             self._closed = True
-        healthy = self.error is None and self.state is not None
+        healthy = self.error is None and (self.state is not None or self.profiles is not None)
         self._stopping.set()
         if healthy:
             if self.remote_copier is not None:
@@ -260,52 +250,3 @@ class ParallelDriver:
                 proc.join(2.0)
         destroy_distributed()
         atexit.unregister(self.shutdown)
-
-
-class ParallelModelRunner:
-    """The engine's model runner on the driver of a tp x pp engine (ModelRunner's API)."""
-
-    def __init__(self, driver: ParallelDriver, kv_cache_manager, *, num_kv_groups: int) -> None:
-        self.driver = driver
-        self.kv_cache_manager = kv_cache_manager
-        self.num_kv_groups = num_kv_groups
-        self.runner = driver.state.runner
-        self._seeded: dict[str, Request] = {}  # requests whose generator lives on the sampler
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def kv_caches(self) -> list[torch.Tensor]:
-        return self.runner.kv_caches
-
-    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
-        """Run one step on every rank; the sampled token of each request that samples."""
-        if self.driver.error is not None:
-            raise self.driver.error
-        step = StepInput.from_scheduled(scheduled, self.kv_cache_manager, self.num_kv_groups)
-        step.finished_request_ids = self._finished_seeded(scheduled)
-        feed = self.driver.page_feed
-        if feed is not None:  # mapping decisions since the last step, for the other ranks
-            step.page_ops_seq, step.page_ops = feed.drain()
-        try:
-            broadcast_step(step, self.driver.groups.control, self.driver.parallel.timeout_s)
-            tokens = self.runner.run(step)
-            if step.sample_rows and not self.runner.samples:
-                tokens = self.runner.receive_tokens(step)
-        except Exception as e:
-            raise self.driver.step_failed(e) from e
-        return dict(zip(step.sample_request_ids, tokens or [], strict=True))
-
-    def _finished_seeded(self, scheduled: list[tuple[Request, int]]) -> list[str]:
-        for request, _ in scheduled:
-            if request.sampling_params.seed is not None:
-                self._seeded[request.request_id] = request
-        done = [rid for rid, r in self._seeded.items() if r.is_finished]
-        for rid in done:
-            del self._seeded[rid]
-        return done
-
-    def shutdown(self) -> None:
-        self.driver.shutdown()

@@ -13,22 +13,24 @@ reaches the other ranks' parts one of two ways:
   The workers must know at start, so offloading is configured on the engine
   (``EngineConfig.cpu_offload_gib`` / ``disk_offload_gib``), not attached later.
 
-``kvmem.engine.offload_setup`` wires either into the engine. Ordering needs nothing
+``kvmem.engine.offload_setup`` builds the tiers over either. Ordering needs nothing
 more: the driver sees a step's tokens only after every rank has written that step's KV,
 and a request waits for its loads (on every rank) before its next step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvmem.engine.distributed.remote_copy import RemoteKVStorage
-from kvmem.engine.offload_setup import attach_offload
 from kvmem.errors import ConfigError
 
-__all__ = ["SharedKVStorage", "attach_offload", "parallel_kv_storage", "shared_kv_storage"]
+if TYPE_CHECKING:
+    from kvmem.engine.distributed.driver import ParallelDriver
+
+__all__ = ["SharedKVStorage", "parallel_kv_storage", "shared_kv_storage"]
 
 
 class SharedKVStorage:
@@ -43,7 +45,7 @@ class SharedKVStorage:
         return self._slots[slot]
 
 
-def shared_kv_storage(driver: Any) -> SharedKVStorage:
+def shared_kv_storage(driver: ParallelDriver) -> SharedKVStorage:
     """Every rank's KV as the driver maps it; a one-line error when the ranks do not share."""
     if driver.shared_slots is None:
         raise ConfigError("the workers' KV cache is not in shared memory (not every rank is "
@@ -52,7 +54,7 @@ def shared_kv_storage(driver: Any) -> SharedKVStorage:
     return SharedKVStorage(driver.shared_slots)
 
 
-def parallel_kv_storage(driver: Any) -> SharedKVStorage | RemoteKVStorage:
+def parallel_kv_storage(driver: ParallelDriver) -> SharedKVStorage | RemoteKVStorage:
     """The storage the offload tiers copy every rank's blocks through: shared memory when
     the workers share their KV, else their copy services."""
     if driver.shared_slots is not None:
@@ -64,5 +66,5 @@ def parallel_kv_storage(driver: Any) -> SharedKVStorage | RemoteKVStorage:
         raise ConfigError("CPU/disk offload with tensor/pipeline parallelism: the workers "
                           "could not put their KV cache in shared memory (/dev/shm too small?)")
     raise ConfigError("CPU/disk offload with tensor/pipeline parallelism is set up when the "
-                      "engine starts: give --cpu-offload-gib or --disk-offload-gib (the "
-                      "EngineConfig fields), not attach_offload on a running engine")
+                      "workers start: give --cpu-offload-gib or --disk-offload-gib (the "
+                      "EngineConfig fields)")

@@ -1,11 +1,12 @@
 """Rank 0's elastic page mapping decisions, numbered, and their replay in order elsewhere.
 
-Decisions reach the other ranks by two roads: with each step (``StepInput.page_ops``) and,
-when the driver loads offloaded blocks into a worker's KV cache
-(``kvmem.engine.distributed.remote_copy``), with the load, since the blocks' pages must be
-mapped before their bytes are written and no step may come before the load lands. Every
-drained batch gets the next number (``PageOpsFeed``); a worker replays batch ``n`` only
-after batch ``n - 1`` (``OrderedPageOps``), whichever road each took.
+Decisions reach the other ranks by two roads: with each step
+(``SchedulerOutput.page_ops``, drained by the scheduler) and, when the driver loads
+offloaded blocks into a worker's KV cache (``kvmem.engine.distributed.remote_copy``), with
+the load, since the blocks' pages must be mapped before their bytes are written and no
+step may come before the load lands. Every drained batch gets the next number
+(``PageOpsFeed``); a worker replays batch ``n`` only after batch ``n - 1``
+(``OrderedPageOps``), whichever road each took.
 """
 
 from __future__ import annotations

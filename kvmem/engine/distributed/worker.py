@@ -18,14 +18,15 @@ import threading
 from typing import Any
 
 from kvmem.engine.distributed.channel import receive_step
-from kvmem.engine.distributed.rank_setup import RankContext, local_copier, setup_rank
+from kvmem.engine.distributed.rank_setup import GroupPeers, local_copier
 from kvmem.engine.distributed.remote_copy import CopyService
-from kvmem.engine.distributed.stage_runner import StageRunner
 from kvmem.engine.distributed.state import (
     DistributedGroups,
     destroy_distributed,
     init_distributed,
 )
+from kvmem.engine.model_runner import ModelRunner
+from kvmem.engine.rank_builder import RankContext, build_rank, load_rank, rank_context
 from kvmem.errors import KvmemError
 
 logger = logging.getLogger("kvmem.engine.distributed")
@@ -53,7 +54,11 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
         torch.cuda.set_device(device)
     try:
         groups = init_distributed(ctx.parallel, device)
-        state = setup_rank(ctx, groups)
+        if ctx.profile_only:  # measured and gathered by rank 0: wait for its stop
+            load_rank(ctx, GroupPeers(groups))
+            receive_step(groups.control)
+            return 0
+        state = build_rank(ctx, GroupPeers(groups))
         if handoff is not None:
             num_slots = state.kv_plan.ranks[ctx.parallel.rank].num_slots
             handoff.put((ctx.parallel.rank, _shared_slots(state.kv.storage, num_slots, ctx)))
@@ -72,13 +77,13 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
         destroy_distributed()
 
 
-def serve_steps(runner: StageRunner, groups: DistributedGroups) -> None:
-    """Run each StepInput the driver broadcasts; a ``None`` step means stop."""
+def serve_steps(runner: ModelRunner, groups: DistributedGroups) -> None:
+    """Run each SchedulerOutput the driver broadcasts; ``None`` means stop."""
     while True:
         step = receive_step(groups.control)
         if step is None:
             return
-        runner.run(step)
+        runner.execute_model(step)
 
 
 def _start_copy_service(ctx: RankContext, state) -> CopyService | None:
@@ -123,15 +128,8 @@ def _exit_with_parent(poll_s: float = PARENT_POLL_S) -> None:
 
 def run_launched_worker(config, parallel) -> int:
     """A rank > 0 that a launcher (torchrun) started: serve the driver's steps, no HTTP."""
-    from kvmem.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
     from kvmem.engine.loader import resolve_model
     from kvmem.spec import spec_from_config
 
-    device = resolve_device(config.device)
     files = resolve_model(config.model)
-    max_model_len = LLMEngine.max_model_len_for(spec_from_config(files.config, files.name),
-                                                config)
-    ctx = RankContext(config=config, parallel=parallel, max_model_len=max_model_len,
-                      dtype=str(resolve_dtype(config.dtype, device)).removeprefix("torch."),
-                      device_type=device.type)
-    return run_worker(ctx)
+    return run_worker(rank_context(config, spec_from_config(files.config, files.name), parallel))
