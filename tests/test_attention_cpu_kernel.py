@@ -1,0 +1,63 @@
+"""The CPU paged decode kernel agrees with the SDPA-over-gathered-blocks path it replaces."""
+
+import random
+
+import pytest
+import torch
+
+from kvmem.engine.attention import cpu_kernels
+from kvmem.engine.attention.metadata import AttentionMetadata
+from kvmem.engine.attention.reference import ReferenceBackend
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="no C compiler for the CPU kernel")
+
+
+def _sdpa_only(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "supports", lambda q, kv_cache: False)
+
+
+def _case(seed: int, query_lens: list[int], context: list[int], heads: int, kv_heads: int,
+          dtype: torch.dtype, block_size: int = 16):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context, query_lens, strict=True)]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 8
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for n in seq_lens:
+        k = -(-n // block_size)
+        tables.append(ids[used:used + k])
+        used += k
+    cache = torch.randn((num_blocks, 2, block_size, kv_heads, 64), generator=gen).to(dtype)
+    tokens = sum(query_lens)
+    q, k, v = (torch.randn((tokens, h, 64), generator=gen).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
+    metadata = AttentionMetadata.build(query_lens, seq_lens, [tables], block_size)
+    return q, k, v, cache, metadata
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_lens", [[1] * 6, [1, 5, 1, 1, 9, 1]])
+def test_kernel_matches_sdpa(monkeypatch, window, dtype, query_lens):
+    context = [3, 130, 47, 16, 0, 300]
+    args = _case(0, query_lens, context, heads=6, kv_heads=2, dtype=dtype)
+    q, k, v, cache, metadata = args
+    assert cpu_kernels.supports(q, cache)
+    cache_sdpa = cache.clone()
+    paged = ReferenceBackend().forward(q, k, v, cache, metadata, 0, 0.125, window)
+    _sdpa_only(monkeypatch)  # the step's plans are cached per path: both are built
+    sdpa = ReferenceBackend().forward(q, k, v, cache_sdpa, metadata, 0, 0.125, window)
+    assert torch.equal(cache, cache_sdpa)  # both stored the new K/V the same way
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_unsupported_layouts_fall_back():
+    q = torch.randn(2, 4, 64)
+    assert not cpu_kernels.supports(q, torch.randn(4, 2, 16, 3, 64))  # 4 heads over 3
+    assert not cpu_kernels.supports(q, torch.randn(4, 2, 16, 2, 32))  # head_dim differs
+    assert not cpu_kernels.supports(q, torch.randn(4, 2, 512, 2, 64))  # block too large
+    assert not cpu_kernels.supports(q, torch.randn(4, 2, 16, 2, 64).half())
