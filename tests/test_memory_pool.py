@@ -18,8 +18,7 @@ def make(tmp_path, limit_pages: int):
     storage = ElasticKVStorage(2, SlotShape(2, 16, 2, 32), torch.float32, max_blocks=256,
                                backend=FakeBackend(4096), blocks_per_page=4, reserve_pages=0,
                                budget=budget, start=False)
-    pool = BlockPool(storage.num_blocks, 1, free_queue=storage.free_queue())
-    storage.attach(pool)
+    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
     return storage, pool
 
 

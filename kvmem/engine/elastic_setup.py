@@ -130,8 +130,7 @@ class ElasticSetup:
 
         storage = self._storage()
         return BlockPool(storage.num_blocks, num_groups, enable_events=enable_events,
-                         free_queue=storage.free_queue(), capacity_guard=storage.capacity_guard,
-                         listeners=[storage])
+                         **storage.pool_wiring())
 
     def start(self, store: Any = None, timeout: float | None = None) -> None:
         """Start background pre-mapping; with ranks, first bring them to one page map."""

@@ -3,15 +3,11 @@ pages only where blocks hold live KV.
 
 The reservation is sized for the largest pool the device could hold (``max_blocks``);
 the block manager sees all of those blocks, and the shared budget decides how many may
-be live at once (``capacity_guard``). Wiring into a block pool takes three lines::
+be live at once (``capacity_guard``). A block pool takes it all at construction::
 
     storage = ElasticKVStorage(num_slots, shape, dtype, max_blocks=n, device="cuda:0",
                                budget=Ledger.for_device("cuda:0").register("llama"))
-    pool = BlockPool(storage.num_blocks, num_groups, free_queue=storage.free_queue())
-    storage.attach(pool)
-
-``kvmem.cache.KVCacheManager`` builds its pool itself; pass the queue and attach the
-storage to ``manager.pool`` the same way.
+    pool = BlockPool(storage.num_blocks, num_groups, **storage.pool_wiring())
 
 Startup order: the null block's page is mapped in the constructor, synchronously; the
 pre-mapping thread starts only in ``start()``. With tensor parallelism, rank 0 decides
@@ -116,10 +112,11 @@ class ElasticKVStorage:
     def on_blocks_released(self, block_ids: list[int]) -> None:
         self.table.on_blocks_released(block_ids)
 
-    def attach(self, pool: Any) -> None:
-        """Register with a block pool: mapping hooks and the shared-budget guard."""
-        pool.add_listener(self)
-        pool.capacity_guard = self.capacity_guard
+    def pool_wiring(self) -> dict[str, Any]:
+        """``BlockPool`` constructor arguments: the page-aware free queue, the mapping
+        hooks and the shared-budget guard."""
+        return {"free_queue": self.free_queue(), "capacity_guard": self.capacity_guard,
+                "listeners": [self]}
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
