@@ -18,12 +18,14 @@ from torch import nn
 
 from kvmem.engine.attention import AttentionBackend, AttentionMetadata
 from kvmem.engine.models.layers import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    store_weight_column_major,
 )
 from kvmem.engine.models.rope import RotaryEmbedding
 from kvmem.errors import ConfigError
@@ -214,7 +216,14 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint has no weights for {sorted(missing)[:4]}"
                              f"{' ...' if len(missing) > 4 else ''}")
+        self.process_weights_after_loading()
         return loaded
+
+    def process_weights_after_loading(self) -> None:
+        """Lay out the projections' weights the way this device multiplies them fastest."""
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                store_weight_column_major(module.weight)
 
     def _targets(self, hf_name: str) -> list[tuple[str, object]]:
         """This module's parameter name(s) for a HuggingFace weight name."""
