@@ -53,7 +53,7 @@ def store_weight_column_major(weight: nn.Parameter) -> None:
     """Keep ``weight`` ``[out, in]`` as it is but lay it out column-major (after loading).
 
     On the CPU ``F.linear`` then hands MKL's sgemm ``W^T`` as a contiguous matrix instead of
-    a transposed one: 1.04-1.3x faster from 1 to 2,048 rows for this family's fp32
+    a transposed one: 1.0-1.3x faster from 1 to 2,048 rows for this family's fp32
     projections (benchmarks/linear_layout.py). Later loads still copy in by logical index.
     """
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
