@@ -14,7 +14,9 @@ directory, which vLLM loads as it is) at the same dtype on one CPU thread each, 
   both servers up at once and the client runs alternating: prefix_repetition dataset
   (4 prefixes of 512 tokens + 64-token suffixes, 32 output tokens), 48 prompts,
   concurrency 16, greedy, ignore_eos, prefix caching on (both servers' default). The
-  generated texts are compared prompt by prompt.
+  generated texts are compared prompt by prompt. The same prompts (rebuilt with the
+  client's dataset code and seed) also go through kvmem's offline engine with 16 in
+  flight, alternating with the client runs, to show what serving costs.
 
 Start-up (process start to ready) is reported for both engines. vLLM comes from a venv
 outside the repository (``--vllm-venv``, default ``$KVMEM_VLLM_VENV`` or
@@ -71,7 +73,10 @@ def _answer(payload: dict) -> None:
 
 def offline_worker(args) -> None:
     """Load one engine, say ready, then run the workload once per ``run`` line on stdin."""
-    prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
+    if args.prompts_file:  # the served workload's texts, run offline
+        prompts = json.loads(Path(args.prompts_file).read_text())
+    else:
+        prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
     started = time.perf_counter()
     if args.engine == "kvmem":
         import torch
@@ -80,13 +85,17 @@ def offline_worker(args) -> None:
         from kvmem.engine.sampling_params import SamplingParams
 
         torch.set_num_threads(1)
+        limits = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
         llm = LLM(args.model, dtype=args.dtype, max_model_len=1024,
-                  enable_prefix_caching=False, kv_cache_memory_bytes=KV_BYTES,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=KV_BYTES,
+                  max_num_batched_tokens=args.max_num_batched_tokens, **limits)
         params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
 
         def generate(batch):
-            return [list(o.token_ids) for o in llm.generate(batch, params, show_progress=False)]
+            outs = llm.generate(batch, params, show_progress=False)
+            if args.prompts_file:
+                return [o.text for o in outs]
+            return [list(o.token_ids) for o in outs]
     else:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -223,6 +232,21 @@ def client_run(vllm_python: str, url: str, name: str, args, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def served_prompt_texts(vllm_python: str, args, path: Path) -> None:
+    """Write the prompts vllm.benchmarks.serve sends (same dataset code, same seed)."""
+    code = ("import json, sys\n"
+            "from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset\n"
+            "from vllm.tokenizers import get_tokenizer\n"
+            "model, n, seed, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
+            "reqs = PrefixRepetitionRandomDataset(random_seed=seed).sample(\n"
+            "    tokenizer=get_tokenizer(model), num_requests=n, prefix_len=512,\n"
+            "    suffix_len=64, num_prefixes=4, output_len=32)\n"
+            "open(out, 'w').write(json.dumps([r.prompt for r in reqs]))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    subprocess.run([vllm_python, "-c", code, args.model, str(args.served_prompts),
+                    str(args.seed), str(path)], check=True, env=env, capture_output=True)
+
+
 def run_served(args, vllm_python: str, logs: Path) -> None:
     name = "smollm2"
     print(f"\n== served: vllm.benchmarks.serve, prefix_repetition 4 x 512 + 64, 32 out, "
@@ -242,6 +266,10 @@ def run_served(args, vllm_python: str, logs: Path) -> None:
     }
     ports = {"vllm": args.vllm_port, "kvmem": args.kvmem_port}
     results: dict[str, list[dict]] = {"vllm": [], "kvmem": []}
+    offline_times: list[float] = []
+    prompts_file = logs / "served-prompts.json"
+    served_prompt_texts(vllm_python, args, prompts_file)
+    offline = None
     try:
         for engine in ("vllm", "kvmem"):  # one after the other: start-up measured alone
             argv, env = commands[engine]
@@ -251,6 +279,16 @@ def run_served(args, vllm_python: str, logs: Path) -> None:
             url = f"http://127.0.0.1:{ports[engine]}"
             servers[engine] = (proc, url)
             print(f"{engine:<5} server ready in {wait_ready(url, proc):6.1f} s", flush=True)
+        # the same prompts through the offline engine, as many in flight as the client keeps
+        offline = Worker("kvmem-offline", sys.executable, [
+            "_offline", "--engine", "kvmem", "--model", args.model, "--dtype", args.dtype,
+            "--num-prompts", "0", "--min-prompt", "0", "--max-prompt", "0",
+            "--output-len", "32", "--seed", str(args.seed),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--prompts-file", str(prompts_file), "--prefix-caching",
+            "--max-num-seqs", str(args.concurrency)], engine_env(False),
+            logs / "served-offline-kvmem.log")
+        offline.read()
         for r in range(1, args.rounds + 1):
             for engine in ("vllm", "kvmem"):
                 out = logs / f"served-{engine}-{r}.json"
@@ -263,7 +301,17 @@ def run_served(args, vllm_python: str, logs: Path) -> None:
             texts = [results[e][-1]["generated_texts"] for e in ("vllm", "kvmem")]
             same = sum(a == b for a, b in zip(*texts, strict=True))
             print(f"round {r} generated texts identical: {same}/{len(texts[0])}", flush=True)
+            out = offline.run()
+            offline_times.append(out["elapsed_s"])
+            same = sum(a == b for a, b in zip(sorted(out["tokens"]), sorted(texts[1]),
+                                              strict=True))
+            print(f"round {r} kvmem offline, same prompts, {args.concurrency} in flight: "
+                  f"{args.served_prompts * 32 / out['elapsed_s']:6.1f} output tok/s "
+                  f"({out['elapsed_s']:.1f} s; texts equal to served: {same}/{len(texts[1])})",
+                  flush=True)
     finally:
+        if offline is not None:
+            offline.close()
         for proc, _ in servers.values():
             proc.terminate()
             try:
@@ -276,6 +324,9 @@ def run_served(args, vllm_python: str, logs: Path) -> None:
     print(f"served kvmem {tput['kvmem']:6.1f} output tok/s, median TPOT {tpot['kvmem']:.1f} ms")
     print(f"served ratio kvmem / vllm: {tput['kvmem'] / tput['vllm']:.2f}x output tok/s, "
           f"TPOT {tpot['vllm'] / tpot['kvmem']:.2f}x lower")
+    offline_tput = statistics.mean(args.served_prompts * 32 / t for t in offline_times)
+    print(f"kvmem served / kvmem offline on the same work: "
+          f"{tput['kvmem'] / offline_tput:.2f}x ({offline_tput:.1f} output tok/s offline)")
 
 
 def main() -> None:
@@ -306,6 +357,9 @@ def main() -> None:
     for flag in ("--num-prompts", "--min-prompt", "--max-prompt", "--output-len", "--seed",
                  "--max-num-batched-tokens"):
         w.add_argument(flag, type=int, required=True)
+    w.add_argument("--prompts-file", default=None)
+    w.add_argument("--prefix-caching", action="store_true")
+    w.add_argument("--max-num-seqs", type=int, default=0)
     args = p.parse_args()
     if args.role == "_offline":
         offline_worker(args)

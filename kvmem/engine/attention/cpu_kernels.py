@@ -1,12 +1,13 @@
-"""CPU paged decode attention: a small C kernel built at first use, called through ctypes.
+"""CPU kernels: a small C library built at first use, called through ctypes.
 
 Decode rows read their keys and values straight from the block-major cache, once, where
 the SDPA path first gathers every block into a contiguous copy (on CPU decode is bound by
-memory traffic, and the copy triples it). The kernel (``paged_decode.c``) is compiled with
-the system C compiler (``$CC``, else ``cc``) into ``$KVMEM_CACHE_DIR/kernels`` (default
-``~/.cache/kvmem/kernels``), keyed by its source, flags and CPU, so a later start loads it
-in milliseconds. Without a compiler, or with ``KVMEM_CPU_KERNELS=0``, ``supports()`` is
-False and the caller keeps the SDPA path.
+memory traffic, and the copy triples it). The library also holds the decoder layer's fused
+elementwise steps (``models/fused_ops.c``, used by ``models/cpu_ops.py``). Its sources are
+compiled with the system C compiler (``$CC``, else ``cc``) into ``$KVMEM_CACHE_DIR/kernels``
+(default ``~/.cache/kvmem/kernels``), keyed by the sources, flags and CPU, so a later start
+loads it in milliseconds. Without a compiler, or with ``KVMEM_CPU_KERNELS=0``,
+``supports()`` is False and callers keep their torch paths.
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
-# -ffast-math lets the softmax's expf vectorize (glibc's libmvec); the kernel keeps no
-# infinities or NaNs of its own (the running max starts at -FLT_MAX)
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffast-math"]
+_COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+# each source with its own flags. paged_decode: -ffast-math lets the softmax's expf
+# vectorise (glibc's libmvec); the kernel keeps no infinities or NaNs of its own (the running
+# max starts at -FLT_MAX). fused_ops: the rotary arithmetic must round as the eager path does
+# (no FMA contraction); reassociation only vectorises the RMSNorm sum
+_SOURCES = {
+    Path(__file__).with_name("paged_decode.c"): ["-ffast-math"],
+    Path(__file__).parent.parent / "models" / "fused_ops.c": [
+        "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+        "-ffp-contract=off"],
+}
 _ARG_TYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
@@ -56,17 +64,24 @@ def _cpu_id() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()
-                         + _cpu_id().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    key = hashlib.sha256(compiler.encode() + " ".join(_COMMON_FLAGS).encode()
+                         + _cpu_id().encode())
+    for source, flags in _SOURCES.items():
+        key.update(source.read_bytes() + " ".join(flags).encode())
+    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: concurrent first starts never load half a file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = []
+        for source, flags in _SOURCES.items():
+            obj = Path(tmp) / f"{source.stem}.o"
+            subprocess.run([compiler, *_COMMON_FLAGS, *flags, "-c", str(source), "-o", str(obj)],
+                           check=True, capture_output=True, timeout=120)
+            objects.append(str(obj))
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+        subprocess.run([compiler, *_COMMON_FLAGS, "-shared", *objects, "-o", str(built), "-lm"],
                        check=True, capture_output=True, timeout=120)
         os.replace(built, target)
     return target
@@ -96,13 +111,25 @@ def _load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     library.kvmem_paged_decode_limits.argtypes = [ctypes.c_int] * 3
     library.kvmem_paged_decode_limits.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.kvmem_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                               ctypes.c_float, ctypes.c_int]
+    library.kvmem_rotary_f32.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ptr,
+                                         ctypes.c_int]
+    for fn in (library.kvmem_add_rms_norm_f32, library.kvmem_rotary_f32):
+        fn.restype = None
     _library = library
     return library
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
+    """Whether the library is built and loaded (builds it on the first call)."""
     return _load() is not None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None where it cannot be built (builds it on the first call)."""
+    return _load()
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmem.engine.models import cpu_ops
+
 
 def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     if tp_size > 1:
@@ -43,10 +45,22 @@ class RMSNorm(nn.Module):
         self.weight = _param((size,), lambda p, w, shard_id=None: _copy(p, w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_ops.add_rms_norm(x, None, self.weight, self.eps)
+        if fused is not None:
+            return fused[1]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, norm(residual + x))``: the residual stream and this norm of it."""
+        fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        total = x + residual
+        return total, self(total)
 
 
 def store_weight_column_major(weight: nn.Parameter) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmem.engine.attention import AttentionBackend, AttentionMetadata
+from kvmem.engine.models import cpu_ops
 from kvmem.engine.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -84,13 +85,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
+        rotated = self.q_norm is None and cpu_ops.rotary_qk_(
+            qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        if not rotated:
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.group_id, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
@@ -123,10 +128,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
         self.mlp = mlp
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, metadata, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``: the caller adds them, fused into the next norm.
+
+        ``residual`` None means ``h`` is the stream itself (the stage's first layer).
+        """
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_and_norm(h, residual)
+        attended = self.self_attn(x, cos, sin, metadata, kv_cache)
+        residual, x = self.post_attention_layernorm.add_and_norm(attended, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,9 +197,14 @@ class LlamaForCausalLM(nn.Module):
         offset = 0 if len(kv_caches) == len(self.layers) else self.layer_ids.start
         # once per step for all layers, already in the activations' dtype
         cos, sin = (t.to(h.dtype) for t in self.rotary.cos_sin(positions))
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, metadata, kv_caches[offset + i])
-        return self.norm(h) if self.norm is not None else h
+            h, residual = layer(h, residual, cos, sin, metadata, kv_caches[offset + i])
+        if residual is None:  # a stage without layers
+            return self.norm(h) if self.norm is not None else h
+        if self.norm is None:
+            return h + residual
+        return self.norm.add_and_norm(h, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in fp32 (last pipeline stage only)."""
