@@ -18,7 +18,7 @@ def _sdpa_only(monkeypatch) -> None:
 
 
 def _case(seed: int, query_lens: list[int], context: list[int], heads: int, kv_heads: int,
-          dtype: torch.dtype, block_size: int = 16):
+          dtype: torch.dtype, block_size: int = 16, head_dim: int = 64):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context, query_lens, strict=True)]
@@ -30,9 +30,9 @@ def _case(seed: int, query_lens: list[int], context: list[int], heads: int, kv_h
         k = -(-n // block_size)
         tables.append(ids[used:used + k])
         used += k
-    cache = torch.randn((num_blocks, 2, block_size, kv_heads, 64), generator=gen).to(dtype)
+    cache = torch.randn((num_blocks, 2, block_size, kv_heads, head_dim), generator=gen).to(dtype)
     tokens = sum(query_lens)
-    q, k, v = (torch.randn((tokens, h, 64), generator=gen).to(dtype)
+    q, k, v = (torch.randn((tokens, h, head_dim), generator=gen).to(dtype)
                for h in (heads, kv_heads, kv_heads))
     metadata = AttentionMetadata.build(query_lens, seq_lens, [tables], block_size)
     return q, k, v, cache, metadata
@@ -53,6 +53,21 @@ def test_kernel_matches_sdpa(monkeypatch, window, dtype, query_lens):
     assert torch.equal(cache, cache_sdpa)  # both stored the new K/V the same way
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 4, 1), (80, 6, 3), (64, 4, 4)])
+def test_other_head_sizes_and_groups_match_sdpa(monkeypatch, head_dim, heads, kv_heads):
+    """head_dim 128 has its own loop, 80 the generic one; 4 over 4 is plain multi-head."""
+    q, k, v, cache, metadata = _case(1, [1] * 5, [20, 33, 1, 64, 90], heads=heads,
+                                     kv_heads=kv_heads, dtype=torch.float32,
+                                     head_dim=head_dim)
+    assert cpu_kernels.supports(q, cache)
+    cache_sdpa = cache.clone()
+    scale = head_dim ** -0.5
+    paged = ReferenceBackend().forward(q, k, v, cache, metadata, 0, scale, None)
+    _sdpa_only(monkeypatch)
+    sdpa = ReferenceBackend().forward(q, k, v, cache_sdpa, metadata, 0, scale, None)
+    torch.testing.assert_close(paged, sdpa, atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_layouts_fall_back():
