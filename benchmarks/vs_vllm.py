@@ -13,7 +13,8 @@ directory, which vLLM loads as it is) at the same dtype on one CPU thread each, 
   ``vllm bench serve``) against ``kvmem serve`` and against vLLM's OpenAI api_server,
   both servers up at once and the client runs alternating: prefix_repetition dataset
   (4 prefixes of 512 tokens + 64-token suffixes, 32 output tokens), 48 prompts,
-  concurrency 16, greedy, ignore_eos, prefix caching on (both servers' default). The
+  concurrency 16, greedy, ignore_eos, prefix caching on (both servers' default), the same
+  step budget for both (``--max-num-batched-tokens``, 2048: vLLM's CPU server default). The
   generated texts are compared prompt by prompt. The same prompts (rebuilt with the
   client's dataset code and seed) also go through kvmem's offline engine with 16 in
   flight, alternating with the client runs, to show what serving costs.
@@ -256,12 +257,14 @@ def run_served(args, vllm_python: str, logs: Path) -> None:
     commands = {
         "vllm": ([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                   args.model, "--served-model-name", name, "--dtype", args.dtype,
-                  "--max-model-len", "1024", "--port", str(args.vllm_port), "--seed", "0"],
+                  "--max-model-len", "1024", "--port", str(args.vllm_port), "--seed", "0",
+                  "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
                  engine_env()),
         "kvmem": ([sys.executable, "-m", "kvmem", "serve", args.model,
                    "--served-model-name", name, "--dtype", args.dtype,
                    "--max-model-len", "1024", "--kv-cache-memory-bytes", str(KV_BYTES),
-                   "--port", str(args.kvmem_port), "--log-level", "warning"],
+                   "--port", str(args.kvmem_port), "--log-level", "warning",
+                   "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
                   engine_env(False)),
     }
     ports = {"vllm": args.vllm_port, "kvmem": args.kvmem_port}
