@@ -28,14 +28,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return None
     rows, size = x.shape
     out = torch.empty((rows, size), dtype=x.dtype)
-    if residual is not None:
-        residual = residual.contiguous()
+    if residual is None:
+        total, residual_ptr, total_ptr = x, None, None
+    else:
         total = torch.empty((rows, size), dtype=x.dtype)
+        residual = residual.contiguous()
+        residual_ptr, total_ptr = residual.data_ptr(), total.data_ptr()
     cpu_kernels.library().kvmem_add_rms_norm_f32(
-        x.data_ptr(), None if residual is None else residual.data_ptr(),
-        None if residual is None else total.data_ptr(), out.data_ptr(), weight.data_ptr(),
-        rows, size, x.stride(0), eps, torch.get_num_threads())
-    return (x if residual is None else total), out
+        x.data_ptr(), residual_ptr, total_ptr, out.data_ptr(), weight.data_ptr(), rows, size,
+        x.stride(0), eps, torch.get_num_threads())
+    return total, out
 
 
 def rotary_qk_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
