@@ -243,11 +243,12 @@ def _measure(loaded: LoadedModel, config, meter: DeviceMeter) -> MemoryProfile:
     import torch
 
     from kvmem.engine.model_runner import ModelRunner
+    from kvmem.engine.models.layers import weight_bytes
     from kvmem.engine.sampler import Sampler
     from kvmem.engine.sampling_params import SamplingParams
 
     model, spec, device = loaded.model, loaded.spec, loaded.device
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
     weights_resident = meter.weights_resident()
     rank_plan = loaded.rank_plan
     scratch = scratch_kv_caches(spec, config.block_size, loaded.dtype, device,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmem.engine.models import cpu_ops
+from kvmem.engine.models import cpu_ops, packed_gemm
 
 
 def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
@@ -74,7 +74,37 @@ def store_weight_column_major(weight: nn.Parameter) -> None:
         weight.data = weight.data.t().contiguous().t()
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A layer computing ``x W^T`` whose fp32 CPU weight can be packed after loading."""
+
+    weight: nn.Parameter
+    packed: packed_gemm.PackedWeight | None = None
+
+    def pack_weight(self) -> None:
+        """After loading: keep the weight only in MKL's packed layout where that applies
+        (``kvmem.engine.models.packed_gemm``), else lay it out column-major. The parameter
+        stays, empty once packed; loading into it again is not supported."""
+        packed = packed_gemm.pack(self.weight)
+        if packed is None:
+            store_weight_column_major(self.weight)
+            return
+        self.packed = packed
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_gemm.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of all of ``model``'s weights, packed ones included."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.packed.nbytes for m in model.modules()
+                        if isinstance(m, PackableLinear) and m.packed is not None)
+
+
+class ColumnParallelLinear(PackableLinear):
     """``y = x W^T (+ b)`` with W's output rows split over tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -92,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -136,7 +166,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([q, kv, kv], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = x W^T (+ b)`` with W's input columns split over ranks; outputs are summed."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -155,7 +185,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _all_reduce(F.linear(x, self.weight), self.tp_size)
+        y = _all_reduce(self.matmul(x), self.tp_size)
         return y + self.bias if self.bias is not None else y
 
 
@@ -184,7 +214,7 @@ class VocabParallelEmbedding(nn.Module):
         return _all_reduce(x, self.tp_size)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """The output projection to vocabulary logits, split by vocabulary like the embedding."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0,
@@ -193,7 +223,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.vocab_size = vocab_size
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = self.matmul(hidden)
         if self.tp_size > 1:
             import torch.distributed as dist
 

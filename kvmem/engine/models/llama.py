@@ -19,14 +19,13 @@ from torch import nn
 from kvmem.engine.attention import AttentionBackend, AttentionMetadata
 from kvmem.engine.models import cpu_ops
 from kvmem.engine.models.layers import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
+    PackableLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    store_weight_column_major,
 )
 from kvmem.engine.models.rope import RotaryEmbedding
 from kvmem.errors import ConfigError
@@ -240,10 +239,11 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
     def process_weights_after_loading(self) -> None:
-        """Lay out the projections' weights the way this device multiplies them fastest."""
+        """Lay out the projections' and LM head's weights the way this device multiplies
+        them fastest (``PackableLinear.pack_weight``)."""
         for module in self.modules():
-            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                store_weight_column_major(module.weight)
+            if isinstance(module, PackableLinear):
+                module.pack_weight()
 
     def _targets(self, hf_name: str) -> list[tuple[str, object]]:
         """This module's parameter name(s) for a HuggingFace weight name."""

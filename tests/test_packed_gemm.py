@@ -1,0 +1,106 @@
+"""fp32 projections on MKL's packed GEMM compute what ``F.linear`` computes."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmem.engine.models import packed_gemm
+from kvmem.engine.models.layers import PackableLinear, weight_bytes
+
+pytestmark = pytest.mark.skipif(not packed_gemm.available(),
+                                reason="this torch build exports no MKL packed GEMM")
+
+
+def _weight(out_features: int = 96, in_features: int = 80) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("rows", [2, 7, 33, 300])
+def test_equals_f_linear_on_a_column_major_weight_bit_for_bit(rows):
+    weight = _weight()
+    x = torch.randn(rows, weight.shape[1])
+    column_major = weight.t().contiguous().t()
+    assert torch.equal(packed_gemm.linear(x, packed_gemm.pack(weight)), F.linear(x, column_major))
+
+
+def test_one_row_bias_leading_dims_and_strided_inputs():
+    weight, bias = _weight(), torch.randn(96)
+    packed = packed_gemm.pack(weight)
+    one = torch.randn(1, 80)
+    torch.testing.assert_close(packed_gemm.linear(one, packed), F.linear(one, weight))
+    torch.testing.assert_close(packed_gemm.linear(one, packed, bias), F.linear(one, weight, bias))
+    batched = torch.randn(3, 5, 80)
+    torch.testing.assert_close(packed_gemm.linear(batched, packed, bias),
+                               F.linear(batched, weight, bias))
+    strided = torch.randn(6, 200)[:, 10:90]  # rows of a wider tensor
+    torch.testing.assert_close(packed_gemm.linear(strided, packed), F.linear(strided, weight))
+    transposed = torch.randn(80, 6).t()
+    torch.testing.assert_close(packed_gemm.linear(transposed, packed),
+                               F.linear(transposed, weight))
+    assert packed_gemm.linear(torch.empty(0, 80), packed).shape == (0, 96)
+
+
+@pytest.mark.parametrize("layout", ["column-major", "strided"])
+def test_any_weight_layout_packs_to_the_same_product(layout):
+    weight = _weight()
+    stored = weight.t().contiguous().t() if layout == "column-major" \
+        else torch.zeros(96, 160)[:, ::2].copy_(weight)
+    x = torch.randn(9, 80)
+    torch.testing.assert_close(packed_gemm.linear(x, packed_gemm.pack(stored)), x @ weight.t())
+
+
+def test_what_does_not_pack_and_bad_inputs():
+    assert packed_gemm.pack(_weight().to(torch.bfloat16)) is None
+    assert packed_gemm.pack(torch.randn(4)) is None
+    packed = packed_gemm.pack(_weight())
+    with pytest.raises(TypeError, match="fp32 CPU inputs"):
+        packed_gemm.linear(torch.randn(2, 80, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="80"):
+        packed_gemm.linear(torch.randn(2, 81), packed)
+
+
+def test_another_thread_uses_torchs_thread_count():
+    """MKL starts every new thread with all cores; the serving engine steps on its own thread."""
+    packed, x = packed_gemm.pack(_weight()), torch.randn(4, 80)
+    seen = []
+
+    def step():
+        packed_gemm.linear(x, packed)
+        seen.append(packed_gemm._load().mkl_get_max_threads())
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert seen == [torch.get_num_threads()]
+
+
+def _load_tiny(tmp_path):
+    from test_models import load
+    from tiny_models import make_tiny_checkpoint
+
+    return load(make_tiny_checkpoint(tmp_path, "llama"))
+
+
+def test_a_loaded_model_keeps_only_packed_weights_and_computes_the_same(tmp_path, monkeypatch):
+    from test_models import PagedRun
+
+    files, model = _load_tiny(tmp_path)
+    linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    assert model.lm_head in linears and len(linears) > 3
+    for module in linears:
+        assert module.packed is not None and module.weight.numel() == 0
+    prompts = [[1, 5, 9, 14, 3], [7, 2, 11]]
+    packed_tokens, packed_logits = PagedRun(model, files.config).generate(prompts, 6)
+
+    monkeypatch.setattr(packed_gemm, "pack", lambda weight: None)
+    _, unpacked = _load_tiny(tmp_path)
+    for module in (m for m in unpacked.modules() if isinstance(m, PackableLinear)):
+        assert module.packed is None  # the fallback: the same weight, column-major
+        assert module.weight.t().is_contiguous() and not module.weight.is_contiguous()
+    assert weight_bytes(model) == weight_bytes(unpacked)
+    tokens, logits = PagedRun(unpacked, files.config).generate(prompts, 6)
+    assert packed_tokens == tokens
+    for a, b in zip(packed_logits, logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
