@@ -7,7 +7,7 @@ import torch
 
 from kvmem.engine.attention import cpu_kernels
 from kvmem.engine.attention.metadata import AttentionMetadata
-from kvmem.engine.attention.reference import ReferenceBackend
+from kvmem.engine.attention.reference import ReferenceBackend, write_kv
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler for the CPU kernel")
@@ -76,3 +76,33 @@ def test_unsupported_layouts_fall_back():
     assert not cpu_kernels.supports(q, torch.randn(4, 2, 16, 2, 32))  # head_dim differs
     assert not cpu_kernels.supports(q, torch.randn(4, 2, 512, 2, 64))  # block too large
     assert not cpu_kernels.supports(q, torch.randn(4, 2, 16, 2, 64).half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_store_equals_the_indexed_store(monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, dim, block_size = 23, 4, 2, 16, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)  # strided rows
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(10 * block_size, generator=gen)[:tokens]
+    slots[::5] = -1  # tokens without a slot
+    cache = torch.randn(10, 2, block_size, kv_heads, dim, generator=gen).to(dtype)
+    expected = cache.clone()
+    write_kv(cache, k, v, slots)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "store_kv", lambda *args: False)
+        write_kv(expected, k, v, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_cache_store_refuses_what_it_cannot_copy():
+    cache = torch.zeros(4, 2, 4, 2, 8)
+    k = v = torch.ones(3, 2, 8)
+    with pytest.raises(IndexError, match="past the cache"):
+        cpu_kernels.store_kv(cache, k, v, torch.tensor([0, 16, 1]))
+    assert cache[0, :, 0].eq(1).all() and cache.sum() == 2 * 16  # token 0 only
+    assert not cpu_kernels.store_kv(cache, k.bfloat16(), v.bfloat16(), torch.tensor([0, 1, 2]))
+    assert not cpu_kernels.store_kv(cache, k.transpose(1, 2).contiguous().transpose(1, 2), v,
+                                    torch.tensor([0, 1, 2]))
+    assert not cpu_kernels.store_kv(cache, k, v, torch.tensor([0, 1, 2], dtype=torch.int32))

@@ -2,12 +2,13 @@
 
 Decode rows read their keys and values straight from the block-major cache, once, where
 the SDPA path first gathers every block into a contiguous copy (on CPU decode is bound by
-memory traffic, and the copy triples it). The library also holds the decoder layer's fused
-elementwise steps (``models/fused_ops.c``, used by ``models/cpu_ops.py``). Its sources are
-compiled with the system C compiler (``$CC``, else ``cc``) into ``$KVMEM_CACHE_DIR/kernels``
-(default ``~/.cache/kvmem/kernels``), keyed by the sources, flags and CPU, so a later start
-loads it in milliseconds. Without a compiler, or with ``KVMEM_CPU_KERNELS=0``,
-``supports()`` is False and callers keep their torch paths.
+memory traffic, and the copy triples it). The library also holds the cache store
+(``cache_ops.c``, ``store_kv``) and the decoder layer's fused elementwise steps
+(``models/fused_ops.c``, used by ``models/cpu_ops.py``). Its
+sources are compiled with the system C compiler (``$CC``, else ``cc``) into
+``$KVMEM_CACHE_DIR/kernels`` (default ``~/.cache/kvmem/kernels``), keyed by the sources,
+flags and CPU, so a later start loads it in milliseconds. Without a compiler, or with
+``KVMEM_CPU_KERNELS=0``, ``supports()`` is False and callers keep their torch paths.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _SOURCES = {
     Path(__file__).parent.parent / "models" / "fused_ops.c": [
         "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
         "-ffp-contract=off"],
+    Path(__file__).with_name("cache_ops.c"): [],  # plain copies
 }
 _ARG_TYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
@@ -118,6 +120,8 @@ def _load() -> ctypes.CDLL | None:
                                          ctypes.c_int]
     for fn in (library.kvmem_add_rms_norm_f32, library.kvmem_rotary_f32):
         fn.restype = None
+    library.kvmem_store_kv.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr] + [i64] * 6
+    library.kvmem_store_kv.restype = i64
     _library = library
     return library
 
@@ -176,3 +180,33 @@ def paged_decode(q: torch.Tensor, rows: torch.Tensor | None, kv_cache: torch.Ten
     if status:
         raise MemoryError("CPU paged decode attention could not allocate its scratch memory")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Copy each token's k/v ``[T, Hkv, D]`` rows to its slot of ``kv_cache``
+    ``[num_blocks, 2, block_size, Hkv, D]`` (slot -1: skipped). False, with nothing written,
+    where the kernel does not apply (another device or dtype, rows that are not contiguous
+    ``[Hkv, D]``, no library); an out-of-range slot is an ``IndexError``."""
+    if kv_cache.device.type != "cpu" or not k.dtype == v.dtype == kv_cache.dtype \
+            or kv_cache.dim() != 5 or k.dim() != 3 or v.shape != k.shape \
+            or k.shape[1:] != kv_cache.shape[3:] or slot_mapping.dtype != torch.int64:
+        return False
+    heads, dim = k.shape[1], k.shape[2]
+    if any(t.stride(2) != 1 or t.stride(1) != dim for t in (k, v)) \
+            or kv_cache.stride(3) != dim or kv_cache.stride(4) != 1:
+        return False
+    library = _load()
+    if library is None:
+        return False
+    slots = slot_mapping.contiguous()
+    size = kv_cache.element_size()
+    bad = library.kvmem_store_kv(
+        k.data_ptr(), v.data_ptr(), k.stride(0) * size, v.stride(0) * size, slots.data_ptr(),
+        slots.shape[0], kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0) * size,
+        kv_cache.stride(1) * size, kv_cache.stride(2) * size, kv_cache.shape[2],
+        heads * dim * size)
+    if bad:
+        raise IndexError(f"slot {int(slots[bad - 1])} is past the cache's "
+                         f"{kv_cache.shape[0]} blocks of {kv_cache.shape[2]}")
+    return True

@@ -39,6 +39,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     block_size = kv_cache.shape[2]
     if kv_cache.device.type == "cpu":
+        if cpu_kernels.store_kv(kv_cache, k, v, slot_mapping):
+            return
         if not bool((slot_mapping >= 0).all()):
             kept = (slot_mapping >= 0).nonzero().squeeze(1)
             slot_mapping, k, v = slot_mapping[kept], k[kept], v[kept]
