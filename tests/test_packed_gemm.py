@@ -51,12 +51,37 @@ def test_any_weight_layout_packs_to_the_same_product(layout):
     torch.testing.assert_close(packed_gemm.linear(x, packed_gemm.pack(stored)), x @ weight.t())
 
 
+def test_bf16_weights_pack_as_fp32_unless_kept_in_bf16(monkeypatch):
+    weight, x = _weight().bfloat16(), torch.randn(6, 80).bfloat16()
+    monkeypatch.setattr(packed_gemm, "bf16_as_fp32", lambda: True)
+    packed = packed_gemm.pack(weight)
+    y = packed_gemm.linear(x, packed)
+    assert y.dtype == torch.bfloat16
+    # the bf16 product rounded once from fp32: what a bf16 GEMM with fp32 accumulation gives
+    assert torch.equal(y, F.linear(x.float(), weight.float().t().contiguous().t()).bfloat16())
+    monkeypatch.setattr(packed_gemm, "bf16_as_fp32", lambda: False)
+    assert packed_gemm.pack(weight) is None
+
+
+def test_the_bf16_choice_follows_amx_and_the_environment(monkeypatch):
+    packed_gemm.bf16_as_fp32.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert not packed_gemm.bf16_as_fp32()
+    packed_gemm.bf16_as_fp32.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert packed_gemm.bf16_as_fp32()
+    packed_gemm.bf16_as_fp32.cache_clear()
+    monkeypatch.setenv("KVMEM_CPU_BF16_WEIGHTS", "bf16")
+    assert not packed_gemm.bf16_as_fp32()
+    packed_gemm.bf16_as_fp32.cache_clear()
+
+
 def test_what_does_not_pack_and_bad_inputs():
-    assert packed_gemm.pack(_weight().to(torch.bfloat16)) is None
+    assert packed_gemm.pack(_weight().half()) is None
     assert packed_gemm.pack(torch.randn(4)) is None
     packed = packed_gemm.pack(_weight())
-    with pytest.raises(TypeError, match="fp32 CPU inputs"):
-        packed_gemm.linear(torch.randn(2, 80, dtype=torch.bfloat16), packed)
+    with pytest.raises(TypeError, match="fp32 or bf16 CPU inputs"):
+        packed_gemm.linear(torch.randn(2, 80, dtype=torch.float16), packed)
     with pytest.raises(ValueError, match="80"):
         packed_gemm.linear(torch.randn(2, 81), packed)
 

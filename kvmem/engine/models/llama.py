@@ -8,6 +8,7 @@ the engine's KV slot tensors.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from kvmem.engine.models.layers import (
 from kvmem.engine.models.rope import RotaryEmbedding
 from kvmem.errors import ConfigError
 from kvmem.spec import AttentionKind, spec_from_config
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -241,9 +244,17 @@ class LlamaForCausalLM(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Lay out the projections' and LM head's weights the way this device multiplies
         them fastest (``PackableLinear.pack_weight``)."""
+        widened = 0
         for module in self.modules():
             if isinstance(module, PackableLinear):
+                bf16 = module.weight.dtype == torch.bfloat16
                 module.pack_weight()
+                if bf16 and module.packed is not None:
+                    widened += module.packed.nbytes // 2
+        if widened:
+            logger.info("bf16 projection weights run as packed fp32 on this CPU (no AMX): "
+                        "%.0f MiB more memory, faster GEMMs; KVMEM_CPU_BF16_WEIGHTS=bf16 "
+                        "keeps them in bf16", widened / 2**20)
 
     def _targets(self, hf_name: str) -> list[tuple[str, object]]:
         """This module's parameter name(s) for a HuggingFace weight name."""

@@ -12,6 +12,12 @@ The packed copy replaces the weight's storage (the parameter keeps its name, dty
 empty tensor), so the model holds one copy of each projection, as before. MKL sizes the
 buffer for its largest layout; only the part it writes becomes resident.
 
+bf16 weights are packed as fp32 on CPUs without AMX, where a bf16 GEMM runs slower than
+an fp32 one (AVX-512 BF16 only: oneDNN's bf16 linear took 5.35 s against 3.0 s in fp32 for
+SmolLM2's projections at 2,048 rows). The values are the same (bf16 widens to fp32
+exactly), the product accumulates in fp32 and is rounded to bf16 as a bf16 GEMM's is, but
+these weights take twice the memory; ``KVMEM_CPU_BF16_WEIGHTS=bf16`` keeps them in bf16.
+
 Where the API is missing (no MKL: ARM, macOS), for other dtypes and devices, and with
 ``KVMEM_CPU_KERNELS=0``, ``pack`` returns None and the layer keeps its weight.
 """
@@ -61,9 +67,18 @@ def available() -> bool:
     return _load() is not None
 
 
+@functools.cache
+def bf16_as_fp32() -> bool:
+    """Whether bf16 weights are packed as fp32 here (no AMX, and not turned off)."""
+    if os.environ.get("KVMEM_CPU_BF16_WEIGHTS", "fp32") == "bf16":
+        return False
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return not (amx is not None and amx())
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight ``[out_features, in_features]`` in MKL's packed layout."""
+    """A weight ``[out_features, in_features]`` in MKL's packed (fp32) layout."""
 
     buffer: torch.Tensor  # uint8, as sized by cblas_sgemm_pack_get_size
     out_features: int
@@ -78,6 +93,8 @@ class PackedWeight:
 def pack(weight: torch.Tensor) -> PackedWeight | None:
     """``weight`` packed for ``x @ weight.T``, or None where packing does not apply."""
     api = _load()
+    if weight.dtype == torch.bfloat16 and bf16_as_fp32():
+        weight = weight.float()
     if api is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
             or weight.dim() != 2 or weight.numel() == 0:
         return None
@@ -98,9 +115,13 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for the packed ``W``: ``x`` ``[..., in_features]`` fp32."""
+    """``F.linear(x, W, bias)`` for the packed ``W``: ``x`` ``[..., in_features]`` fp32, or
+    bf16 (computed in fp32, returned in bf16)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        y = linear(x.float(), weight, None if bias is None else bias.float())
+        return y.to(torch.bfloat16)
     if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError(f"a packed fp32 weight takes fp32 CPU inputs, not {x.dtype} on "
+        raise TypeError(f"a packed weight takes fp32 or bf16 CPU inputs, not {x.dtype} on "
                         f"{x.device.type}")
     n, k = weight.out_features, weight.in_features
     if x.shape[-1] != k:
