@@ -332,6 +332,20 @@ def run_served(args, vllm_python: str, logs: Path) -> None:
           f"{tput['kvmem'] / offline_tput:.2f}x ({offline_tput:.1f} output tok/s offline)")
 
 
+def leftover_vllm_processes() -> list[int]:
+    """Pids of vLLM engine processes still running (from an aborted run): bound to the
+    core vLLM's workers bind to, they would slow vLLM's side of the race."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"VLLM::"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm-venv", default=DEFAULT_VENV)
@@ -371,6 +385,10 @@ def main() -> None:
     vllm_python = str(Path(args.vllm_venv) / "bin" / "python")
     if not Path(vllm_python).exists():
         sys.exit(f"vs_vllm: error: no vLLM venv at {args.vllm_venv} (see docs/benchmarks.md)")
+    leftover = leftover_vllm_processes()
+    if leftover:
+        sys.exit(f"vs_vllm: error: vLLM processes from an earlier run are still running "
+                 f"(pids {' '.join(map(str, leftover))}); stop them first")
     args.model = model_dir()
     logs = Path(args.logs or tempfile.mkdtemp(prefix="vs-vllm-"))
     logs.mkdir(parents=True, exist_ok=True)
