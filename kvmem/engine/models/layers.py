@@ -75,7 +75,8 @@ def store_weight_column_major(weight: nn.Parameter) -> None:
 
 
 class PackableLinear(nn.Module):
-    """A layer computing ``x W^T`` whose fp32 CPU weight can be packed after loading."""
+    """A layer computing ``x W^T`` whose CPU weight can be packed after loading (fp32, and
+    bf16 where ``packed_gemm.bf16_as_fp32``)."""
 
     weight: nn.Parameter
     packed: packed_gemm.PackedWeight | None = None

@@ -93,10 +93,11 @@ class PackedWeight:
 def pack(weight: torch.Tensor) -> PackedWeight | None:
     """``weight`` packed for ``x @ weight.T``, or None where packing does not apply."""
     api = _load()
+    if api is None or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
+        return None
     if weight.dtype == torch.bfloat16 and bf16_as_fp32():
         weight = weight.float()
-    if api is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
-            or weight.dim() != 2 or weight.numel() == 0:
+    if weight.dtype != torch.float32:
         return None
     n, k = weight.shape
     if weight.stride(1) == 1:  # row-major [n, k]: B = weight^T is a transposed operand
