@@ -1,12 +1,13 @@
-"""fp32 projections on MKL's packed GEMM (CPU): each weight is packed once, after loading.
+"""CPU projections on MKL's packed GEMM: each weight is packed once, after loading.
 
 ``F.linear`` hands MKL the weight matrix afresh on every call, and MKL lays it out into its
 own panels each time. PyTorch's x86 CPU build links MKL and exports its packed-GEMM API
 (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``), so a weight can be laid out once at load
-time and reused by every step: 1.0-1.4x faster than ``F.linear`` for this family's
-projections from 1 to 1,000 rows, most at decode batch sizes
-(``benchmarks/linear_layout.py``). Results equal ``F.linear`` on a column-major weight
-bit for bit from 2 rows up; a single row differs in the last bits (MKL's GEMV path).
+time and reused by every step: up to 1.4x faster than ``F.linear`` on column-major weights
+for this family's projections, most at decode batch sizes, and within noise of it at its
+worst sizes (1 and 48-64 rows; ``benchmarks/linear_layout.py``). Results equal
+``F.linear`` on a column-major weight bit for bit from 2 rows up; a single row differs in
+the last bits (MKL's GEMV path).
 
 The packed copy replaces the weight's storage (the parameter keeps its name, dtype and an
 empty tensor), so the model holds one copy of each projection, as before. MKL sizes the
