@@ -16,8 +16,9 @@ int64_t kvmem_store_kv(const char *k, const char *v, int64_t k_stride, int64_t v
     for (int64_t t = 0; t < tokens; ++t) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
-        if (slot / block_size >= num_blocks) return t + 1;
-        char *dst = cache + (slot / block_size) * block_stride + (slot % block_size) * slot_stride;
+        const int64_t block = slot / block_size;
+        if (block >= num_blocks) return t + 1;
+        char *dst = cache + block * block_stride + (slot % block_size) * slot_stride;
         memcpy(dst, k + t * k_stride, row_bytes);
         memcpy(dst + side_stride, v + t * v_stride, row_bytes);
     }

@@ -89,12 +89,18 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def enabled() -> bool:
+    """False when ``KVMEM_CPU_KERNELS=0`` turns kvmem's CPU fast paths off (these kernels
+    and the packed GEMM weights of ``kvmem.engine.models.packed_gemm``)."""
+    return os.environ.get("KVMEM_CPU_KERNELS", "1") != "0"
+
+
 def _load() -> ctypes.CDLL | None:
     global _library, _tried
     if _tried:
         return _library
     _tried = True
-    if os.environ.get("KVMEM_CPU_KERNELS", "1") == "0":
+    if not enabled():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:

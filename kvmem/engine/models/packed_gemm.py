@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from kvmem.engine.attention import cpu_kernels
+
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 # The row count MKL is told to expect when packing: a layout packed for 256 rows was the
 # fastest over 1-1,000 rows of the measured shapes (packing for 32 is slower past 32 rows).
@@ -44,7 +46,7 @@ _threads = threading.local()  # the MKL thread count set on this thread
 
 @functools.cache
 def _load() -> ctypes.CDLL | None:
-    if os.environ.get("KVMEM_CPU_KERNELS", "1") == "0":
+    if not cpu_kernels.enabled():
         return None
     path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     try:
