@@ -129,3 +129,14 @@ def test_a_loaded_model_keeps_only_packed_weights_and_computes_the_same(tmp_path
     assert packed_tokens == tokens
     for a, b in zip(packed_logits, logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_kernels_switch_turns_packing_off(monkeypatch):
+    monkeypatch.setenv("KVMEM_CPU_KERNELS", "0")
+    packed_gemm._load.cache_clear()
+    try:
+        assert not packed_gemm.available() and packed_gemm.pack(_weight()) is None
+    finally:
+        monkeypatch.delenv("KVMEM_CPU_KERNELS")
+        packed_gemm._load.cache_clear()
+    assert packed_gemm.available()
