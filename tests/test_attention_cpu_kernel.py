@@ -61,12 +61,32 @@ def test_other_head_sizes_and_groups_match_sdpa(monkeypatch, head_dim, heads, kv
     q, k, v, cache, metadata = _case(1, [1] * 5, [20, 33, 1, 64, 90], heads=heads,
                                      kv_heads=kv_heads, dtype=torch.float32,
                                      head_dim=head_dim)
+    _assert_matches_sdpa(monkeypatch, q, k, v, cache, metadata, head_dim ** -0.5, None)
+
+
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [
+    (32, 8, 1, 64),    # 16-token chunks, two per block
+    (48, 12, 2, 128),  # three chunks per block, 6 query heads per KV head
+    (8, 6, 2, 64),     # blocks below 16 tokens: the per-token loop
+    (16, 10, 2, 64),   # 5 query heads per KV head: the per-token loop
+])
+@pytest.mark.parametrize("window", [None, 21])
+def test_block_sizes_and_groups_match_sdpa(monkeypatch, block_size, heads, kv_heads, head_dim,
+                                           window):
+    """Sequences ending inside, at the end of and just past a 16-token chunk."""
+    q, k, v, cache, metadata = _case(2, [1] * 6, [0, 14, 15, 16, 47, 200], heads=heads,
+                                     kv_heads=kv_heads, dtype=torch.float32,
+                                     block_size=block_size, head_dim=head_dim)
+    _assert_matches_sdpa(monkeypatch, q, k, v, cache, metadata, head_dim ** -0.5, window)
+
+
+def _assert_matches_sdpa(monkeypatch, q, k, v, cache, metadata, scale, window) -> None:
+    """fp32: the kernel's output equals the SDPA path's within 1e-5."""
     assert cpu_kernels.supports(q, cache)
     cache_sdpa = cache.clone()
-    scale = head_dim ** -0.5
-    paged = ReferenceBackend().forward(q, k, v, cache, metadata, 0, scale, None)
+    paged = ReferenceBackend().forward(q, k, v, cache, metadata, 0, scale, window)
     _sdpa_only(monkeypatch)
-    sdpa = ReferenceBackend().forward(q, k, v, cache_sdpa, metadata, 0, scale, None)
+    sdpa = ReferenceBackend().forward(q, k, v, cache_sdpa, metadata, 0, scale, window)
     torch.testing.assert_close(paged, sdpa, atol=1e-5, rtol=1e-5)
 
 

@@ -1,12 +1,17 @@
 /* Paged decode attention on the CPU: one query token per sequence, read straight from
  * the block-major KV cache [num_blocks, 2, block_size, kv_heads, head_dim] (no gather copy).
  *
- * Decode is bound by memory traffic, so each sequence walks its blocks once and reads every
- * key row, then every value row, in address order: a token's row holds all KV heads side
- * by side, and all query heads are served from it (an online softmax per query head, fp32
- * accumulation). Reading per KV head instead would stride through each block once per head.
- * Built at first use by kvmem/engine/attention/cpu_kernels.py with the system C compiler
- * and called via ctypes.
+ * Two loops, both walking each sequence's blocks once in address order:
+ * - 16 tokens at a time (AVX-512; head_dim 64 or 128, block_size a multiple of 16, up to 8
+ *   query heads per KV head): a query head's 16 scores come out as one vector from a
+ *   transpose-and-add tree instead of one horizontal sum per token, each value row is read
+ *   once for all query heads of its KV head with their accumulators in registers, and the
+ *   next 16 tokens' rows are prefetched while these compute (blocks are scattered, so the
+ *   hardware prefetcher starts cold on each one).
+ * - token by token (any other shape, or no AVX-512): each key row, then each value row,
+ *   serves all query heads.
+ * Both keep an online softmax per query head with fp32 accumulation. Built at first use by
+ * kvmem/engine/attention/cpu_kernels.py with the system C compiler and called via ctypes.
  */
 #include <float.h>
 #include <math.h>
@@ -117,6 +122,152 @@ static void scratch_free(Scratch *w) {
 DEFINE_DECODE_SEQ(f32, float)
 DEFINE_DECODE_SEQ(bf16, uint16_t)
 
+typedef void (*fast_fn_f32)(const float *, const int32_t *, int, int, Scratch, float *, int, int);
+typedef void (*fast_fn_bf16)(const uint16_t *, const int32_t *, int, int, Scratch, float *, int,
+                             int);
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* out[t] = the sum of v[t]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 u[8], w[4];
+    for (int i = 0; i < 8; ++i)  /* per 128-bit quarter: a0+a2 b0+b2 a1+a3 b1+b3 */
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  /* per quarter: rows 4i..4i+3, each over a quarter */
+        const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                                     _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88),
+                                     _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
+                         _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+/* One sequence, 16 tokens at a time. A query head's 16 scores come out as one vector (no
+ * horizontal sum per token), and each value row is read once for the G query heads of its
+ * KV head, their accumulators in registers (kept in w.acc between chunks). Needs
+ * block_size % 16 == 0; rows past the sequence's end inside its last block are read for
+ * the scores but masked out. */
+#define DEFINE_FAST_SEQ(SUFFIX, T, D, G)                                                     \
+    static void fast_seq_##SUFFIX##_##D##_##G(                                              \
+            const T *cache, const int32_t *table, int seq_len, int window, Scratch w,       \
+            float *dst, int num_kv_heads, int block_size) {                                 \
+        enum { C = D / 16 };                                                                \
+        const int64_t heads_dim = (int64_t)num_kv_heads * D;                                \
+        const int64_t side = (int64_t)block_size * heads_dim;                               \
+        const int pos = seq_len - 1;                                                        \
+        const int first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;        \
+        const int num_heads = num_kv_heads * G;                                             \
+        memset(w.acc, 0, sizeof(float) * num_heads * D);                                    \
+        for (int h = 0; h < num_heads; ++h) { w.m[h] = -FLT_MAX; w.l[h] = 0.0f; }           \
+        for (int base = first / 16 * 16; base < seq_len; base += 16) {                      \
+            const T *keys = cache + (int64_t)table[base / block_size] * 2 * side            \
+                            + (int64_t)(base % block_size) * heads_dim;                     \
+            const T *values = keys + side;                                                  \
+            const int lo = first > base ? first - base : 0;                                 \
+            const int hi = seq_len - base < 16 ? seq_len - base : 16;                       \
+            const __mmask16 valid = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));      \
+            /* the next chunk's rows are fetched while this one computes (blocks are */      \
+            /* scattered, so the hardware prefetcher starts cold on each one) */            \
+            const char *next = base + 16 < seq_len ? (const char *)(cache                    \
+                + (int64_t)table[(base + 16) / block_size] * 2 * side                       \
+                + (int64_t)((base + 16) % block_size) * heads_dim) : 0;                     \
+            const int64_t half = 16 * heads_dim * (int64_t)sizeof(T);                       \
+            const int per = (int)((2 * half / 64 + num_heads * 16 - 1) / (num_heads * 16)); \
+            int line = 0;                                                                   \
+            for (int kh = 0; kh < num_kv_heads; ++kh) {                                     \
+                float p[G][16] __attribute__((aligned(64)));                                \
+                float alpha[G];                                                             \
+                for (int g = 0; g < G; ++g) {                                               \
+                    const int h = kh * G + g;                                               \
+                    const float *q = w.q + h * D;                                           \
+                    __m512 part[16];                                                        \
+                    for (int t = 0; t < 16; ++t) {                                          \
+                        const T *k = keys + t * heads_dim + kh * D;                         \
+                        for (int i = 0; next && i < per; ++i, ++line) {                     \
+                            const int64_t at = (int64_t)line * 64;                          \
+                            if (at < 2 * half)                                              \
+                                _mm_prefetch(next + (at < half ? at : at - half + side      \
+                                                     * (int64_t)sizeof(T)), _MM_HINT_T0);    \
+                        }                                                                   \
+                        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q), load16_##SUFFIX(k));   \
+                        for (int c = 1; c < C; ++c)                                         \
+                            x = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c),                \
+                                                load16_##SUFFIX(k + 16 * c), x);            \
+                        part[t] = x;                                                        \
+                    }                                                                       \
+                    const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX),  \
+                                                          sum16(part));                     \
+                    const float top = _mm512_reduce_max_ps(s);                              \
+                    const float mx = top > w.m[h] ? top : w.m[h];                           \
+                    alpha[g] = expf(w.m[h] - mx);                                           \
+                    _mm512_store_ps(p[g], _mm512_sub_ps(s, _mm512_set1_ps(mx)));            \
+                    for (int t = 0; t < 16; ++t) p[g][t] = expf(p[g][t]);                   \
+                    const __m512 e = _mm512_maskz_mov_ps(valid, _mm512_load_ps(p[g]));      \
+                    _mm512_store_ps(p[g], e);                                               \
+                    w.l[h] = w.l[h] * alpha[g] + _mm512_reduce_add_ps(e);                   \
+                    w.m[h] = mx;                                                            \
+                }                                                                           \
+                __m512 acc[G][C];                                                           \
+                for (int g = 0; g < G; ++g)                                                 \
+                    for (int c = 0; c < C; ++c)                                             \
+                        acc[g][c] = _mm512_mul_ps(                                          \
+                            _mm512_loadu_ps(w.acc + (kh * G + g) * D + 16 * c),             \
+                            _mm512_set1_ps(alpha[g]));                                      \
+                for (int t = lo; t < hi; ++t) {                                             \
+                    const T *v = values + t * heads_dim + kh * D;                           \
+                    for (int c = 0; c < C; ++c) {                                           \
+                        const __m512 x = load16_##SUFFIX(v + 16 * c);                       \
+                        for (int g = 0; g < G; ++g)                                         \
+                            acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), x,         \
+                                                        acc[g][c]);                         \
+                    }                                                                       \
+                }                                                                           \
+                for (int g = 0; g < G; ++g)                                                 \
+                    for (int c = 0; c < C; ++c)                                             \
+                        _mm512_storeu_ps(w.acc + (kh * G + g) * D + 16 * c, acc[g][c]);     \
+            }                                                                               \
+        }                                                                                   \
+        for (int h = 0; h < num_heads; ++h) {                                               \
+            const float inv = 1.0f / w.l[h];                                                \
+            for (int d = 0; d < D; ++d) dst[h * D + d] = w.acc[h * D + d] * inv;            \
+        }                                                                                   \
+    }
+
+#define DEFINE_FAST_GROUPS(SUFFIX, T, D)                                                     \
+    DEFINE_FAST_SEQ(SUFFIX, T, D, 1) DEFINE_FAST_SEQ(SUFFIX, T, D, 2)                        \
+    DEFINE_FAST_SEQ(SUFFIX, T, D, 3) DEFINE_FAST_SEQ(SUFFIX, T, D, 4)                        \
+    DEFINE_FAST_SEQ(SUFFIX, T, D, 6) DEFINE_FAST_SEQ(SUFFIX, T, D, 8)
+DEFINE_FAST_GROUPS(f32, float, 64)
+DEFINE_FAST_GROUPS(f32, float, 128)
+DEFINE_FAST_GROUPS(bf16, uint16_t, 64)
+DEFINE_FAST_GROUPS(bf16, uint16_t, 128)
+
+#define FAST_ROW(SUFFIX, D)                                                                  \
+    {fast_seq_##SUFFIX##_##D##_1, fast_seq_##SUFFIX##_##D##_2, fast_seq_##SUFFIX##_##D##_3,  \
+     fast_seq_##SUFFIX##_##D##_4, 0, fast_seq_##SUFFIX##_##D##_6, 0,                          \
+     fast_seq_##SUFFIX##_##D##_8}
+static const fast_fn_f32 FAST_f32[2][8] = {FAST_ROW(f32, 64), FAST_ROW(f32, 128)};
+static const fast_fn_bf16 FAST_bf16[2][8] = {FAST_ROW(bf16, 64), FAST_ROW(bf16, 128)};
+/* the 16-token kernel where it applies, else NULL (the loop above) */
+#define FAST_KERNEL(SUFFIX, head_dim, group, block_size)                                     \
+    (block_size % 16 == 0 && (head_dim == 64 || head_dim == 128) && group <= 8               \
+         ? FAST_##SUFFIX[head_dim == 128][group - 1] : 0)
+#else
+#define FAST_KERNEL(SUFFIX, head_dim, group, block_size) 0
+#endif
+
 /* The common head sizes get their own copy of the loop, with head_dim a constant. */
 #define DECODE_BODY(SUFFIX)                                                                  \
     int failed = 0;                                                                         \
@@ -125,6 +276,8 @@ DEFINE_DECODE_SEQ(bf16, uint16_t)
     Scratch w;                                                                              \
     const int ok = scratch_alloc(&w, num_heads, head_dim, block_size);                      \
     failed |= !ok;                                                                          \
+    const fast_fn_##SUFFIX fast =                                                       \
+        FAST_KERNEL(SUFFIX, head_dim, num_heads / num_kv_heads, block_size);            \
     _Pragma("omp for schedule(dynamic)")                                                    \
     for (int b = 0; b < num_seqs; ++b) {                                                    \
         if (!ok) continue;                                                                  \
@@ -132,7 +285,9 @@ DEFINE_DECODE_SEQ(bf16, uint16_t)
         for (int i = 0; i < num_heads * head_dim; ++i) w.q[i] = src[i] * scale;             \
         const int32_t *table = block_tables + b * table_stride;                             \
         float *dst = out + (int64_t)b * out_stride;                                         \
-        if (head_dim == 64)                                                                 \
+        if (fast)                                                                       \
+            fast(cache, table, seq_lens[b], window, w, dst, num_kv_heads, block_size);  \
+        else if (head_dim == 64)                                                        \
             decode_seq_##SUFFIX(cache, table, seq_lens[b], window, w, dst, num_heads,       \
                                 num_kv_heads, 64, block_size);                              \
         else if (head_dim == 128)                                                           \
