@@ -80,6 +80,23 @@ def test_block_sizes_and_groups_match_sdpa(monkeypatch, block_size, heads, kv_he
     _assert_matches_sdpa(monkeypatch, q, k, v, cache, metadata, head_dim ** -0.5, window)
 
 
+def test_sequences_sharing_a_prefix_keep_their_rows(monkeypatch):
+    """Sequences sharing their first blocks run one after another inside the kernel; each
+    output still lands in its own row (interleaved prefixes, a mixed step with prefills)."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, heads, kv_heads, dim = 16, 6, 2, 64
+    prefixes = [[7, 3, 9], [2, 8, 5]]  # 48-token cached prefixes
+    tails = [[11], [12, 13], [14], [15, 16], [17], [18, 19, 20]]
+    tables = [prefixes[i % 2] + t for i, t in enumerate(tails)]
+    query_lens = [1, 1, 5, 1, 1, 1]
+    seq_lens = [48 + 16 * len(t) - 3 for t in tails]
+    cache = torch.randn((24, 2, block_size, kv_heads, dim), generator=gen)
+    q, k, v = (torch.randn((sum(query_lens), h, dim), generator=gen)
+               for h in (heads, kv_heads, kv_heads))
+    metadata = AttentionMetadata.build(query_lens, seq_lens, [tables], block_size)
+    _assert_matches_sdpa(monkeypatch, q, k, v, cache, metadata, dim ** -0.5, None)
+
+
 def _assert_matches_sdpa(monkeypatch, q, k, v, cache, metadata, scale, window) -> None:
     """fp32: the kernel's output equals the SDPA path's within 1e-5."""
     assert cpu_kernels.supports(q, cache)

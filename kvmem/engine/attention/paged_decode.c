@@ -10,7 +10,9 @@
  *   hardware prefetcher starts cold on each one).
  * - token by token (any other shape, or no AVX-512): each key row, then each value row,
  *   serves all query heads.
- * Both keep an online softmax per query head with fp32 accumulation. Built at first use by
+ * Both keep an online softmax per query head with fp32 accumulation. Sequences that start
+ * with the same block (a shared cached prefix) run one after another, so the prefix's rows
+ * are still in the core's cache for the next one. Built at first use by
  * kvmem/engine/attention/cpu_kernels.py with the system C compiler and called via ctypes.
  */
 #include <float.h>
@@ -268,37 +270,62 @@ static const fast_fn_bf16 FAST_bf16[2][8] = {FAST_ROW(bf16, 64), FAST_ROW(bf16, 
 #define FAST_KERNEL(SUFFIX, head_dim, group, block_size) 0
 #endif
 
+/* Sequences that start with the same block (a shared, cached prefix) run one after
+ * another, so the prefix's rows are still in the core's cache for the next one; their
+ * outputs go where they would have gone. NULL (natural order) if memory is short. */
+typedef struct { int32_t first_block, seq; } SeqKey;
+
+static int by_first_block(const void *x, const void *y) {
+    const SeqKey *a = x, *b = y;
+    if (a->first_block != b->first_block) return a->first_block < b->first_block ? -1 : 1;
+    return a->seq - b->seq;
+}
+
+static SeqKey *prefix_order(const int32_t *block_tables, int64_t table_stride, int num_seqs) {
+    SeqKey *order = malloc(sizeof(SeqKey) * (num_seqs > 0 ? num_seqs : 1));
+    if (!order) return NULL;
+    for (int b = 0; b < num_seqs; ++b) {
+        order[b].first_block = block_tables[b * table_stride];
+        order[b].seq = b;
+    }
+    qsort(order, num_seqs, sizeof(SeqKey), by_first_block);
+    return order;
+}
+
 /* The common head sizes get their own copy of the loop, with head_dim a constant. */
-#define DECODE_BODY(SUFFIX)                                                                  \
-    int failed = 0;                                                                         \
-    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                    \
-    {                                                                                       \
-    Scratch w;                                                                              \
-    const int ok = scratch_alloc(&w, num_heads, head_dim, block_size);                      \
-    failed |= !ok;                                                                          \
+#define DECODE_BODY(SUFFIX)                                                             \
+    int failed = 0;                                                                     \
+    SeqKey *order = prefix_order(block_tables, table_stride, num_seqs);                 \
+    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                \
+    {                                                                                   \
+    Scratch w;                                                                          \
+    const int ok = scratch_alloc(&w, num_heads, head_dim, block_size);                  \
+    failed |= !ok;                                                                      \
     const fast_fn_##SUFFIX fast =                                                       \
         FAST_KERNEL(SUFFIX, head_dim, num_heads / num_kv_heads, block_size);            \
-    _Pragma("omp for schedule(dynamic)")                                                    \
-    for (int b = 0; b < num_seqs; ++b) {                                                    \
-        if (!ok) continue;                                                                  \
-        const float *src = q + (rows ? rows[b] : b) * q_stride;                             \
-        for (int i = 0; i < num_heads * head_dim; ++i) w.q[i] = src[i] * scale;             \
-        const int32_t *table = block_tables + b * table_stride;                             \
-        float *dst = out + (int64_t)b * out_stride;                                         \
+    _Pragma("omp for schedule(dynamic)")                                                \
+    for (int i = 0; i < num_seqs; ++i) {                                                \
+        if (!ok) continue;                                                              \
+        const int b = order ? order[i].seq : i;                                         \
+        const float *src = q + (rows ? rows[b] : b) * q_stride;                         \
+        for (int j = 0; j < num_heads * head_dim; ++j) w.q[j] = src[j] * scale;         \
+        const int32_t *table = block_tables + b * table_stride;                         \
+        float *dst = out + (int64_t)b * out_stride;                                     \
         if (fast)                                                                       \
             fast(cache, table, seq_lens[b], window, w, dst, num_kv_heads, block_size);  \
         else if (head_dim == 64)                                                        \
-            decode_seq_##SUFFIX(cache, table, seq_lens[b], window, w, dst, num_heads,       \
-                                num_kv_heads, 64, block_size);                              \
-        else if (head_dim == 128)                                                           \
-            decode_seq_##SUFFIX(cache, table, seq_lens[b], window, w, dst, num_heads,       \
-                                num_kv_heads, 128, block_size);                             \
-        else                                                                                \
-            decode_seq_##SUFFIX(cache, table, seq_lens[b], window, w, dst, num_heads,       \
-                                num_kv_heads, head_dim, block_size);                        \
-    }                                                                                       \
-    scratch_free(&w);                                                                       \
-    }                                                                                       \
+            decode_seq_##SUFFIX(cache, table, seq_lens[b], window, w, dst, num_heads,   \
+                                num_kv_heads, 64, block_size);                          \
+        else if (head_dim == 128)                                                       \
+            decode_seq_##SUFFIX(cache, table, seq_lens[b], window, w, dst, num_heads,   \
+                                num_kv_heads, 128, block_size);                         \
+        else                                                                            \
+            decode_seq_##SUFFIX(cache, table, seq_lens[b], window, w, dst, num_heads,   \
+                                num_kv_heads, head_dim, block_size);                    \
+    }                                                                                   \
+    scratch_free(&w);                                                                   \
+    }                                                                                   \
+    free(order);                                                                        \
     return failed ? -1 : 0;
 
 #define ARGS                                                                                 \
