@@ -2,12 +2,12 @@
  * the block-major KV cache [num_blocks, 2, block_size, kv_heads, head_dim] (no gather copy).
  *
  * Two loops, both walking each sequence's blocks once in address order:
- * - 16 tokens at a time (AVX-512; head_dim 64 or 128, block_size a multiple of 16, up to 8
- *   query heads per KV head): a query head's 16 scores come out as one vector from a
- *   transpose-and-add tree instead of one horizontal sum per token, each value row is read
- *   once for all query heads of its KV head with their accumulators in registers, and the
- *   next 16 tokens' rows are prefetched while these compute (blocks are scattered, so the
- *   hardware prefetcher starts cold on each one).
+ * - 16 tokens at a time (AVX-512; head_dim 64 or 128, block_size a multiple of 16; 1, 2,
+ *   3, 4, 6 or 8 query heads per KV head): a query head's 16 scores come out as one vector
+ *   from a transpose-and-add tree instead of one horizontal sum per token, each value row
+ *   is read once for all query heads of its KV head with their accumulators in registers,
+ *   and the next 16 tokens' rows are prefetched while these compute (blocks are scattered,
+ *   so the hardware prefetcher starts cold on each one).
  * - token by token (any other shape, or no AVX-512): each key row, then each value row,
  *   serves all query heads.
  * Both keep an online softmax per query head with fp32 accumulation. Sequences that start
@@ -180,14 +180,17 @@ static inline __m512 load16_bf16(const uint16_t *p) {
             const int lo = first > base ? first - base : 0;                                 \
             const int hi = seq_len - base < 16 ? seq_len - base : 16;                       \
             const __mmask16 valid = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));      \
-            /* the next chunk's rows are fetched while this one computes (blocks are */      \
-            /* scattered, so the hardware prefetcher starts cold on each one) */            \
-            const char *next = base + 16 < seq_len ? (const char *)(cache                    \
+            /* the next chunk's key and value rows are fetched while this one computes, */   \
+            /* spread over its score loops (blocks are scattered, so the hardware */         \
+            /* prefetcher starts cold on each one) */                                       \
+            const char *next_k = base + 16 < seq_len ? (const char *)(cache                  \
                 + (int64_t)table[(base + 16) / block_size] * 2 * side                       \
                 + (int64_t)((base + 16) % block_size) * heads_dim) : 0;                     \
-            const int64_t half = 16 * heads_dim * (int64_t)sizeof(T);                       \
-            const int per = (int)((2 * half / 64 + num_heads * 16 - 1) / (num_heads * 16)); \
-            int line = 0;                                                                   \
+            const char *next_v = next_k + side * (int64_t)sizeof(T);                        \
+            const int64_t chunk_bytes = 16 * heads_dim * (int64_t)sizeof(T);                \
+            const int lines_per_row = (int)((chunk_bytes / 64 + num_heads * 16 - 1)         \
+                                            / (num_heads * 16));                            \
+            int64_t fetched = 0;                                                            \
             for (int kh = 0; kh < num_kv_heads; ++kh) {                                     \
                 float p[G][16] __attribute__((aligned(64)));                                \
                 float alpha[G];                                                             \
@@ -197,11 +200,10 @@ static inline __m512 load16_bf16(const uint16_t *p) {
                     __m512 part[16];                                                        \
                     for (int t = 0; t < 16; ++t) {                                          \
                         const T *k = keys + t * heads_dim + kh * D;                         \
-                        for (int i = 0; next && i < per; ++i, ++line) {                     \
-                            const int64_t at = (int64_t)line * 64;                          \
-                            if (at < 2 * half)                                              \
-                                _mm_prefetch(next + (at < half ? at : at - half + side      \
-                                                     * (int64_t)sizeof(T)), _MM_HINT_T0);    \
+                        for (int i = 0; next_k && i < lines_per_row                         \
+                                        && fetched < chunk_bytes; ++i, fetched += 64) {     \
+                            _mm_prefetch(next_k + fetched, _MM_HINT_T0);                    \
+                            _mm_prefetch(next_v + fetched, _MM_HINT_T0);                    \
                         }                                                                   \
                         __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q), load16_##SUFFIX(k));   \
                         for (int c = 1; c < C; ++c)                                         \
