@@ -161,6 +161,48 @@ def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
         storage.on_blocks_allocated(more)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_guarded_allocations_never_fail_whatever_background_work_runs_between(tmp_path, seed):
+    """Two engines under one device total; the pre-mapping work of either may run between
+    a guard's yes, taking the blocks and allocating them (as the thread can). A yes must
+    hold: the credit it took is not spent on pre-mapping or handed back in between."""
+    rng = random.Random(seed)
+    ledger = Ledger(tmp_path / "l.json")
+    page = 3 * 4 * 8192
+    ledger.set_total_limit(12 * page)
+    engines = []
+    for name in "ab":
+        storage = fake_storage(max_blocks=96, budget=ledger.register(name),
+                               reserve_pages=rng.choice([0, 1, 2]))
+        engines.append((storage, storage.free_queue(), []))
+
+    def background() -> None:
+        for _ in range(rng.randint(0, 3)):
+            rng.choice(engines)[0].table.maintain_once()
+
+    granted = 0
+    for _ in range(600):
+        storage, queue, live = rng.choice(engines)
+        if live and rng.random() < 0.45:
+            rng.shuffle(live)
+            k = rng.randint(1, len(live))
+            gone, live[:] = live[:k], live[k:]
+            storage.on_blocks_released(gone)
+            queue.push_free(gone)
+        else:
+            n = rng.randint(1, 9)
+            if n <= len(queue) and storage.capacity_guard(n):
+                background()
+                got = queue.pop_n(n)
+                background()
+                storage.on_blocks_allocated(got)  # raises OverBudgetError if the yes broke
+                live += got
+                granted += 1
+        background()
+        assert sum(e.mapped_bytes for e in ledger.entries()) <= 12 * page
+    assert granted > 100
+
+
 def test_lowered_limit_trims_free_pages(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
     page = 3 * 4 * 8192

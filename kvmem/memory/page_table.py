@@ -76,6 +76,9 @@ class PageTable:
         # Cached-free blocks (evictable prefix-cache data): their pages stay mapped.
         self.cached: OrderedDict[int, None] = OrderedDict()
         self._taken_unmapped = 0  # blocks handed out from pages not yet being mapped
+        # Unmapped (or unmapping) pages some of whose blocks were handed out: each will need
+        # one page of budget when its blocks are allocated, so credit is kept for them.
+        self._owed_pages = 0
         # Mapped pages with free blocks, bucketed by how many are free (fewest first wins).
         self._buckets: list[set[int]] = [set() for _ in range(k + 1)]
         self._min_bucket = k + 1
@@ -104,6 +107,13 @@ class PageTable:
             return True
         return self.budget is None or self.budget.try_acquire(self.geo.page_bytes)
 
+    def _is_owed(self, page: int) -> bool:
+        return len(self._free[page]) < self.geo.blocks_per_page
+
+    def _spare_credit(self, page: int) -> bool:
+        """Whether credit may pay for mapping ``page`` without leaving an owed page unpaid."""
+        return self.credit_pages > self._owed_pages - self._is_owed(page)
+
     def can_allocate(self, n: int) -> bool:
         """Whether ``n`` more blocks may be taken; the pages they need are paid for now.
 
@@ -112,7 +122,7 @@ class PageTable:
         """
         k = self.geo.blocks_per_page
         with self.cond:
-            covered = self.free_on_mapped + self.credit_pages * k - self._taken_unmapped
+            covered = self._covered_blocks()
             if n > covered:
                 need = ceil((n - covered) / k)
                 if self.budget is None or self.budget.try_acquire(need * self.page_bytes):
@@ -150,7 +160,7 @@ class PageTable:
         if self._min_bucket <= k:
             return min(self._buckets[self._min_bucket])  # lowest index: deterministic
         page = self._lowest_unmapped()
-        paid = self.budget is None or self._taken_unmapped < self.credit_pages * k
+        paid = page is not None and (self.budget is None or self._spare_credit(page))
         if page is not None and (paid or not self.cached):
             return page
         if self.cached:
@@ -216,10 +226,14 @@ class PageTable:
         if self.state[page] in (PageState.MAPPED, PageState.MAPPING):
             self.free_on_mapped += delta
             self._bucket_move(page, now - delta, now)
-        elif self.state[page] is PageState.UNMAPPED:
-            self._taken_unmapped -= delta
-            if delta > 0 and now == 1:
-                heapq.heappush(self._unmapped_heap, page)
+        else:
+            k = self.geo.blocks_per_page
+            if (delta < 0 and now == k - 1) or (delta > 0 and now == k):
+                self._owed_pages -= delta
+            if self.state[page] is PageState.UNMAPPED:
+                self._taken_unmapped -= delta
+                if delta > 0 and now == 1:
+                    heapq.heappush(self._unmapped_heap, page)
 
     # ---- block manager hooks ----------------------------------------------------------------
 
@@ -274,6 +288,7 @@ class PageTable:
     # ---- mapping ----------------------------------------------------------------------------
 
     def _begin_map(self, page: int) -> None:
+        self._owed_pages -= self._is_owed(page)
         self.state[page] = PageState.MAPPING
         self.mapped_pages += 1
         free = len(self._free[page])
@@ -303,6 +318,7 @@ class PageTable:
         self.free_on_mapped -= free
         self.state[page] = PageState.UNMAPPED
         self._taken_unmapped += self.geo.blocks_per_page - free
+        self._owed_pages += self._is_owed(page)
         self.mapped_pages -= 1
         heapq.heappush(self._unmapped_heap, page)
         if self.budget is not None:
@@ -335,17 +351,25 @@ class PageTable:
         cap = self.allowed_bytes
         return cap is not None and self.held_bytes + extra_pages * self.page_bytes > cap
 
-    def _pick_premap(self) -> int | None:
+    def _premap_page(self) -> int | None:
+        """A page to map ahead of need, its budget taken; None if none is wanted or paid."""
         if self.free_on_mapped >= self._spare_pages_target():
             return None
-        if not self.credit_pages and self._over_cap(1):
+        page = self._lowest_unmapped()
+        if page is None:
             return None
-        return self._lowest_unmapped()
+        if self._spare_credit(page):
+            self.credit_pages -= 1
+            return page
+        if self._over_cap(1) or not (self.budget is None
+                                     or self.budget.try_acquire(self.page_bytes)):
+            return None
+        return page
 
     def _pick_trim(self) -> int | None:
         k = self.geo.blocks_per_page
         target = self.promised_blocks if self._over_cap() else self._spare_pages_target()
-        if self.free_on_mapped - k + self.credit_pages * k < target:
+        if self._covered_blocks() - k < target:
             return None
         # Highest-index wholly free page: keeps live blocks packed at the low end.
         for page in sorted(self._buckets[k], reverse=True):
@@ -353,10 +377,18 @@ class PageTable:
                 return page
         return None
 
-    def _surplus_credit(self) -> int:
+    def _covered_blocks(self) -> int:
+        """Blocks an allocation may take without new budget: free on mapped pages, plus
+        the free blocks of the unmapped pages that credit pays for."""
         k = self.geo.blocks_per_page
-        needed = ceil(max(0, self.promised_blocks - self.free_on_mapped) / k)
-        return self.credit_pages - max(needed, ceil(self._taken_unmapped / k))
+        return self.free_on_mapped + self.credit_pages * k - self._taken_unmapped
+
+    def _surplus_credit(self) -> int:
+        # Kept: one page per owed page, and enough to cover what can_allocate promised.
+        # (Blocks handed out but not yet allocated count twice here, briefly: safe side.)
+        k = self.geo.blocks_per_page
+        promise = self.promised_blocks - self.free_on_mapped + self._taken_unmapped
+        return self.credit_pages - max(self._owed_pages, ceil(max(0, promise) / k))
 
     def maintain_once(self) -> bool:
         """Do one step of background work (return spare credit, pre-map or trim one page).
@@ -365,8 +397,8 @@ class PageTable:
         """
         k = self.geo.blocks_per_page
         with self.cond:
-            page = self._pick_premap()
-            if page is not None and self._take_page_budget():
+            page = self._premap_page()
+            if page is not None:
                 self._begin_map(page)
                 action = "map"
             elif (surplus := self._surplus_credit()) > 0:
@@ -422,6 +454,7 @@ class PageTable:
                     self._begin_map(page)
                 else:
                     self.state[page] = PageState.UNMAPPING
+                    self._owed_pages += self._is_owed(page)
                     self.free_on_mapped -= len(self._free[page])
                     self._buckets[len(self._free[page])].discard(page)
             if op.kind == "map":
