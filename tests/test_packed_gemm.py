@@ -52,7 +52,8 @@ def test_any_weight_layout_packs_to_the_same_product(layout):
 
 
 def test_bf16_weights_pack_as_fp32_unless_kept_in_bf16(monkeypatch):
-    weight, x = _weight().bfloat16(), torch.randn(6, 80).bfloat16()
+    weight = _weight().bfloat16()
+    x = torch.randn(packed_gemm.SMALL_BF16_ROWS + 1, 80).bfloat16()  # past the bf16 kernel
     monkeypatch.setattr(packed_gemm, "bf16_as_fp32", lambda: True)
     packed = packed_gemm.pack(weight)
     y = packed_gemm.linear(x, packed)
@@ -61,6 +62,38 @@ def test_bf16_weights_pack_as_fp32_unless_kept_in_bf16(monkeypatch):
     assert torch.equal(y, F.linear(x.float(), weight.float().t().contiguous().t()).bfloat16())
     monkeypatch.setattr(packed_gemm, "bf16_as_fp32", lambda: False)
     assert packed_gemm.pack(weight) is None
+
+
+needs_bf16_kernel = pytest.mark.skipif(packed_gemm._bf16_kernel() is None,
+                                       reason="no AVX-512 BF16 on this CPU")
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 80, 96), (8, 576, 960), (9, 70, 33), (16, 1536, 575)])
+def test_small_bf16_batches_run_on_the_bf16_copy(monkeypatch, rows, in_features,
+                                                 out_features):
+    """Decode-sized batches: exact bf16 products summed in fp32, any K (a masked tail),
+    any N (an odd last row), rows in passes of eight."""
+    monkeypatch.setattr(packed_gemm, "bf16_as_fp32", lambda: True)
+    weight = _weight(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features).bfloat16()
+    packed = packed_gemm.pack(weight)
+    assert packed.bf16 is not None and packed.nbytes == out_features * in_features * 6
+    x = torch.randn(2, 20, in_features).bfloat16()[:, :rows]  # rows of a longer batch
+    exact = x.double() @ weight.double().t()
+    got = packed_gemm._small_bf16(x.reshape(-1, in_features).contiguous(), packed.bf16)
+    torch.testing.assert_close(got.double(), exact.reshape(-1, out_features), rtol=1e-5,
+                               atol=1e-4)
+    calls = []
+    small = packed_gemm._small_bf16
+    monkeypatch.setattr(packed_gemm, "_small_bf16", lambda *a: calls.append(1) or small(*a))
+    y = packed_gemm.linear(x, packed, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, rows, out_features)
+    assert len(calls) == (2 * rows <= packed_gemm.SMALL_BF16_ROWS)
+    # within one bf16 rounding of the fp32 path (the sums run in another order)
+    torch.testing.assert_close(y.float(), (exact + bias.double()).float(), rtol=2 ** -7,
+                               atol=1e-2)
 
 
 def test_the_bf16_choice_follows_amx_and_the_environment(monkeypatch):

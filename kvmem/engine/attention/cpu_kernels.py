@@ -38,7 +38,9 @@ _SOURCES = {
         "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
         "-ffp-contract=off"],
     Path(__file__).with_name("cache_ops.c"): [],  # plain copies
+    Path(__file__).parent.parent / "models" / "bf16_gemm.c": [],
 }
+_HEADERS = [Path(__file__).with_name("sum16.h")]
 _ARG_TYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
@@ -70,6 +72,8 @@ def _build(compiler: str) -> Path:
                          + _cpu_id().encode())
     for source, flags in _SOURCES.items():
         key.update(source.read_bytes() + " ".join(flags).encode())
+    for header in _HEADERS:
+        key.update(header.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -128,6 +132,9 @@ def _load() -> ctypes.CDLL | None:
         fn.restype = None
     library.kvmem_store_kv.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr] + [i64] * 6
     library.kvmem_store_kv.restype = i64
+    library.kvmem_gemm_bf16.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                        ptr, ptr, i64]
+    library.kvmem_gemm_bf16.restype = ctypes.c_int
     _library = library
     return library
 

@@ -250,11 +250,13 @@ class LlamaForCausalLM(nn.Module):
                 bf16 = module.weight.dtype == torch.bfloat16
                 module.pack_weight()
                 if bf16 and module.packed is not None:
-                    widened += module.packed.nbytes // 2
+                    packed = module.packed
+                    widened += packed.nbytes - packed.out_features * packed.in_features * 2
         if widened:
-            logger.info("bf16 projection weights run as packed fp32 on this CPU (no AMX): "
-                        "%.0f MiB more memory, faster GEMMs; KVMEM_CPU_BF16_WEIGHTS=bf16 "
-                        "keeps them in bf16", widened / 2**20)
+            logger.info("bf16 projection weights run as packed fp32 on this CPU (no AMX), "
+                        "decode-sized batches on their bf16 copy where the CPU has AVX-512 "
+                        "BF16: %.0f MiB more memory, faster GEMMs; KVMEM_CPU_BF16_WEIGHTS=bf16 "
+                        "keeps them in bf16 only", widened / 2**20)
 
     def _targets(self, hf_name: str) -> list[tuple[str, object]]:
         """This module's parameter name(s) for a HuggingFace weight name."""

@@ -18,6 +18,10 @@ an fp32 one (AVX-512 BF16 only: oneDNN's bf16 linear took 5.35 s against 3.0 s i
 SmolLM2's projections at 2,048 rows). The values are the same (bf16 widens to fp32
 exactly), the product accumulates in fp32 and is rounded to bf16 as a bf16 GEMM's is, but
 these weights take twice the memory; ``KVMEM_CPU_BF16_WEIGHTS=bf16`` keeps them in bf16.
+Where the CPU has AVX-512 BF16, such a weight also keeps its bf16 copy, and batches of up
+to ``SMALL_BF16_ROWS`` rows (decode steps, bound by reading the weight) run on it
+(``bf16_gemm.c``): half the bytes to read, products exact and summed in fp32 as above, in
+another order.
 
 Where the API is missing (no MKL: ARM, macOS), for other dtypes and devices, and with
 ``KVMEM_CPU_KERNELS=0``, ``pack`` returns None and the layer keeps its weight.
@@ -42,6 +46,7 @@ _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _PACK_ROWS = 256
 
 _threads = threading.local()  # the MKL thread count set on this thread
+SMALL_BF16_ROWS = 16
 
 
 @functools.cache
@@ -86,11 +91,13 @@ class PackedWeight:
     buffer: torch.Tensor  # uint8, as sized by cblas_sgemm_pack_get_size
     out_features: int
     in_features: int
+    bf16: torch.Tensor | None = None  # the bf16 weight [out, in], for small batches
 
     @property
     def nbytes(self) -> int:
         """The bytes of the weight it stands for (what is resident, not the reservation)."""
-        return self.out_features * self.in_features * 4
+        extra = 0 if self.bf16 is None else self.bf16.numel() * 2
+        return self.out_features * self.in_features * 4 + extra
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:
@@ -98,7 +105,10 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     api = _load()
     if api is None or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
         return None
+    bf16 = None
     if weight.dtype == torch.bfloat16 and bf16_as_fp32():
+        if _bf16_kernel() is not None:
+            bf16 = weight.detach().contiguous()  # its own tensor: the parameter is emptied
         weight = weight.float()
     if weight.dtype != torch.float32:
         return None
@@ -114,7 +124,30 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
                          dtype=torch.uint8)
     api.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, trans, _PACK_ROWS, n, k, 1.0,
                          weight.data_ptr(), ld, buffer.data_ptr())
-    return PackedWeight(buffer, n, k)
+    return PackedWeight(buffer, n, k, bf16)
+
+
+@functools.cache
+def _bf16_kernel() -> ctypes._CFuncPtr | None:
+    """``kvmem_gemm_bf16`` where the CPU has AVX-512 BF16 and the kernels build, else None."""
+    library = cpu_kernels.library()
+    if library is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return None
+    probe = torch.ones(1, 2, dtype=torch.bfloat16)
+    out = torch.empty(1, 1)
+    fn = library.kvmem_gemm_bf16
+    ok = fn(probe.data_ptr(), 2, 1, 2, 1, probe.data_ptr(), out.data_ptr(), 1) == 0
+    return fn if ok and out.item() == 2.0 else None
+
+
+def _small_bf16(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows @ weight.T`` in fp32 for bf16 ``rows`` [m, k] (unit stride) and ``weight``."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    _bf16_kernel()(rows.data_ptr(), rows.stride(0), m, k, n, weight.data_ptr(), out.data_ptr(),
+                   n)
+    return out
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
@@ -122,6 +155,13 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     """``F.linear(x, W, bias)`` for the packed ``W``: ``x`` ``[..., in_features]`` fp32, or
     bf16 (computed in fp32, returned in bf16)."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        rows = x.reshape(-1, x.shape[-1])
+        if weight.bf16 is not None and rows.shape[0] <= SMALL_BF16_ROWS \
+                and rows.shape[-1] == weight.in_features and rows.stride(-1) == 1:
+            y = _small_bf16(rows, weight.bf16)
+            if bias is not None:
+                y += bias
+            return y.to(torch.bfloat16).view(*x.shape[:-1], weight.out_features)
         y = linear(x.float(), weight, None if bias is None else bias.float())
         return y.to(torch.bfloat16)
     if x.dtype != torch.float32 or x.device.type != "cpu":
