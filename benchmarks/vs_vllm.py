@@ -325,8 +325,9 @@ def run_served(args, vllm_python: str, logs: Path) -> None:
     tpot = {e: statistics.median(x["median_tpot_ms"] for x in rs) for e, rs in results.items()}
     print(f"served vllm  {tput['vllm']:6.1f} output tok/s, median TPOT {tpot['vllm']:.1f} ms")
     print(f"served kvmem {tput['kvmem']:6.1f} output tok/s, median TPOT {tpot['kvmem']:.1f} ms")
+    tpot_ratio = tpot['kvmem'] / tpot['vllm']
     print(f"served ratio kvmem / vllm: {tput['kvmem'] / tput['vllm']:.2f}x output tok/s, "
-          f"TPOT {tpot['vllm'] / tpot['kvmem']:.2f}x lower")
+          f"{tpot_ratio:.2f}x median TPOT ({'lower' if tpot_ratio < 1 else 'higher'})")
     offline_tput = statistics.mean(args.served_prompts * 32 / t for t in offline_times)
     print(f"kvmem served / kvmem offline on the same work: "
           f"{tput['kvmem'] / offline_tput:.2f}x ({offline_tput:.1f} output tok/s offline)")
