@@ -8,7 +8,12 @@ in]`` row-major) and laid out column-major (the engine's fallback,
 weights packed once (what the engine keeps, ``kvmem.engine.models.packed_gemm``). All
 run in the same process, alternating, best of 3; the ratios are speed-ups.
 
+``--bf16`` times the same shapes with bf16 weights as the engine keeps them on a CPU
+without AMX: MKL's packed fp32 copy against the bf16 kernel (``bf16_gemm.c``, AVX-512
+BF16) that takes batches of up to ``packed_gemm.SMALL_BF16_ROWS`` rows.
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_layout.py [--layers 30]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_layout.py --bf16 --rows 1 4 8 16
 """
 
 from __future__ import annotations
@@ -43,10 +48,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 512, 2048])
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 weights: packed fp32 copy against the bf16 decode kernel")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not packed_gemm.available():
         sys.exit("this torch build exports no MKL packed GEMM")
+    if args.bf16:
+        bf16_kernel(args.layers, args.rows)
+        return
     row_major = [torch.randn(n, k) for _ in range(args.layers) for n, k in SHAPES]
     row_major.append(torch.randn(*LM_HEAD))
     column_major = [w.t().contiguous().t() for w in row_major]
@@ -69,6 +79,34 @@ def main() -> None:
         print(f"{m:>6}" + "".join(f"{t * 1e3:>12.1f} ms" for t in times.values())
               + f"  {times['row-major'] / col:>24.2f}x {col / times['packed']:>22.2f}x",
               flush=True)
+
+
+def bf16_kernel(layers: int, rows: list[int]) -> None:
+    if packed_gemm._bf16_kernel() is None:
+        sys.exit("no AVX-512 BF16 kernel on this CPU")
+    if not packed_gemm.bf16_as_fp32():
+        sys.exit("bf16 weights are not packed as fp32 here (AMX, or KVMEM_CPU_BF16_WEIGHTS)")
+    shapes = [s for _ in range(layers) for s in SHAPES] + [LM_HEAD]
+    packed = [packed_gemm.pack(torch.randn(n, k).bfloat16()) for n, k in shapes]
+    paths = {  # both return bf16, as the engine's projections do
+        "packed fp32": lambda x: [packed_gemm.linear(x[w.in_features].float(), w)
+                                  .bfloat16() for w in packed],
+        "bf16 kernel": lambda x: [packed_gemm.linear(x[w.in_features], w) for w in packed],
+    }
+    weight_gb = sum(n * k for n, k in shapes) * 2 / 1e9
+    print(f"{'rows':>6}" + "".join(f"{name:>15}" for name in paths)
+          + "  speed-up  bf16 weights read")
+    for m in rows:
+        if m > packed_gemm.SMALL_BF16_ROWS:
+            sys.exit(f"the bf16 kernel takes up to {packed_gemm.SMALL_BF16_ROWS} rows")
+        inputs = {k: torch.randn(m, k).bfloat16() for _, k in SHAPES}
+        times = {}
+        for name, fn in paths.items():
+            fn(inputs)
+            times[name] = best_of(lambda fn=fn, x=inputs: fn(x), 4)
+        fp32, bf16 = times["packed fp32"], times["bf16 kernel"]
+        print(f"{m:>6}" + "".join(f"{t * 1e3:>12.1f} ms" for t in times.values())
+              + f"  {fp32 / bf16:>7.2f}x  {weight_gb / bf16:>9.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,40 +17,52 @@
 
 #define ROWS 8  /* input rows per pass; two weight rows share their loads */
 
-/* Rows [m0, m0 + ROWS) against weight rows n0 and n1, tail of K masked. */
-static inline __m512 dot_pass(const uint16_t *x, int64_t ldx, int m0, int M, int K,
-                              const uint16_t *w0, const uint16_t *w1, int prefetch) {
-    const uint16_t *rows[ROWS];
-    for (int m = 0; m < ROWS; ++m)  /* rows past M repeat row m0; their sums are dropped */
-        rows[m] = x + (m0 + m < M ? m0 + m : m0) * ldx;
+/* acc[m] += rows[m][k:k+32] . a, acc[ROWS + m] += rows[m][k:k+32] . b (pairs of bf16) */
+#define DOT_STEP(LOAD)                                                                       \
+    do {                                                                                     \
+        const __m512bh a = (__m512bh)LOAD(w0 + k), b = (__m512bh)LOAD(w1 + k);               \
+        for (int m = 0; m < ROWS; ++m) {                                                     \
+            const __m512bh v = (__m512bh)LOAD(rows(m) + k);                                  \
+            acc[m] = _mm512_dpbf16_ps(acc[m], v, a);                                         \
+            acc[ROWS + m] = _mm512_dpbf16_ps(acc[ROWS + m], v, b);                           \
+        }                                                                                    \
+    } while (0)
+
+/* Rows [m0, m0 + ROWS) against weight rows n0 and n1; a tail of K under 32 is masked. */
+static inline __m512 dot_pass(const uint16_t *x, int64_t ldx, int K, const uint16_t *w0,
+                              const uint16_t *w1, int prefetch) {
+#define rows(m) (x + (m) * ldx)
     __m512 acc[2 * ROWS];
     for (int i = 0; i < 2 * ROWS; ++i) acc[i] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 32) {
-        const __mmask32 live = K - k >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (K - k)) - 1);
+    int k = 0;
+#define LOAD_ALL(p) _mm512_loadu_si512(p)
+    for (; k + 32 <= K; k += 32) {
         if (prefetch) {  /* rows a few ahead: the weight streams from memory once */
             _mm_prefetch((const char *)(w0 + 4 * (int64_t)K + k), _MM_HINT_T0);
             _mm_prefetch((const char *)(w1 + 4 * (int64_t)K + k), _MM_HINT_T0);
         }
-        const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(live, w0 + k);
-        const __m512bh b = (__m512bh)_mm512_maskz_loadu_epi16(live, w1 + k);
-        for (int m = 0; m < ROWS; ++m) {
-            const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(live, rows[m] + k);
-            acc[m] = _mm512_dpbf16_ps(acc[m], v, a);
-            acc[ROWS + m] = _mm512_dpbf16_ps(acc[ROWS + m], v, b);
-        }
+        DOT_STEP(LOAD_ALL);
+    }
+    if (k < K) {
+        const __mmask32 live = (__mmask32)((1u << (K - k)) - 1);
+#define LOAD_LIVE(p) _mm512_maskz_loadu_epi16(live, p)
+        DOT_STEP(LOAD_LIVE);
     }
     return sum16(acc);  /* lanes 0-7: rows against n0, lanes 8-15: against n1 */
+#undef rows
 }
 
+/* M must be a multiple of ROWS (the caller pads x with rows it then ignores). */
 int kvmem_gemm_bf16(const uint16_t *x, int64_t ldx, int M, int K, int N, const uint16_t *w,
                     float *y, int64_t ldy) {
+    if (M % ROWS) return -2;
     float sums[2 * ROWS] __attribute__((aligned(64)));
     for (int n = 0; n < N; n += 2) {
         const uint16_t *w0 = w + (int64_t)n * K;
         const uint16_t *w1 = n + 1 < N ? w0 + K : w0;
         for (int m0 = 0; m0 < M; m0 += ROWS) {
-            _mm512_store_ps(sums, dot_pass(x, ldx, m0, M, K, w0, w1, m0 == 0));
-            for (int m = 0; m < ROWS && m0 + m < M; ++m) {
+            _mm512_store_ps(sums, dot_pass(x + m0 * ldx, ldx, K, w0, w1, m0 == 0));
+            for (int m = 0; m < ROWS; ++m) {
                 y[(m0 + m) * ldy + n] = sums[m];
                 if (n + 1 < N) y[(m0 + m) * ldy + n + 1] = sums[ROWS + m];
             }

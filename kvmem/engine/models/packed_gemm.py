@@ -47,6 +47,7 @@ _PACK_ROWS = 256
 
 _threads = threading.local()  # the MKL thread count set on this thread
 SMALL_BF16_ROWS = 16
+_BF16_ROW_GROUP = 8  # rows per pass of bf16_gemm.c (ROWS)
 
 
 @functools.cache
@@ -133,21 +134,24 @@ def _bf16_kernel() -> ctypes._CFuncPtr | None:
     library = cpu_kernels.library()
     if library is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return None
-    probe = torch.ones(1, 2, dtype=torch.bfloat16)
-    out = torch.empty(1, 1)
+    probe = torch.ones(_BF16_ROW_GROUP, 2, dtype=torch.bfloat16)
+    out = torch.empty(_BF16_ROW_GROUP, 1)
     fn = library.kvmem_gemm_bf16
-    ok = fn(probe.data_ptr(), 2, 1, 2, 1, probe.data_ptr(), out.data_ptr(), 1) == 0
-    return fn if ok and out.item() == 2.0 else None
+    ok = fn(probe.data_ptr(), 2, _BF16_ROW_GROUP, 2, 1, probe.data_ptr(), out.data_ptr(), 1) == 0
+    return fn if ok and bool((out == 2.0).all()) else None
 
 
 def _small_bf16(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``rows @ weight.T`` in fp32 for bf16 ``rows`` [m, k] (unit stride) and ``weight``."""
     m, k = rows.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
-    _bf16_kernel()(rows.data_ptr(), rows.stride(0), m, k, n, weight.data_ptr(), out.data_ptr(),
-                   n)
-    return out
+    groups = -(-m // _BF16_ROW_GROUP) * _BF16_ROW_GROUP  # the kernel takes whole groups
+    if groups != m:
+        rows = torch.cat([rows, rows.new_zeros(groups - m, k)])
+    out = torch.empty((groups, n), dtype=torch.float32)
+    _bf16_kernel()(rows.data_ptr(), rows.stride(0), groups, k, n, weight.data_ptr(),
+                   out.data_ptr(), n)
+    return out[:m]
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
