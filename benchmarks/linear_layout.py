@@ -82,7 +82,7 @@ def main() -> None:
 
 
 def bf16_kernel(layers: int, rows: list[int]) -> None:
-    if packed_gemm._bf16_kernel() is None:
+    if not packed_gemm.bf16_kernel_available():
         sys.exit("no AVX-512 BF16 kernel on this CPU")
     if not packed_gemm.bf16_as_fp32():
         sys.exit("bf16 weights are not packed as fp32 here (AMX, or KVMEM_CPU_BF16_WEIGHTS)")

@@ -64,7 +64,7 @@ def test_bf16_weights_pack_as_fp32_unless_kept_in_bf16(monkeypatch):
     assert packed_gemm.pack(weight) is None
 
 
-needs_bf16_kernel = pytest.mark.skipif(packed_gemm._bf16_kernel() is None,
+needs_bf16_kernel = pytest.mark.skipif(not packed_gemm.bf16_kernel_available(),
                                        reason="no AVX-512 BF16 on this CPU")
 
 

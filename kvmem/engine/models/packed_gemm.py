@@ -108,7 +108,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         return None
     bf16 = None
     if weight.dtype == torch.bfloat16 and bf16_as_fp32():
-        if _bf16_kernel() is not None:
+        if bf16_kernel_available():
             bf16 = weight.detach().contiguous()  # its own tensor: the parameter is emptied
         weight = weight.float()
     if weight.dtype != torch.float32:
@@ -132,13 +132,18 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 def _bf16_kernel() -> ctypes._CFuncPtr | None:
     """``kvmem_gemm_bf16`` where the CPU has AVX-512 BF16 and the kernels build, else None."""
     library = cpu_kernels.library()
-    if library is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    if library is None:
         return None
     probe = torch.ones(_BF16_ROW_GROUP, 2, dtype=torch.bfloat16)
     out = torch.empty(_BF16_ROW_GROUP, 1)
     fn = library.kvmem_gemm_bf16
     ok = fn(probe.data_ptr(), 2, _BF16_ROW_GROUP, 2, 1, probe.data_ptr(), out.data_ptr(), 1) == 0
     return fn if ok and bool((out == 2.0).all()) else None
+
+
+def bf16_kernel_available() -> bool:
+    """Whether small bf16 batches can run on the bf16 weights here (AVX-512 BF16)."""
+    return _bf16_kernel() is not None
 
 
 def _small_bf16(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
