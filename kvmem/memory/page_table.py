@@ -160,8 +160,8 @@ class PageTable:
         if self._min_bucket <= k:
             return min(self._buckets[self._min_bucket])  # lowest index: deterministic
         page = self._lowest_unmapped()
-        paid = page is not None and (self.budget is None or self._spare_credit(page))
-        if page is not None and (paid or not self.cached):
+        if page is not None and (self.budget is None or not self.cached
+                                 or self._spare_credit(page)):
             return page
         if self.cached:
             return None  # evict cached data rather than map a page the budget has not paid for

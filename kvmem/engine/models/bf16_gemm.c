@@ -28,14 +28,17 @@
         }                                                                                    \
     } while (0)
 
-/* Rows [m0, m0 + ROWS) against weight rows n0 and n1; a tail of K under 32 is masked. */
+#define LOAD_ALL(p) _mm512_loadu_si512(p)
+#define LOAD_LIVE(p) _mm512_maskz_loadu_epi16(live, p)
+
+/* The ROWS rows of x (row stride ldx) against weight rows w0 and w1; a tail of K under 32
+ * is masked. */
 static inline __m512 dot_pass(const uint16_t *x, int64_t ldx, int K, const uint16_t *w0,
                               const uint16_t *w1, int prefetch) {
 #define rows(m) (x + (m) * ldx)
     __m512 acc[2 * ROWS];
     for (int i = 0; i < 2 * ROWS; ++i) acc[i] = _mm512_setzero_ps();
     int k = 0;
-#define LOAD_ALL(p) _mm512_loadu_si512(p)
     for (; k + 32 <= K; k += 32) {
         if (prefetch) {  /* rows a few ahead: the weight streams from memory once */
             _mm_prefetch((const char *)(w0 + 4 * (int64_t)K + k), _MM_HINT_T0);
@@ -45,7 +48,6 @@ static inline __m512 dot_pass(const uint16_t *x, int64_t ldx, int K, const uint1
     }
     if (k < K) {
         const __mmask32 live = (__mmask32)((1u << (K - k)) - 1);
-#define LOAD_LIVE(p) _mm512_maskz_loadu_epi16(live, p)
         DOT_STEP(LOAD_LIVE);
     }
     return sum16(acc);  /* lanes 0-7: rows against n0, lanes 8-15: against n1 */
