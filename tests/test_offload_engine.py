@@ -263,9 +263,13 @@ def hybrid_run(tmp_path_factory):
                              faults=faults or NO_FAULTS)
         connector = engine.offload
         try:
-            results = [run_one(engine, rid, p) for rid, p in prompts]
-            if connector is not None:
-                connector.offload.drain()
+            results = []
+            for rid, p in prompts:
+                results.append(run_one(engine, rid, p))
+                if connector is not None:
+                    # Stores (of evicted blocks) still in flight are not found by a lookup:
+                    # finish them so the counts below do not depend on thread timing.
+                    connector.offload.drain()
             usage = engine.kv_usage()
             stats = connector.stats()["cpu"] if connector is not None else None
         finally:
