@@ -13,6 +13,12 @@ pytestmark = pytest.mark.skipif(not packed_gemm.available(),
                                 reason="this torch build exports no MKL packed GEMM")
 
 
+@pytest.fixture(autouse=True)
+def _mkl_backend(monkeypatch):
+    """These tests are about MKL's packed GEMM, whichever backend this CPU would pick."""
+    monkeypatch.setattr(packed_gemm, "backend", lambda dtype: "mkl")
+
+
 def _weight(out_features: int = 96, in_features: int = 80) -> torch.Tensor:
     return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
 
@@ -61,7 +67,7 @@ def test_bf16_weights_pack_as_fp32_unless_kept_in_bf16(monkeypatch):
     # the bf16 product rounded once from fp32: what a bf16 GEMM with fp32 accumulation gives
     assert torch.equal(y, F.linear(x.float(), weight.float().t().contiguous().t()).bfloat16())
     monkeypatch.setattr(packed_gemm, "bf16_as_fp32", lambda: False)
-    assert packed_gemm.pack(weight) is None
+    assert packed_gemm._pack_mkl(weight) is None
 
 
 needs_bf16_kernel = pytest.mark.skipif(not packed_gemm.bf16_kernel_available(),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmem.engine.models import cpu_ops, packed_gemm
+from kvmem.engine.models.onednn_gemm import OneDNNWeight
 
 
 def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
@@ -75,16 +76,17 @@ def store_weight_column_major(weight: nn.Parameter) -> None:
 
 
 class PackableLinear(nn.Module):
-    """A layer computing ``x W^T`` whose CPU weight can be packed after loading (fp32, and
-    bf16 where ``packed_gemm.bf16_as_fp32``)."""
+    """A layer computing ``x W^T`` whose CPU weight (fp32 or bf16) can be packed after
+    loading."""
 
     weight: nn.Parameter
-    packed: packed_gemm.PackedWeight | None = None
+    packed: packed_gemm.PackedWeight | OneDNNWeight | None = None
 
     def pack_weight(self) -> None:
-        """After loading: keep the weight only in MKL's packed layout where that applies
-        (``kvmem.engine.models.packed_gemm``), else lay it out column-major. The parameter
-        stays, empty once packed; loading into it again is not supported."""
+        """After loading: keep the weight only in the layout of the CPU GEMM this process
+        uses (MKL's packed or oneDNN's, ``kvmem.engine.models.packed_gemm``) where that
+        applies, else lay it out column-major. The parameter stays, empty once packed;
+        loading into it again is not supported."""
         packed = packed_gemm.pack(self.weight)
         if packed is None:
             store_weight_column_major(self.weight)

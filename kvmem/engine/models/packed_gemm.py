@@ -23,6 +23,10 @@ to ``SMALL_BF16_ROWS`` rows (decode steps, bound by reading the weight) run on i
 (``bf16_gemm.c``): half the bytes to read, products exact and summed in fp32 as above, in
 another order.
 
+Where oneDNN's reordered GEMM (``onednn_gemm``) is clearly faster than MKL's, as on CPUs
+not made by Intel, ``pack`` returns its weight instead: ``backend`` times both once per
+process and dtype (about 0.1 s), and ``KVMEM_CPU_GEMM=mkl|onednn`` overrides the choice.
+
 Where the API is missing (no MKL: ARM, macOS), for other dtypes and devices, and with
 ``KVMEM_CPU_KERNELS=0``, ``pack`` returns None and the layer keeps its weight.
 """
@@ -31,14 +35,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvmem.engine.attention import cpu_kernels
+from kvmem.engine.models import onednn_gemm
+from kvmem.engine.models.onednn_gemm import OneDNNWeight
+from kvmem.errors import ConfigError
+
+log = logging.getLogger("kvmem.engine")
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 # The row count MKL is told to expect when packing: a layout packed for 256 rows was the
@@ -48,6 +60,11 @@ _PACK_ROWS = 256
 _threads = threading.local()  # the MKL thread count set on this thread
 SMALL_BF16_ROWS = 16
 _BF16_ROW_GROUP = 8  # rows per pass of bf16_gemm.c (ROWS)
+# oneDNN is chosen only when clearly faster, so that close timings on a noisy machine do
+# not flip the numerics from one process to the next.
+ONEDNN_MARGIN = 1.25
+_PROBE_SHAPE = (1024, 1024)  # [out, in] of the weight timed to choose a backend
+_PROBE_ROWS = (8, 64, 256)  # a decode step, a small and a larger prefill chunk
 
 
 @functools.cache
@@ -101,8 +118,61 @@ class PackedWeight:
         return self.out_features * self.in_features * 4 + extra
 
 
-def pack(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight`` packed for ``x @ weight.T``, or None where packing does not apply."""
+@functools.cache
+def backend(dtype: torch.dtype) -> str:
+    """``"onednn"`` or ``"mkl"``: which GEMM runs this process's CPU projections of
+    ``dtype`` weights (``KVMEM_CPU_GEMM``, else timed once here)."""
+    choice = os.environ.get("KVMEM_CPU_GEMM", "auto")
+    if choice not in ("auto", "mkl", "onednn"):
+        raise ConfigError(f"KVMEM_CPU_GEMM must be auto, mkl or onednn, not {choice!r}")
+    have_mkl = _load() is not None and (dtype == torch.float32 or bf16_as_fp32())
+    have_onednn = onednn_gemm.available() and cpu_kernels.enabled()
+    if choice != "auto" or not (have_mkl and have_onednn):
+        return "onednn" if (choice == "onednn" or not have_mkl) and have_onednn else "mkl"
+    speedup = _onednn_speedup(dtype)
+    picked = "onednn" if speedup >= ONEDNN_MARGIN else "mkl"
+    log.info("%s CPU projections on %s: oneDNN's GEMM ran %.2fx MKL's packed fp32 here "
+             "(KVMEM_CPU_GEMM=mkl|onednn overrides)", str(dtype).removeprefix("torch."),
+             "oneDNN" if picked == "onednn" else "MKL", speedup)
+    return picked
+
+
+def _onednn_speedup(dtype: torch.dtype) -> float:
+    """Geometric mean over ``_PROBE_ROWS`` of MKL's time over oneDNN's (best of 3 each)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(*_PROBE_SHAPE, generator=gen) * 0.02).to(dtype)
+    mkl, dnn = _pack_mkl(weight), onednn_gemm.pack(weight)
+    ratios = []
+    for rows in _PROBE_ROWS:
+        x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(dtype)
+        ratios.append(_best_time(x, mkl) / _best_time(x, dnn))
+    return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+
+def _best_time(x: torch.Tensor, weight: PackedWeight | OneDNNWeight, repeats: int = 3
+               ) -> float:
+    linear(x, weight)  # warm-up: first-call set-up is not what is being compared
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        linear(x, weight)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | OneDNNWeight | None:
+    """``weight`` laid out once for ``x @ weight.T`` by the chosen backend (``backend``),
+    or None where that does not apply."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0 \
+            or weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.enabled():
+        return None
+    if backend(weight.dtype) == "onednn":
+        return onednn_gemm.pack(weight)
+    return _pack_mkl(weight)
+
+
+def _pack_mkl(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight`` in MKL's packed fp32 layout (and its bf16 copy for small batches)."""
     api = _load()
     if api is None or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
         return None
@@ -159,10 +229,12 @@ def _small_bf16(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out[:m]
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PackedWeight | OneDNNWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for the packed ``W``: ``x`` ``[..., in_features]`` fp32, or
     bf16 (computed in fp32, returned in bf16)."""
+    if isinstance(weight, OneDNNWeight):
+        return onednn_gemm.linear(x, weight, bias)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         rows = x.reshape(-1, x.shape[-1])
         if weight.bf16 is not None and rows.shape[0] <= SMALL_BF16_ROWS \

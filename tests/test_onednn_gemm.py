@@ -1,0 +1,107 @@
+"""oneDNN's GEMM with reordered weights computes what ``F.linear`` computes, and the CPU
+projection backend is chosen as documented."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmem.engine.models import onednn_gemm, packed_gemm
+from kvmem.engine.models.layers import ColumnParallelLinear, weight_bytes
+from kvmem.engine.models.onednn_gemm import OneDNNWeight
+from kvmem.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(not onednn_gemm.available(),
+                                reason="this torch build has no oneDNN linear")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choice():
+    packed_gemm.backend.cache_clear()
+    yield
+    packed_gemm.backend.cache_clear()
+
+
+def _weight(out_features: int = 96, in_features: int = 80) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_f_linear_with_bias_leading_dims_and_strided_inputs(dtype):
+    weight, bias = _weight().to(dtype), torch.randn(96).to(dtype)
+    packed = onednn_gemm.pack(weight)
+    assert packed.dtype == dtype and packed.nbytes == 96 * 80 * weight.element_size()
+    tol = {} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 2e-2}
+    for x in (torch.randn(1, 80), torch.randn(3, 5, 80), torch.randn(6, 200)[:, 10:90],
+              torch.randn(80, 6).t()):
+        x = x.to(dtype)
+        got = onednn_gemm.linear(x, packed, bias)
+        assert got.dtype == dtype and got.shape == (*x.shape[:-1], 96)
+        want = F.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(got.float(), want, **tol)
+    assert onednn_gemm.linear(torch.empty(0, 80, dtype=dtype), packed).shape == (0, 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(dtype, in_features):
+    """From two rows up, as the served engine needs: a request's tokens are the same
+    whichever requests share its steps."""
+    packed = onednn_gemm.pack(_weight(576, in_features).to(dtype))
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    alone = onednn_gemm.linear(x[:2], packed)
+    for rows in (3, 8, 17, 64, 300):
+        assert torch.equal(onednn_gemm.linear(x[:rows], packed)[:2], alone)
+
+
+def test_bad_inputs():
+    packed = onednn_gemm.pack(_weight())
+    with pytest.raises(ValueError, match="80"):
+        onednn_gemm.linear(torch.randn(2, 81), packed)
+    with pytest.raises(TypeError, match="floating-point"):
+        onednn_gemm.linear(torch.ones(2, 80, dtype=torch.int64), packed)
+    assert onednn_gemm.pack(_weight().half()) is None
+    assert onednn_gemm.pack(torch.randn(4)) is None
+
+
+@pytest.mark.parametrize(("setting", "kind"), [("onednn", OneDNNWeight),
+                                               ("mkl", packed_gemm.PackedWeight)])
+def test_the_environment_picks_the_backend(monkeypatch, setting, kind):
+    if setting == "mkl" and not packed_gemm.available():
+        pytest.skip("no MKL packed GEMM in this torch build")
+    monkeypatch.setenv("KVMEM_CPU_GEMM", setting)
+    assert packed_gemm.backend(torch.float32) == setting
+    assert isinstance(packed_gemm.pack(_weight()), kind)
+
+
+def test_a_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("KVMEM_CPU_GEMM", "fastest")
+    with pytest.raises(ConfigError, match="auto, mkl or onednn"):
+        packed_gemm.backend(torch.float32)
+
+
+@pytest.mark.skipif(not packed_gemm.available(), reason="no MKL packed GEMM to compare")
+@pytest.mark.parametrize(("speedup", "picked"), [(2.0, "onednn"), (1.1, "mkl")])
+def test_auto_picks_onednn_only_when_clearly_faster(monkeypatch, speedup, picked):
+    monkeypatch.delenv("KVMEM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(packed_gemm, "_onednn_speedup", lambda dtype: speedup)
+    assert packed_gemm.backend(torch.float32) == picked
+
+
+@pytest.mark.skipif(not packed_gemm.available(), reason="no MKL packed GEMM to compare")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_timing_compares_the_two_backends_on_real_calls(dtype):
+    speedup = packed_gemm._onednn_speedup(dtype)
+    assert 0.05 < speedup < 50  # both ran the probe; the figure is a ratio of times
+
+
+def test_a_bf16_layer_keeps_two_bytes_a_weight_on_onednn(monkeypatch):
+    monkeypatch.setenv("KVMEM_CPU_GEMM", "onednn")
+    layer = ColumnParallelLinear(80, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(_weight())
+    x = torch.randn(4, 80).bfloat16()
+    want = F.linear(x.float(), layer.weight.float())
+    layer.pack_weight()
+    assert isinstance(layer.packed, OneDNNWeight) and layer.weight.numel() == 0
+    assert weight_bytes(layer) == 96 * 80 * 2
+    torch.testing.assert_close(layer(x).float(), want, rtol=2 ** -7, atol=2e-2)
