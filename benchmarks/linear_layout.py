@@ -12,8 +12,13 @@ run in the same process, alternating, best of 3; the ratios are speed-ups.
 without AMX: MKL's packed fp32 copy against the bf16 kernel (``bf16_gemm.c``, AVX-512
 BF16) that takes batches of up to ``packed_gemm.SMALL_BF16_ROWS`` rows.
 
+``--onednn`` times the two backends the engine chooses between at start-up
+(``packed_gemm.backend``), for fp32 and bf16 weights: MKL's packed fp32 (with the bf16
+kernel for small bf16 batches) against oneDNN's reordered weights in their own dtype.
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_layout.py [--layers 30]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_layout.py --bf16 --rows 1 4 8 16
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_layout.py --onednn
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvmem.engine.models import packed_gemm  # noqa: E402
+from kvmem.engine.models import onednn_gemm, packed_gemm  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LM_HEAD = (49152, 576)
@@ -50,6 +55,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 512, 2048])
     p.add_argument("--bf16", action="store_true",
                    help="bf16 weights: packed fp32 copy against the bf16 decode kernel")
+    p.add_argument("--onednn", action="store_true",
+                   help="MKL's packed GEMM against oneDNN's, fp32 and bf16 weights")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not packed_gemm.available():
@@ -57,10 +64,13 @@ def main() -> None:
     if args.bf16:
         bf16_kernel(args.layers, args.rows)
         return
+    if args.onednn:
+        mkl_against_onednn(args.layers, args.rows)
+        return
     row_major = [torch.randn(n, k) for _ in range(args.layers) for n, k in SHAPES]
     row_major.append(torch.randn(*LM_HEAD))
     column_major = [w.t().contiguous().t() for w in row_major]
-    packed = [packed_gemm.pack(w) for w in row_major]
+    packed = [packed_gemm.pack_mkl(w) for w in row_major]
     layouts = {
         "row-major": lambda x: [F.linear(x[w.shape[1]], w) for w in row_major],
         "column-major": lambda x: [F.linear(x[w.shape[1]], w) for w in column_major],
@@ -87,7 +97,7 @@ def bf16_kernel(layers: int, rows: list[int]) -> None:
     if not packed_gemm.bf16_as_fp32():
         sys.exit("bf16 weights are not packed as fp32 here (AMX, or KVMEM_CPU_BF16_WEIGHTS)")
     shapes = [s for _ in range(layers) for s in SHAPES] + [LM_HEAD]
-    packed = [packed_gemm.pack(torch.randn(n, k).bfloat16()) for n, k in shapes]
+    packed = [packed_gemm.pack_mkl(torch.randn(n, k).bfloat16()) for n, k in shapes]
     paths = {  # both return bf16, as the engine's projections do
         "packed fp32": lambda x: [packed_gemm.linear(x[w.in_features].float(), w)
                                   .bfloat16() for w in packed],
@@ -107,6 +117,29 @@ def bf16_kernel(layers: int, rows: list[int]) -> None:
         fp32, bf16 = times["packed fp32"], times["bf16 kernel"]
         print(f"{m:>6}" + "".join(f"{t * 1e3:>12.1f} ms" for t in times.values())
               + f"  {fp32 / bf16:>7.2f}x  {weight_gb / bf16:>9.1f} GB/s", flush=True)
+
+
+def mkl_against_onednn(layers: int, rows: list[int]) -> None:
+    if not onednn_gemm.available():
+        sys.exit("this torch build has no oneDNN linear")
+    shapes = [s for _ in range(layers) for s in SHAPES] + [LM_HEAD]
+    print(f"{'dtype':>9} {'rows':>6} {'MKL packed':>12} {'oneDNN':>12}  oneDNN speed-up")
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(n, k).to(dtype) for n, k in shapes]
+        backends = {"mkl": [packed_gemm.pack_mkl(w) for w in weights],
+                    "onednn": [onednn_gemm.pack(w) for w in weights]}
+        del weights
+        for m in rows:
+            inputs = {k: torch.randn(m, k).to(dtype) for _, k in SHAPES}
+            times = {}
+            for name, packed in backends.items():
+                def run(packed=packed, x=inputs):
+                    return [packed_gemm.linear(x[w.in_features], w) for w in packed]
+                run()
+                times[name] = best_of(run, max(2, 16 // max(1, m // 32)))
+            print(f"{str(dtype).removeprefix('torch.'):>9} {m:>6} {times['mkl'] * 1e3:>9.1f} ms"
+                  f" {times['onednn'] * 1e3:>9.1f} ms  {times['mkl'] / times['onednn']:>14.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ def test_matches_f_linear_with_bias_leading_dims_and_strided_inputs(dtype):
         want = F.linear(x.float(), weight.float(), bias.float())
         torch.testing.assert_close(got.float(), want, **tol)
     assert onednn_gemm.linear(torch.empty(0, 80, dtype=dtype), packed).shape == (0, 96)
+    strided = torch.randn(6, 200)[:, 10:90].to(dtype)  # read in place, not copied
+    assert torch.equal(onednn_gemm.linear(strided, packed),
+                       onednn_gemm.linear(strided.contiguous(), packed))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

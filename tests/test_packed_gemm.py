@@ -67,7 +67,7 @@ def test_bf16_weights_pack_as_fp32_unless_kept_in_bf16(monkeypatch):
     # the bf16 product rounded once from fp32: what a bf16 GEMM with fp32 accumulation gives
     assert torch.equal(y, F.linear(x.float(), weight.float().t().contiguous().t()).bfloat16())
     monkeypatch.setattr(packed_gemm, "bf16_as_fp32", lambda: False)
-    assert packed_gemm._pack_mkl(weight) is None
+    assert packed_gemm.pack_mkl(weight) is None
 
 
 needs_bf16_kernel = pytest.mark.skipif(not packed_gemm.bf16_kernel_available(),

@@ -78,7 +78,9 @@ def linear(x: torch.Tensor, weight: OneDNNWeight, bias: torch.Tensor | None = No
         # a new thread starts with OpenMP's default (every core) until torch sets its own
         torch.get_num_threads()
         _threads.ready = True
-    rows = x.reshape(-1, k).to(weight.dtype).contiguous()
+    rows = x.reshape(-1, k).to(weight.dtype)
+    if rows.stride(-1) != 1 or rows.stride(0) < k:  # rows of a wider tensor need no copy
+        rows = rows.contiguous()
     if bias is not None:
         bias = bias.to(weight.dtype)
     if rows.shape[0] == 0:

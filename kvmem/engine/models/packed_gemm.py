@@ -141,7 +141,7 @@ def _onednn_speedup(dtype: torch.dtype) -> float:
     """Geometric mean over ``_PROBE_ROWS`` of MKL's time over oneDNN's (best of 3 each)."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(*_PROBE_SHAPE, generator=gen) * 0.02).to(dtype)
-    mkl, dnn = _pack_mkl(weight), onednn_gemm.pack(weight)
+    mkl, dnn = pack_mkl(weight), onednn_gemm.pack(weight)
     ratios = []
     for rows in _PROBE_ROWS:
         x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(dtype)
@@ -168,10 +168,10 @@ def pack(weight: torch.Tensor) -> PackedWeight | OneDNNWeight | None:
         return None
     if backend(weight.dtype) == "onednn":
         return onednn_gemm.pack(weight)
-    return _pack_mkl(weight)
+    return pack_mkl(weight)
 
 
-def _pack_mkl(weight: torch.Tensor) -> PackedWeight | None:
+def pack_mkl(weight: torch.Tensor) -> PackedWeight | None:
     """``weight`` in MKL's packed fp32 layout (and its bf16 copy for small batches)."""
     api = _load()
     if api is None or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
