@@ -5,11 +5,12 @@ in advance (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``,
 Inductor's frozen CPU graphs call). It keeps the weight in its own dtype: bf16 weights stay
 bf16 (2 bytes a weight) and run on the CPU's bf16 instructions, accumulating in fp32.
 
-Where it is faster than MKL's packed fp32 GEMM depends on the CPU: on an AMD EPYC with
-AVX-512 BF16, SmolLM2's projections ran 1.6-2.4x faster in fp32 than MKL's (which takes a
-slower path on CPUs not made by Intel), and bf16 ran 3-4.5x faster than MKL's fp32 copy
-from 16 rows up (``benchmarks/linear_layout.py --onednn``). ``packed_gemm.backend`` times
-both once per process and dtype and picks.
+Whether it is faster than MKL's packed fp32 GEMM depends on the CPU: on an AMD EPYC with
+AVX-512 BF16, SmolLM2's projections ran 1.45-2.4x faster in fp32 than on MKL's (which
+takes a generic path on CPUs not made by Intel), and with bf16 weights 4-5x faster from 32
+rows up and 0.93-1.24x the bf16 decode kernel at 1-16 rows
+(``benchmarks/linear_layout.py --onednn``). ``packed_gemm.backend`` times both once per
+process and dtype and picks.
 
 From two rows up a row's result does not depend on the other rows of the batch (a single
 row takes another path, as with MKL).
