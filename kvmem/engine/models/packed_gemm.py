@@ -125,10 +125,12 @@ def backend(dtype: torch.dtype) -> str:
     choice = os.environ.get("KVMEM_CPU_GEMM", "auto")
     if choice not in ("auto", "mkl", "onednn"):
         raise ConfigError(f"KVMEM_CPU_GEMM must be auto, mkl or onednn, not {choice!r}")
-    have_mkl = _load() is not None and (dtype == torch.float32 or bf16_as_fp32())
-    have_onednn = onednn_gemm.available() and cpu_kernels.enabled()
-    if choice != "auto" or not (have_mkl and have_onednn):
-        return "onednn" if (choice == "onednn" or not have_mkl) and have_onednn else "mkl"
+    if not onednn_gemm.available():
+        return "mkl"
+    if choice == "onednn" or _load() is None or (dtype != torch.float32 and not bf16_as_fp32()):
+        return "onednn"  # asked for, or MKL does not take these weights here
+    if choice == "mkl":
+        return "mkl"
     speedup = _onednn_speedup(dtype)
     picked = "onednn" if speedup >= ONEDNN_MARGIN else "mkl"
     log.info("%s CPU projections on %s: oneDNN's GEMM ran %.2fx MKL's packed fp32 here "
