@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvmem.engine.attention import AttentionBackend, AttentionMetadata
 from kvmem.engine.models import cpu_ops
 from kvmem.engine.models.layers import (
-    MergedColumnParallelLinear,
+    GateUpParallelLinear,
     PackableLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -110,14 +109,11 @@ class LlamaMLP(nn.Module):
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"activation {act!r} is not supported (silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias,
-                                                       **parallel.kw)
+        self.gate_up_proj = GateUpParallelLinear(hidden, inter, bias, **parallel.kw)
         self.down_proj = RowParallelLinear(inter, hidden, bias, **parallel.kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # in place: the fused projection's output is this step's own scratch
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
