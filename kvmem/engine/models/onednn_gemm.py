@@ -115,10 +115,9 @@ def silu_gate_mul(x: torch.Tensor, gate: OneDNNWeight, up: OneDNNWeight,
         raise ValueError("gate and up weights differ in shape or dtype")
     rows = _rows(x, gate)
     if rows.shape[0] == 0:
-        out = rows.new_empty((0, gate.out_features))
-    else:
-        act = torch.ops.mkldnn._linear_pointwise(rows, gate.buffer, _bias(gate_bias, gate),
-                                                 "swish", [], "")
-        out = torch.ops.mkldnn._linear_pointwise.binary(rows, act, up.buffer,
-                                                        _bias(up_bias, up), "mul")
+        return linear(x, gate)  # empty, shaped as the result
+    act = torch.ops.mkldnn._linear_pointwise(rows, gate.buffer, _bias(gate_bias, gate),
+                                             "swish", [], "")
+    out = torch.ops.mkldnn._linear_pointwise.binary(rows, act, up.buffer,
+                                                    _bias(up_bias, up), "mul")
     return out.to(x.dtype).view(*x.shape[:-1], gate.out_features)
