@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmem.engine.models import onednn_gemm, packed_gemm
-from kvmem.engine.models.layers import ColumnParallelLinear, GateUpParallelLinear, weight_bytes
+from kvmem.engine.models.layers import ColumnParallelLinear, weight_bytes
 from kvmem.engine.models.onednn_gemm import OneDNNWeight
 from kvmem.errors import ConfigError
 
@@ -108,46 +108,3 @@ def test_a_bf16_layer_keeps_two_bytes_a_weight_on_onednn(monkeypatch):
     assert isinstance(layer.packed, OneDNNWeight) and layer.weight.numel() == 0
     assert weight_bytes(layer) == 96 * 80 * 2
     torch.testing.assert_close(layer(x).float(), want, rtol=2 ** -7, atol=2e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_gate_mul_is_the_gated_activation(dtype):
-    gate, up = _weight(96, 80).to(dtype), (_weight(96, 80) * 0.5 + 0.1).to(dtype)
-    bg, bu = torch.randn(96).to(dtype), torch.randn(96).to(dtype)
-    x = torch.randn(3, 5, 80).to(dtype)
-    got = onednn_gemm.silu_gate_mul(x, onednn_gemm.pack(gate), onednn_gemm.pack(up), bg, bu)
-    assert got.dtype == dtype and got.shape == (3, 5, 96) and got.is_contiguous()
-    want = F.silu(F.linear(x.float(), gate.float(), bg.float())) \
-        * F.linear(x.float(), up.float(), bu.float())
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 \
-        else {"rtol": 2 ** -6, "atol": 5e-2}
-    torch.testing.assert_close(got.float(), want, **tol)
-    empty = onednn_gemm.silu_gate_mul(torch.empty(0, 80, dtype=dtype), onednn_gemm.pack(gate),
-                                      onednn_gemm.pack(up))
-    assert empty.shape == (0, 96)
-    with pytest.raises(ValueError, match="differ"):
-        onednn_gemm.silu_gate_mul(x, onednn_gemm.pack(gate), onednn_gemm.pack(_weight(48, 80)))
-
-
-@pytest.mark.parametrize("setting", ["onednn", "mkl"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_gate_up_layer_gives_the_same_mlp_activation_on_either_backend(monkeypatch, setting,
-                                                                       bias):
-    if setting == "mkl" and not packed_gemm.available():
-        pytest.skip("no MKL packed GEMM in this torch build")
-    monkeypatch.setenv("KVMEM_CPU_GEMM", setting)
-    layer = GateUpParallelLinear(80, 48, bias=bias)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(96, 80, generator=gen) * 0.2)
-        if bias:
-            layer.bias.copy_(torch.randn(96, generator=gen))
-    x = torch.randn(7, 80, generator=gen)
-    plain = F.linear(x, layer.weight.clone(), None if layer.bias is None else layer.bias.clone())
-    gate, up = plain.chunk(2, dim=-1)
-    layer.pack_weight()
-    assert layer.weight.numel() == 0
-    assert (layer.halves is not None) == (setting == "onednn")
-    assert weight_bytes(layer) == 96 * 80 * 4 + (96 * 4 if bias else 0)
-    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer.silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmem.engine.models import cpu_ops, onednn_gemm, packed_gemm
+from kvmem.engine.models import cpu_ops, packed_gemm
 from kvmem.engine.models.onednn_gemm import OneDNNWeight
 
 
@@ -94,11 +94,6 @@ class PackableLinear(nn.Module):
         self.packed = packed
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
-    @property
-    def packed_nbytes(self) -> int:
-        """Bytes of the packed weight(s), 0 where the weight stays a parameter."""
-        return 0 if self.packed is None else self.packed.nbytes
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
             return packed_gemm.linear(x, self.packed, bias)
@@ -108,8 +103,8 @@ class PackableLinear(nn.Module):
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of all of ``model``'s weights, packed ones included."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(m.packed_nbytes for m in model.modules()
-                        if isinstance(m, PackableLinear))
+    return params + sum(m.packed.nbytes for m in model.modules()
+                        if isinstance(m, PackableLinear) and m.packed is not None)
 
 
 class ColumnParallelLinear(PackableLinear):
@@ -144,55 +139,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         offset, size = sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id]
         _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
-
-
-class GateUpParallelLinear(MergedColumnParallelLinear):
-    """A gated MLP's gate and up projections, and ``silu(gate) * up`` of their outputs.
-
-    Where the CPU projections run on oneDNN, gate and up are reordered as two weights, so
-    that the SiLU and the product run in the GEMMs' epilogues (``onednn_gemm.silu_gate_mul``:
-    one contiguous result, no elementwise passes; 1.05-1.09x faster for SmolLM2's MLPs at
-    512-2,048 rows). Elsewhere it is one matmul, then SiLU and the product.
-    """
-
-    halves: tuple[OneDNNWeight, OneDNNWeight] | None = None
-
-    def __init__(self, in_features: int, intermediate_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(in_features, [intermediate_size] * 2, bias, tp_rank, tp_size)
-
-    def pack_weight(self) -> None:
-        packed = packed_gemm.pack(self.weight)
-        if not isinstance(packed, OneDNNWeight):
-            super().pack_weight()
-            return
-        gate, up = self.weight.detach().chunk(2)
-        self.halves = (onednn_gemm.pack(gate), onednn_gemm.pack(up))
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-
-    @property
-    def packed_nbytes(self) -> int:
-        if self.halves is None:
-            return super().packed_nbytes
-        return sum(h.nbytes for h in self.halves)
-
-    def _bias_halves(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return (None, None) if self.bias is None else self.bias.chunk(2)
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.halves is None:
-            return super().matmul(x, bias)
-        biases = (None, None) if bias is None else bias.chunk(2)
-        return torch.cat([onednn_gemm.linear(x, w, b) for w, b in zip(self.halves, biases,
-                                                                      strict=True)], dim=-1)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x G^T + b_g) * (x U^T + b_u)``."""
-        if self.halves is not None:
-            return onednn_gemm.silu_gate_mul(x, *self.halves, *self._bias_halves())
-        gate, up = self(x).chunk(2, dim=-1)
-        # in place: the fused projection's output is this step's own scratch
-        return F.silu(gate, inplace=True).mul_(up)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

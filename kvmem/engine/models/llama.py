@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvmem.engine.attention import AttentionBackend, AttentionMetadata
 from kvmem.engine.models import cpu_ops
 from kvmem.engine.models.layers import (
-    GateUpParallelLinear,
+    MergedColumnParallelLinear,
     PackableLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -109,11 +110,14 @@ class LlamaMLP(nn.Module):
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"activation {act!r} is not supported (silu)")
-        self.gate_up_proj = GateUpParallelLinear(hidden, inter, bias, **parallel.kw)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias,
+                                                       **parallel.kw)
         self.down_proj = RowParallelLinear(inter, hidden, bias, **parallel.kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        # in place: the fused projection's output is this step's own scratch
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -65,8 +65,10 @@ def pack(weight: torch.Tensor) -> OneDNNWeight | None:
     return OneDNNWeight(buffer, n, k)
 
 
-def _rows(x: torch.Tensor, weight: OneDNNWeight) -> torch.Tensor:
-    """``x`` as the ``[rows, in_features]`` matrix in the weight's dtype that oneDNN takes."""
+def linear(x: torch.Tensor, weight: OneDNNWeight, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for the reordered ``W``; ``x`` in the weight's dtype
+    (another dtype is converted and the result converted back)."""
     if x.device.type != "cpu" or not x.dtype.is_floating_point:
         raise TypeError(f"a oneDNN weight takes floating-point CPU inputs, not {x.dtype} on "
                         f"{x.device.type}")
@@ -80,44 +82,10 @@ def _rows(x: torch.Tensor, weight: OneDNNWeight) -> torch.Tensor:
     rows = x.reshape(-1, k).to(weight.dtype)
     if rows.stride(-1) != 1 or rows.stride(0) < k:  # rows of a wider tensor need no copy
         rows = rows.contiguous()
-    return rows
-
-
-def _bias(bias: torch.Tensor | None, weight: OneDNNWeight) -> torch.Tensor | None:
-    return None if bias is None else bias.to(weight.dtype)
-
-
-def linear(x: torch.Tensor, weight: OneDNNWeight, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for the reordered ``W``; ``x`` in the weight's dtype
-    (another dtype is converted and the result converted back)."""
-    rows = _rows(x, weight)
+    if bias is not None:
+        bias = bias.to(weight.dtype)
     if rows.shape[0] == 0:
         out = rows.new_empty((0, weight.out_features))
     else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight.buffer, _bias(bias, weight),
-                                                 "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight.buffer, bias, "none", [], "")
     return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
-
-
-def silu_gate_mul(x: torch.Tensor, gate: OneDNNWeight, up: OneDNNWeight,
-                  gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """``silu(x G^T + gate_bias) * (x U^T + up_bias)``, a gated MLP's hidden activation.
-
-    The SiLU and the product run as post-ops of the two GEMMs, on the fp32 accumulators, so
-    the result comes out contiguous with no pass of its own (eager: an activation pass, a
-    product pass, and a copy of the strided result before the down projection). oneDNN's
-    SiLU differs from torch's by at most an ulp or so.
-    """
-    if (gate.in_features, gate.out_features) != (up.in_features, up.out_features) \
-            or gate.dtype != up.dtype:
-        raise ValueError("gate and up weights differ in shape or dtype")
-    rows = _rows(x, gate)
-    if rows.shape[0] == 0:
-        return linear(x, gate)  # empty, shaped as the result
-    act = torch.ops.mkldnn._linear_pointwise(rows, gate.buffer, _bias(gate_bias, gate),
-                                             "swish", [], "")
-    out = torch.ops.mkldnn._linear_pointwise.binary(rows, act, up.buffer,
-                                                    _bias(up_bias, up), "mul")
-    return out.to(x.dtype).view(*x.shape[:-1], gate.out_features)
