@@ -1,4 +1,5 @@
-"""The CPU paged decode kernel agrees with the SDPA-over-gathered-blocks path it replaces."""
+"""The CPU paged decode and prefill kernels agree with the SDPA-over-gathered-blocks path
+they replace."""
 
 import random
 
@@ -105,6 +106,53 @@ def _assert_matches_sdpa(monkeypatch, q, k, v, cache, metadata, scale, window) -
     _sdpa_only(monkeypatch)
     sdpa = ReferenceBackend().forward(q, k, v, cache_sdpa, metadata, 0, scale, window)
     torch.testing.assert_close(paged, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def _prefill_kernel_runs(head_dim: int = 64, group: int = 3) -> bool:
+    library = cpu_kernels.library()
+    return library is not None and bool(library.kvmem_prefill_supported(head_dim, group))
+
+
+@pytest.mark.skipif(not _prefill_kernel_runs(), reason="no AVX-512 for the prefill kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads, block_size", [
+    (64, 9, 3, 16),    # SmolLM2's heads
+    (128, 8, 2, 32),   # two rows per set
+    (64, 5, 5, 16),    # plain multi-head, row sets straddle positions
+])
+@pytest.mark.parametrize("window", [None, 45])
+def test_prefill_kernel_matches_sdpa(monkeypatch, dtype, head_dim, heads, kv_heads,
+                                     block_size, window):
+    """Long chunks from scratch and after a cached context (tiles before, across and past
+    the diagonal, a chunk of two tokens, lengths off the 32-key tiles), between decodes."""
+    query_lens = [70, 1, 200, 2, 1, 33]
+    context = [0, 40, 37, 300, 9, 95]
+    q, k, v, cache, metadata = _case(4, query_lens, context, heads=heads, kv_heads=kv_heads,
+                                     dtype=dtype, block_size=block_size, head_dim=head_dim)
+    cache_sdpa = cache.clone()
+    kernel = ReferenceBackend().forward(q, k, v, cache, metadata, 0, head_dim ** -0.5, window)
+    _sdpa_only(monkeypatch)
+    sdpa = ReferenceBackend().forward(q, k, v, cache_sdpa, metadata, 0, head_dim ** -0.5,
+                                      window)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(kernel.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not _prefill_kernel_runs(), reason="no AVX-512 for the prefill kernel")
+def test_prefill_kernel_runs_and_declines_what_it_cannot_do():
+    q, k, v, cache, metadata = _case(5, [40], [0], heads=6, kv_heads=2, dtype=torch.float32)
+    write_kv(cache, k, v, metadata.slot_mappings[0])
+    args = (torch.tensor([0]), torch.tensor([40]), torch.tensor([40]),
+            metadata.block_tables[0], 0.125, None)
+    out = cpu_kernels.paged_prefill(q, cache, *args)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(3, 0),
+        v.transpose(0, 1).repeat_interleave(3, 0), is_causal=True, scale=0.125).transpose(0, 1)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert cpu_kernels.paged_prefill(q.double(), cache.double(), *args) is None  # dtype
+    assert cpu_kernels.paged_prefill(q.bfloat16(), cache, *args) is None  # q and cache differ
+    narrow = torch.randn(40, 6, 32)
+    assert cpu_kernels.paged_prefill(narrow, cache[..., :32].contiguous(), *args) is None
 
 
 def test_unsupported_layouts_fall_back():

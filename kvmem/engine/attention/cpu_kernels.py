@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -38,6 +39,7 @@ _SOURCES = {
         "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
         "-ffp-contract=off"],
     Path(__file__).with_name("cache_ops.c"): [],  # plain copies
+    Path(__file__).with_name("prefill.c"): [],
     Path(__file__).parent.parent / "models" / "bf16_gemm.c": [],
 }
 _HEADERS = [Path(__file__).with_name("sum16.h")]
@@ -135,6 +137,13 @@ def _load() -> ctypes.CDLL | None:
     library.kvmem_gemm_bf16.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ptr, ptr, i64]
     library.kvmem_gemm_bf16.restype = ctypes.c_int
+    library.kvmem_prefill_supported.argtypes = [ctypes.c_int, ctypes.c_int]
+    library.kvmem_prefill_supported.restype = ctypes.c_int
+    library.kvmem_prefill_attention.argtypes = [
+        ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ptr,
+        i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, i64, ctypes.c_int,
+        ctypes.c_int]
+    library.kvmem_prefill_attention.restype = ctypes.c_int
     _library = library
     return library
 
@@ -193,6 +202,48 @@ def paged_decode(q: torch.Tensor, rows: torch.Tensor | None, kv_cache: torch.Ten
     if status:
         raise MemoryError("CPU paged decode attention could not allocate its scratch memory")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_PREFILL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, starts: torch.Tensor,
+                  q_lens: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                  scale: float, sliding_window: int | None) -> torch.Tensor | None:
+    """Causal attention of prefill chunks over their cached context and themselves.
+
+    Chunk c is token rows ``starts[c]:starts[c] + q_lens[c]`` of ``q`` ``[T, Hq, D]``, the
+    last ``q_lens[c]`` of its sequence's ``seq_lens[c]`` tokens, whose keys and values
+    (these rows' included) are in ``kv_cache`` ``[blocks, 2, block_size, Hkv, D]`` at the
+    blocks of ``block_table[c]`` (int64 vectors, an int32 table). Returns fp32 ``[T, Hq, D]``
+    with the chunks' rows filled (``prefill.c``), or None where the kernel does not apply
+    (another device, a dtype other than the cache's fp32 or bf16, no library).
+    """
+    dtype = _PREFILL_DTYPES.get(q.dtype)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if dtype is None or q.device.type != "cpu" or kv_cache.dtype != q.dtype \
+            or kv_cache.dim() != 5 or kv_cache.shape[4] != head_dim \
+            or num_heads % kv_cache.shape[3] or not kv_cache.is_contiguous():
+        return None
+    library = _load()
+    num_kv_heads = kv_cache.shape[3]
+    if library is None or not library.kvmem_prefill_supported(head_dim,
+                                                              num_heads // num_kv_heads):
+        return None
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    bounds = [t.to(torch.int64).contiguous() for t in (starts, q_lens, seq_lens)]
+    table = block_table.to(torch.int32).contiguous()
+    status = library.kvmem_prefill_attention(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), kv_cache.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.shape[2], table.data_ptr(),
+        table.stride(0), *(b.data_ptr() for b in bounds), len(bounds[0]), out.data_ptr(),
+        out.stride(0), num_heads, num_kv_heads, head_dim, scale * math.log2(math.e),
+        sliding_window or 0, dtype, torch.get_num_threads())
+    if status == 1:
+        raise MemoryError("CPU prefill attention could not allocate its scratch memory")
+    return out if status == 0 else None
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

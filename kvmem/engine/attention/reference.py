@@ -12,7 +12,9 @@ layer then only gathers and calls SDPA:
   read once; under a sliding window only the blocks the window can see are gathered;
 - a prefill chunk with no cached prefix attends over its own new K/V with ``is_causal``
   (nothing is read back from the cache); a chunk after a cached prefix gathers its
-  blocks and uses an explicit mask.
+  blocks and uses an explicit mask. Where the CPU kernels run, all prefill chunks of a step
+  go to one call of the C prefill kernel instead (``prefill.c``), which reads the cache's
+  blocks itself.
 
 A decode-only batch whose lengths are alike (always so in a CUDA graph's metadata) is one
 batch derived from device tensors only (no host reads), so it can be captured.
@@ -113,10 +115,21 @@ class PagedDecodes:
 
 
 @dataclass
+class PagedPrefills:
+    """All prefill chunks of a step, for the CPU prefill kernel (K/V read from the cache)."""
+
+    starts: torch.Tensor  # int64 [C]: each chunk's first token row
+    q_lens: torch.Tensor  # int64 [C]
+    seq_lens: torch.Tensor  # int64 [C]: the chunk's tokens included
+    block_table: torch.Tensor  # int32 [C, max_blocks]
+
+
+@dataclass
 class StepPlan:
     decodes: list[DecodeBatch]
     prefills: list[PrefillChunk]
     paged: PagedDecodes | None = None  # set instead of ``decodes`` when the kernel runs
+    paged_prefills: PagedPrefills | None = None  # with ``paged``: the prefill chunks too
 
 
 def step_plan(metadata: AttentionMetadata, group_id: int, sliding_window: int | None,
@@ -155,6 +168,7 @@ def _build_plan(metadata: AttentionMetadata, block_table: torch.Tensor,
     device = block_table.device
     lens = metadata.seq_lens_cpu
     decode_seqs: list[int] = []
+    prefill_seqs: list[int] = []
     prefills: list[PrefillChunk] = []
     if metadata.is_decode_only:
         decode_seqs = list(range(metadata.num_seqs))
@@ -164,11 +178,13 @@ def _build_plan(metadata: AttentionMetadata, block_table: torch.Tensor,
             if q_len == 1:
                 decode_seqs.append(b)
             elif q_len > 1:
+                prefill_seqs.append(b)
                 prefills.append(_prefill_chunk(b, start, q_len, seq_len, block_table,
                                                block_size, sliding_window))
             start += q_len
     if paged:
-        return StepPlan([], prefills, _paged_decodes(metadata, block_table, decode_seqs))
+        return StepPlan([], prefills, _paged_decodes(metadata, block_table, decode_seqs),
+                        _paged_prefills(metadata, block_table, prefill_seqs))
     buckets = length_buckets(decode_seqs, lens) if decode_seqs else []
     if metadata.is_decode_only and len(buckets) == 1:
         # the whole batch in order, from device tensors only: CUDA-graph safe
@@ -197,6 +213,20 @@ def _paged_decodes(metadata: AttentionMetadata, block_table: torch.Tensor,
     return PagedDecodes(torch.tensor([starts[b] for b in decode_seqs], dtype=torch.long),
                         block_table.index_select(0, seqs),
                         metadata.seq_lens.index_select(0, seqs))
+
+
+def _paged_prefills(metadata: AttentionMetadata, block_table: torch.Tensor,
+                    prefill_seqs: list[int]) -> PagedPrefills | None:
+    if not prefill_seqs:
+        return None
+    starts = _cumsum(metadata.query_lens)
+    seqs = torch.tensor(prefill_seqs, dtype=torch.long)
+    return PagedPrefills(torch.tensor([starts[b] for b in prefill_seqs], dtype=torch.long),
+                         torch.tensor([metadata.query_lens[b] for b in prefill_seqs],
+                                      dtype=torch.long),
+                         torch.tensor([metadata.seq_lens_cpu[b] for b in prefill_seqs],
+                                      dtype=torch.long),
+                         block_table.index_select(0, seqs))
 
 
 def _cumsum(counts: list[int]) -> list[int]:
@@ -264,7 +294,17 @@ class ReferenceBackend:
         for batch in plan.decodes:
             out.index_copy_(0, batch.rows, self._decode(q.index_select(0, batch.rows), kv_cache,
                                                         batch, scale))
-        for chunk in plan.prefills:
+        prefills = plan.prefills
+        if plan.paged_prefills is not None:
+            chunks = plan.paged_prefills
+            attended = cpu_kernels.paged_prefill(q, kv_cache, chunks.starts, chunks.q_lens,
+                                                 chunks.seq_lens, chunks.block_table, scale,
+                                                 sliding_window)
+            if attended is not None:
+                for chunk in prefills:
+                    out[chunk.start:chunk.end] = attended[chunk.start:chunk.end]
+                prefills = []
+        for chunk in prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, kv_cache, chunk, scale)
         return out
 

@@ -1,0 +1,259 @@
+/* Causal prefill attention on the CPU, read from the paged KV cache: each chunk of new
+ * tokens attends over its sequence's cached context and itself (this step's keys and values
+ * are stored before attention runs), under an optional sliding window.
+ *
+ * A chunk's keys are first copied per KV head into an fp32 [head_dim][keys] copy and its
+ * values into [keys][head_dim] (bf16 widened once here, not per use). The query rows of all
+ * query heads that share a KV head are taken position by position (row = position * group
+ * + head), ROWS at a time, and walk the keys they may see in tiles of 32 with an online
+ * softmax, everything in registers: the scores of ROWS rows x 32 keys (an outer-product
+ * micro-kernel: a key tile is two vectors per dimension), then the value rows, each read
+ * once for all ROWS rows. Keys past a row's position (or before its window) are masked in
+ * the tiles that cross those edges, and tiles no row may see are not read, so causal
+ * attention costs half of full attention. exp2 is a degree-6 polynomial with the exponent
+ * applied by scalef (within about an ulp of expf). fp32 arithmetic and output; head_dim 64
+ * or 128, AVX-512 only (elsewhere the caller keeps PyTorch's SDPA). Built at first use by
+ * kvmem/engine/attention/cpu_kernels.py.
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 32
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);  /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline float scalar_f32(const float *p) { return *p; }
+
+static inline float scalar_bf16(const uint16_t *p) {
+    union { uint32_t u; float f; } v = { (uint32_t)*p << 16 };
+    return v.f;
+}
+
+/* One set of up to ROWS query rows (row = position * group + head, positions counted from
+ * the chunk's first query) of one KV head, against the keys each row may see. */
+#define DEFINE_ROWS(D, ROWS)                                                                \
+static void rows_##D(const float *qs_all, const float *kt, int64_t padded, const float *vc, \
+                     float *out, int64_t out_stride, int64_t first_row, int64_t num_rows,   \
+                     int group, int kv_head, int64_t context, int64_t window) {             \
+    enum { VD = D / 16 };                                                                   \
+    const float *qs[ROWS];                                                                  \
+    int64_t pos[ROWS], local[ROWS];                                                         \
+    int head[ROWS];                                                                         \
+    for (int r = 0; r < ROWS; ++r) {                                                        \
+        const int64_t row = first_row + (r < num_rows ? r : num_rows - 1);                  \
+        local[r] = row / group;                                                             \
+        pos[r] = context + local[r];                                                        \
+        head[r] = kv_head * group + (int)(row % group);                                     \
+        qs[r] = qs_all + row * D;                                                           \
+    }                                                                                       \
+    const int64_t num_keys = pos[ROWS - 1] + 1;                                             \
+    /* the window's lower edge: key > pos - window */                                       \
+    const int64_t lowest = window > 0 && pos[0] - window + 1 > 0 ? pos[0] - window + 1 : 0; \
+    __m512 acc[ROWS][VD], lsum[ROWS];                                                       \
+    float m[ROWS];                                                                          \
+    for (int r = 0; r < ROWS; ++r) {                                                        \
+        for (int c = 0; c < VD; ++c) acc[r][c] = _mm512_setzero_ps();                       \
+        lsum[r] = _mm512_setzero_ps();                                                      \
+        m[r] = -FLT_MAX;                                                                    \
+    }                                                                                       \
+    float p[ROWS][TILE];                                                                    \
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,  \
+                                          1, 0);                                            \
+    const __m512i lane_hi = _mm512_add_epi32(lane, _mm512_set1_epi32(16));                  \
+    for (int64_t k0 = lowest / TILE * TILE; k0 < num_keys; k0 += TILE) {                    \
+        __m512 s[ROWS][2];                                                                  \
+        for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();             \
+        const float *kd = kt + k0;                                                          \
+        for (int d = 0; d < D; ++d, kd += padded) {                                         \
+            const __m512 k_lo = _mm512_loadu_ps(kd), k_hi = _mm512_loadu_ps(kd + 16);       \
+            for (int r = 0; r < ROWS; ++r) {                                                \
+                const __m512 b = _mm512_set1_ps(qs[r][d]);                                  \
+                s[r][0] = _mm512_fmadd_ps(b, k_lo, s[r][0]);                                \
+                s[r][1] = _mm512_fmadd_ps(b, k_hi, s[r][1]);                                \
+            }                                                                               \
+        }                                                                                   \
+        const int edge = k0 + TILE > pos[0] + 1                                             \
+                         || (window > 0 && k0 <= pos[ROWS - 1] - window);                   \
+        for (int r = 0; r < ROWS; ++r) {                                                    \
+            __mmask16 keep[2] = {0xFFFF, 0xFFFF};                                           \
+            if (edge) {                                                                     \
+                const __m512i hi = _mm512_set1_epi32((int)(pos[r] - k0));                   \
+                const __m512i lo = _mm512_set1_epi32(                                       \
+                    window > 0 ? (int)(pos[r] - window + 1 - k0) : INT32_MIN);              \
+                keep[0] = _mm512_cmple_epi32_mask(lane, hi)                                 \
+                          & _mm512_cmpge_epi32_mask(lane, lo);                              \
+                keep[1] = _mm512_cmple_epi32_mask(lane_hi, hi)                              \
+                          & _mm512_cmpge_epi32_mask(lane_hi, lo);                           \
+                s[r][0] = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep[0], s[r][0]);   \
+                s[r][1] = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep[1], s[r][1]);   \
+            }                                                                               \
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(s[r][0], s[r][1]));       \
+            if (top > m[r]) {                                                               \
+                const __m512 alpha = _mm512_set1_ps(                                        \
+                    _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[r] - top))));                 \
+                for (int c = 0; c < VD; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], alpha);   \
+                lsum[r] = _mm512_mul_ps(lsum[r], alpha);                                    \
+                m[r] = top;                                                                 \
+            }                                                                               \
+            const __m512 mx = _mm512_set1_ps(m[r]);                                         \
+            const __m512 p0 = _mm512_maskz_mov_ps(keep[0],                                  \
+                                                  exp2_ps(_mm512_sub_ps(s[r][0], mx)));     \
+            const __m512 p1 = _mm512_maskz_mov_ps(keep[1],                                  \
+                                                  exp2_ps(_mm512_sub_ps(s[r][1], mx)));     \
+            lsum[r] = _mm512_add_ps(lsum[r], _mm512_add_ps(p0, p1));                        \
+            _mm512_storeu_ps(p[r], p0);                                                     \
+            _mm512_storeu_ps(p[r] + 16, p1);                                                \
+        }                                                                                   \
+        const int64_t n = num_keys - k0 < TILE ? num_keys - k0 : TILE;                      \
+        const float *vj = vc + k0 * D;                                                      \
+        for (int j = 0; j < n; ++j, vj += D) {                                              \
+            __m512 vv[VD];                                                                  \
+            for (int c = 0; c < VD; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);              \
+            for (int r = 0; r < ROWS; ++r) {                                                \
+                const __m512 b = _mm512_set1_ps(p[r][j]);                                   \
+                for (int c = 0; c < VD; ++c) acc[r][c] = _mm512_fmadd_ps(b, vv[c], acc[r][c]); \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    for (int r = 0; r < ROWS && r < num_rows; ++r) {                                        \
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[r]));            \
+        float *o = out + local[r] * out_stride + (int64_t)head[r] * D;                      \
+        for (int c = 0; c < VD; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[r][c], inv)); \
+    }                                                                                       \
+}
+
+DEFINE_ROWS(64, 4)
+DEFINE_ROWS(128, 2)
+
+/* One chunk: its queries scaled into fp32 [row][D] (row = position * group + head within a
+ * KV head), and per KV head its keys transposed into fp32 [D][keys] and its values into
+ * fp32 [keys][D] (zero-padded to whole tiles), read from the cache's blocks. */
+#define DEFINE_CHUNK(SUFFIX, T)                                                             \
+static int chunk_##SUFFIX(const T *q, int64_t q_stride, int64_t q_len, const T *cache,      \
+                          const int32_t *table, int64_t block_stride, int64_t side_stride,  \
+                          int64_t token_stride, int block_size, int64_t seq_len,            \
+                          float *out, int64_t out_stride, int num_heads, int num_kv_heads,  \
+                          int head_dim, float scale, int64_t window, int num_threads) {     \
+    const int group = num_heads / num_kv_heads;                                             \
+    const int rows_per_set = head_dim == 64 ? 4 : 2;                                        \
+    const int64_t padded = (seq_len + TILE - 1) / TILE * TILE;                              \
+    const int64_t per_head = (int64_t)head_dim * padded;                                    \
+    const int64_t rows = q_len * group;                                                     \
+    float *kt = calloc((size_t)(2 * num_kv_heads * per_head + num_heads * q_len * head_dim), \
+                       sizeof(float));                                                      \
+    if (!kt) return 1;                                                                      \
+    float *vc = kt + num_kv_heads * per_head, *qs = vc + num_kv_heads * per_head;           \
+    for (int64_t t = 0; t < seq_len; ++t) {                                                 \
+        const T *row = cache + table[t / block_size] * block_stride                         \
+                       + (t % block_size) * token_stride;                                   \
+        for (int h = 0; h < num_kv_heads; ++h) {                                            \
+            const T *key = row + (int64_t)h * head_dim, *value = key + side_stride;         \
+            float *kdst = kt + h * per_head + t, *vdst = vc + h * per_head + t * head_dim;  \
+            for (int d = 0; d < head_dim; ++d) {                                            \
+                kdst[d * padded] = scalar_##SUFFIX(key + d);                                \
+                vdst[d] = scalar_##SUFFIX(value + d);                                       \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    for (int h = 0; h < num_kv_heads; ++h)                                                  \
+        for (int64_t row = 0; row < rows; ++row) {                                          \
+            const T *src = q + (row / group) * q_stride                                     \
+                           + (int64_t)(h * group + row % group) * head_dim;                 \
+            float *dst = qs + (h * rows + row) * head_dim;                                  \
+            for (int d = 0; d < head_dim; ++d) dst[d] = scalar_##SUFFIX(src + d) * scale;   \
+        }                                                                                   \
+    const int64_t sets = (rows + rows_per_set - 1) / rows_per_set;                          \
+    const int64_t context = seq_len - q_len;                                                \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 4) collapse(2)")   \
+    for (int h = 0; h < num_kv_heads; ++h)                                                  \
+        for (int64_t i = 0; i < sets; ++i) {                                                \
+            const int64_t first = i * rows_per_set;                                         \
+            const int64_t count = rows - first < rows_per_set ? rows - first : rows_per_set; \
+            const float *qh = qs + h * rows * head_dim;                                     \
+            if (head_dim == 64)                                                             \
+                rows_64(qh, kt + h * per_head, padded, vc + h * per_head, out, out_stride,  \
+                        first, count, group, h, context, window);                           \
+            else                                                                            \
+                rows_128(qh, kt + h * per_head, padded, vc + h * per_head, out, out_stride, \
+                         first, count, group, h, context, window);                          \
+        }                                                                                   \
+    free(kt);                                                                               \
+    return 0;                                                                               \
+}
+
+DEFINE_CHUNK(f32, float)
+DEFINE_CHUNK(bf16, uint16_t)
+#endif
+
+/* Whether this build runs the kernel for head_dim and query heads per KV head. */
+int kvmem_prefill_supported(int head_dim, int group) {
+#if defined(__AVX512F__)
+    return (head_dim == 64 || head_dim == 128) && group >= 1;
+#else
+    (void)head_dim; (void)group;
+    return 0;
+#endif
+}
+
+/* Chunk c: token rows starts[c] .. starts[c] + q_lens[c] - 1 of q (rows of [num_heads,
+ * head_dim], q_stride elements apart), the last q_lens[c] of seq_lens[c] tokens of a
+ * sequence whose keys and values (this step's included) are in the cache [blocks, 2,
+ * block_size, num_kv_heads, head_dim] at the blocks tables[c * table_stride ...]. out (fp32)
+ * gets the same rows. scale multiplies q.k (softmax in base 2: the caller passes scale *
+ * log2(e)); window > 0 limits keys to the last `window` positions. dtype 0: fp32, 1: bf16.
+ * Returns 0, 1 when out of memory, 2 when not supported here. */
+int kvmem_prefill_attention(const void *q, int64_t q_stride, const void *cache,
+                            int64_t block_stride, int64_t side_stride, int64_t token_stride,
+                            int block_size, const int32_t *tables, int64_t table_stride,
+                            const int64_t *starts, const int64_t *q_lens,
+                            const int64_t *seq_lens, int num_chunks, float *out,
+                            int64_t out_stride, int num_heads, int num_kv_heads, int head_dim,
+                            float scale, int64_t window, int dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads
+            || !kvmem_prefill_supported(head_dim, num_heads / num_kv_heads))
+        return 2;
+#if defined(__AVX512F__)
+    for (int c = 0; c < num_chunks; ++c) {
+        const int64_t s = starts[c];
+        const int32_t *table = tables + c * table_stride;
+        int status;
+        if (dtype == 1)
+            status = chunk_bf16((const uint16_t *)q + s * q_stride, q_stride, q_lens[c],
+                                (const uint16_t *)cache, table, block_stride, side_stride,
+                                token_stride, block_size, seq_lens[c], out + s * out_stride,
+                                out_stride, num_heads, num_kv_heads, head_dim, scale, window,
+                                num_threads);
+        else
+            status = chunk_f32((const float *)q + s * q_stride, q_stride, q_lens[c],
+                               (const float *)cache, table, block_stride, side_stride,
+                               token_stride, block_size, seq_lens[c], out + s * out_stride,
+                               out_stride, num_heads, num_kv_heads, head_dim, scale, window,
+                               num_threads);
+        if (status) return status;
+    }
+    return 0;
+#else
+    (void)q; (void)q_stride; (void)cache; (void)block_stride; (void)side_stride;
+    (void)token_stride; (void)block_size; (void)tables; (void)table_stride; (void)starts;
+    (void)q_lens; (void)seq_lens; (void)num_chunks; (void)out; (void)out_stride;
+    (void)scale; (void)window; (void)dtype; (void)num_threads;
+    return 2;
+#endif
+}
