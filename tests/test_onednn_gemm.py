@@ -85,9 +85,38 @@ def test_a_bad_setting_is_a_clear_error(monkeypatch):
 @pytest.mark.skipif(not packed_gemm.available(), reason="no MKL packed GEMM to compare")
 @pytest.mark.parametrize(("speedup", "picked"), [(2.0, "onednn"), (1.1, "mkl")])
 def test_auto_picks_onednn_only_when_clearly_faster(monkeypatch, speedup, picked):
+    """On Intel's CPUs the choice is timed."""
     monkeypatch.delenv("KVMEM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(packed_gemm, "_intel_cpu", lambda: True)
     monkeypatch.setattr(packed_gemm, "_onednn_speedup", lambda dtype: speedup)
     assert packed_gemm.backend(torch.float32) == picked
+
+
+@pytest.mark.skipif(not packed_gemm.available(), reason="no MKL packed GEMM to compare")
+def test_other_vendors_cpus_take_onednn_without_timing(monkeypatch):
+    """MKL's generic path elsewhere: no timing that could flip between processes."""
+    monkeypatch.delenv("KVMEM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(packed_gemm, "_intel_cpu", lambda: False)
+
+    def timed(dtype):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(packed_gemm, "_onednn_speedup", timed)
+    assert packed_gemm.backend(torch.float32) == "onednn"
+    monkeypatch.setenv("KVMEM_CPU_GEMM", "mkl")
+    packed_gemm.backend.cache_clear()
+    assert packed_gemm.backend(torch.float32) == "mkl"
+
+
+@pytest.mark.parametrize(("vendors", "intel"), [
+    (["GenuineIntel", "GenuineIntel"], True), (["AuthenticAMD"] * 2, False),
+    (["HygonGenuine"], False), (None, True)])
+def test_the_cpu_vendor_is_read_from_cpuinfo(tmp_path, vendors, intel):
+    info = tmp_path / "cpuinfo"
+    if vendors is not None:  # None: no cpuinfo at all
+        info.write_text("".join(f"processor\t: {i}\nvendor_id\t: {v}\nflags\t\t: fpu\n\n"
+                                for i, v in enumerate(vendors)))
+    assert packed_gemm._intel_cpu(info) is intel
 
 
 @pytest.mark.skipif(not packed_gemm.available(), reason="no MKL packed GEMM to compare")

@@ -9,8 +9,8 @@ Whether it is faster than MKL's packed fp32 GEMM depends on the CPU: on an AMD E
 AVX-512 BF16, SmolLM2's projections ran 1.45-2.4x faster in fp32 than on MKL's (which
 takes a generic path on CPUs not made by Intel), and with bf16 weights 4-5x faster from 32
 rows up and 0.93-1.24x the bf16 decode kernel at 1-16 rows
-(``benchmarks/linear_layout.py --onednn``). ``packed_gemm.backend`` times both once per
-process and dtype and picks.
+(``benchmarks/linear_layout.py --onednn``). ``packed_gemm.backend`` takes it on such
+CPUs, and on Intel's times both once per process and dtype and picks.
 
 From two rows up a row's result does not depend on the other rows of the batch (a single
 row takes another path, as with MKL).

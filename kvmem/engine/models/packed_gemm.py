@@ -23,9 +23,10 @@ to ``SMALL_BF16_ROWS`` rows (decode steps, bound by reading the weight) run on i
 (``bf16_gemm.c``): half the bytes to read, products exact and summed in fp32 as above, in
 another order.
 
-Where oneDNN's reordered GEMM (``onednn_gemm``) is clearly faster than MKL's, as on CPUs
-not made by Intel, ``pack`` returns its weight instead: ``backend`` times both once per
-process and dtype (about 0.1 s), and ``KVMEM_CPU_GEMM=mkl|onednn`` overrides the choice.
+On CPUs not made by Intel, where MKL takes a generic path, ``pack`` returns oneDNN's
+reordered weight (``onednn_gemm``) instead; on Intel's, ``backend`` times both once per
+process and dtype (about 0.1 s) and takes oneDNN where it is clearly faster.
+``KVMEM_CPU_GEMM=mkl|onednn`` overrides the choice.
 
 Where the API is missing (no MKL: ARM, macOS), for other dtypes and devices, and with
 ``KVMEM_CPU_KERNELS=0``, ``pack`` returns None and the layer keeps its weight.
@@ -131,12 +132,32 @@ def backend(dtype: torch.dtype) -> str:
         return "onednn"  # asked for, or MKL does not take these weights here
     if choice == "mkl":
         return "mkl"
+    if not _intel_cpu():
+        # MKL takes a generic path on other CPUs: oneDNN measured 1.1-2.4x faster on the
+        # two AMD EPYCs tried, and there the timing sat near the margin on one of them and
+        # flipped between processes
+        log.info("CPU projections on oneDNN: MKL takes its generic path on CPUs not made "
+                 "by Intel (KVMEM_CPU_GEMM=mkl overrides)")
+        return "onednn"
     speedup = _onednn_speedup(dtype)
     picked = "onednn" if speedup >= ONEDNN_MARGIN else "mkl"
     log.info("%s CPU projections on %s: oneDNN's GEMM ran %.2fx MKL's packed fp32 here "
              "(KVMEM_CPU_GEMM=mkl|onednn overrides)", str(dtype).removeprefix("torch."),
              "oneDNN" if picked == "onednn" else "MKL", speedup)
     return picked
+
+
+@functools.cache
+def _intel_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU is Intel's (from Linux's cpuinfo; without it assumed so, which
+    leaves the choice to the timing)."""
+    try:
+        info = cpuinfo.read_text()
+    except OSError:
+        return True
+    vendors = {line.split(":", 1)[1].strip() for line in info.splitlines()
+               if line.startswith("vendor_id")}
+    return not vendors or vendors == {"GenuineIntel"}
 
 
 def _onednn_speedup(dtype: torch.dtype) -> float:
