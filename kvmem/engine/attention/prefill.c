@@ -144,7 +144,7 @@ DEFINE_ROWS(128, 2)
 
 /* One chunk: its queries scaled into fp32 [row][D] (row = position * group + head within a
  * KV head), and per KV head its keys transposed into fp32 [D][keys] and its values into
- * fp32 [keys][D] (zero-padded to whole tiles), read from the cache's blocks. */
+ * fp32 [keys][D] (keys zero-padded to whole tiles), read from the cache's blocks. */
 #define DEFINE_CHUNK(SUFFIX, T)                                                             \
 static int chunk_##SUFFIX(const T *q, int64_t q_stride, int64_t q_len, const T *cache,      \
                           const int32_t *table, int64_t block_stride, int64_t side_stride,  \
@@ -156,10 +156,13 @@ static int chunk_##SUFFIX(const T *q, int64_t q_stride, int64_t q_len, const T *
     const int64_t padded = (seq_len + TILE - 1) / TILE * TILE;                              \
     const int64_t per_head = (int64_t)head_dim * padded;                                    \
     const int64_t rows = q_len * group;                                                     \
-    float *kt = calloc((size_t)(2 * num_kv_heads * per_head + num_heads * q_len * head_dim), \
-                       sizeof(float));                                                      \
+    float *kt = malloc(sizeof(float)                                                        \
+                       * (size_t)(2 * num_kv_heads * per_head + num_heads * q_len * head_dim)); \
     if (!kt) return 1;                                                                      \
     float *vc = kt + num_kv_heads * per_head, *qs = vc + num_kv_heads * per_head;           \
+    /* the last key tile reads past the sequence (masked); value rows there are never read */ \
+    for (int64_t col = 0; col < (int64_t)num_kv_heads * head_dim; ++col)                    \
+        memset(kt + col * padded + seq_len, 0, sizeof(float) * (size_t)(padded - seq_len)); \
     for (int64_t t = 0; t < seq_len; ++t) {                                                 \
         const T *row = cache + table[t / block_size] * block_stride                         \
                        + (t % block_size) * token_stride;                                   \
