@@ -4,7 +4,7 @@ Decode rows read their keys and values straight from the block-major cache, once
 the SDPA path first gathers every block into a contiguous copy (on CPU decode is bound by
 memory traffic, and the copy triples it). The library also holds the cache store
 (``cache_ops.c``, ``store_kv``) and the decoder layer's fused elementwise steps
-(``models/fused_ops.c``, used by ``models/cpu_ops.py``). Its
+(``models/fused_ops.c`` and ``models/activation.c``, used by ``models/cpu_ops.py``). Its
 sources are compiled with the system C compiler (``$CC``, else ``cc``) into
 ``$KVMEM_CACHE_DIR/kernels`` (default ``~/.cache/kvmem/kernels``), keyed by the sources,
 flags and CPU, so a later start loads it in milliseconds. Without a compiler, or with
@@ -31,18 +31,21 @@ logger = logging.getLogger(__name__)
 _COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 # each source with its own flags. paged_decode: -ffast-math lets the softmax's expf
 # vectorise (glibc's libmvec); the kernel keeps no infinities or NaNs of its own (the running
-# max starts at -FLT_MAX). fused_ops: the rotary arithmetic must round as the eager path does
-# (no FMA contraction); reassociation only vectorises the RMSNorm sum
+# max starts at -FLT_MAX); activation: the same, for SiLU's expf. fused_ops: the rotary
+# arithmetic must round as the eager path does (no FMA contraction); reassociation only
+# vectorises the RMSNorm sum
+_MODELS = Path(__file__).parent.parent / "models"
 _SOURCES = {
     Path(__file__).with_name("paged_decode.c"): ["-ffast-math"],
-    Path(__file__).parent.parent / "models" / "fused_ops.c": [
+    _MODELS / "activation.c": ["-ffast-math"],
+    _MODELS / "fused_ops.c": [
         "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
         "-ffp-contract=off"],
     Path(__file__).with_name("cache_ops.c"): [],  # plain copies
     Path(__file__).with_name("prefill.c"): [],
-    Path(__file__).parent.parent / "models" / "bf16_gemm.c": [],
+    _MODELS / "bf16_gemm.c": [],
 }
-_HEADERS = [Path(__file__).with_name("sum16.h")]
+_HEADERS = [Path(__file__).with_name("sum16.h"), _MODELS / "bf16.h"]
 _ARG_TYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
@@ -126,12 +129,15 @@ def _load() -> ctypes.CDLL | None:
     library.kvmem_paged_decode_limits.argtypes = [ctypes.c_int] * 3
     library.kvmem_paged_decode_limits.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.kvmem_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
-                                               ctypes.c_float, ctypes.c_int]
-    library.kvmem_rotary_f32.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ptr,
-                                         ctypes.c_int]
-    for fn in (library.kvmem_add_rms_norm_f32, library.kvmem_rotary_f32):
-        fn.restype = None
+    for dtype in ("f32", "bf16"):
+        fused = {f"kvmem_add_rms_norm_{dtype}": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                                 ctypes.c_float, ctypes.c_int],
+                 f"kvmem_rotary_{dtype}": [ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ptr,
+                                           ctypes.c_int],
+                 f"kvmem_silu_mul_{dtype}": [ptr, i64, i64, i64, ptr, ctypes.c_int]}
+        for name, argtypes in fused.items():
+            fn = getattr(library, name)
+            fn.argtypes, fn.restype = argtypes, None
     library.kvmem_store_kv.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr] + [i64] * 6
     library.kvmem_store_kv.restype = i64
     library.kvmem_gemm_bf16.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int,

@@ -115,7 +115,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias, **parallel.kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = cpu_ops.silu_mul(gate_up)
+        if fused is not None:
+            return self.down_proj(fused)
+        gate, up = gate_up.chunk(2, dim=-1)
         # in place: the fused projection's output is this step's own scratch
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
