@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aligned.h"
+
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_DIM 256    /* head_dim */
 #define MAX_BLOCK 128  /* block_size */
@@ -54,11 +56,11 @@ typedef struct {
 } Scratch;
 
 static int scratch_alloc(Scratch *w, int num_heads, int head_dim, int block_size) {
-    w->q = malloc(sizeof(float) * num_heads * head_dim);
-    w->acc = malloc(sizeof(float) * num_heads * head_dim);
-    w->m = malloc(sizeof(float) * num_heads);
-    w->l = malloc(sizeof(float) * num_heads);
-    w->s = malloc(sizeof(float) * num_heads * block_size);
+    w->q = aligned_scratch(sizeof(float) * num_heads * head_dim);
+    w->acc = aligned_scratch(sizeof(float) * num_heads * head_dim);
+    w->m = aligned_scratch(sizeof(float) * num_heads);
+    w->l = aligned_scratch(sizeof(float) * num_heads);
+    w->s = aligned_scratch(sizeof(float) * num_heads * block_size);
     return w->q && w->acc && w->m && w->l && w->s;
 }
 

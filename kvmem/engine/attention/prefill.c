@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aligned.h"
+
 #define TILE 32
 
 #if defined(__AVX512F__)
@@ -49,7 +51,7 @@ static inline float scalar_bf16(const uint16_t *p) {
 /* One set of up to ROWS query rows (row = position * group + head, positions counted from
  * the chunk's first query) of one KV head, against the keys each row may see. */
 #define DEFINE_ROWS(D, ROWS)                                                                \
-static void rows_##D(const float *qs_all, const float *kt, int64_t padded, const float *vc, \
+static void rows_##D(const float *qs_all, const float *kt, int64_t kstride, const float *vc, \
                      float *out, int64_t out_stride, int64_t first_row, int64_t num_rows,   \
                      int group, int kv_head, int64_t context, int64_t window) {             \
     enum { VD = D / 16 };                                                                   \
@@ -81,7 +83,7 @@ static void rows_##D(const float *qs_all, const float *kt, int64_t padded, const
         __m512 s[ROWS][2];                                                                  \
         for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();             \
         const float *kd = kt + k0;                                                          \
-        for (int d = 0; d < D; ++d, kd += padded) {                                         \
+        for (int d = 0; d < D; ++d, kd += kstride) {                                        \
             const __m512 k_lo = _mm512_loadu_ps(kd), k_hi = _mm512_loadu_ps(kd + 16);       \
             for (int r = 0; r < ROWS; ++r) {                                                \
                 const __m512 b = _mm512_set1_ps(qs[r][d]);                                  \
@@ -154,15 +156,18 @@ static int chunk_##SUFFIX(const T *q, int64_t q_stride, int64_t q_len, const T *
     const int group = num_heads / num_kv_heads;                                             \
     const int rows_per_set = head_dim == 64 ? 4 : 2;                                        \
     const int64_t padded = (seq_len + TILE - 1) / TILE * TILE;                              \
-    const int64_t per_head = (int64_t)head_dim * padded;                                    \
+    /* a key copy row is a cache line longer than the keys: at a power-of-two stride the */ \
+    /* rows of a tile fall in a few L1 sets and evict each other */                         \
+    const int64_t kstride = padded + 16;                                                    \
+    const int64_t per_head = (int64_t)head_dim * kstride;                                   \
     const int64_t rows = q_len * group;                                                     \
-    float *kt = malloc(sizeof(float)                                                        \
-                       * (size_t)(2 * num_kv_heads * per_head + num_heads * q_len * head_dim)); \
+    float *kt = aligned_scratch(sizeof(float) * (size_t)(2 * num_kv_heads * per_head        \
+                                                         + num_heads * q_len * head_dim));  \
     if (!kt) return 1;                                                                      \
     float *vc = kt + num_kv_heads * per_head, *qs = vc + num_kv_heads * per_head;           \
     /* the last key tile reads past the sequence (masked); value rows there are never read */ \
     for (int64_t col = 0; col < (int64_t)num_kv_heads * head_dim; ++col)                    \
-        memset(kt + col * padded + seq_len, 0, sizeof(float) * (size_t)(padded - seq_len)); \
+        memset(kt + col * kstride + seq_len, 0, sizeof(float) * (size_t)(padded - seq_len)); \
     for (int64_t t = 0; t < seq_len; ++t) {                                                 \
         const T *row = cache + table[t / block_size] * block_stride                         \
                        + (t % block_size) * token_stride;                                   \
@@ -170,7 +175,7 @@ static int chunk_##SUFFIX(const T *q, int64_t q_stride, int64_t q_len, const T *
             const T *key = row + (int64_t)h * head_dim, *value = key + side_stride;         \
             float *kdst = kt + h * per_head + t, *vdst = vc + h * per_head + t * head_dim;  \
             for (int d = 0; d < head_dim; ++d) {                                            \
-                kdst[d * padded] = scalar_##SUFFIX(key + d);                                \
+                kdst[d * kstride] = scalar_##SUFFIX(key + d);                               \
                 vdst[d] = scalar_##SUFFIX(value + d);                                       \
             }                                                                               \
         }                                                                                   \
@@ -191,10 +196,10 @@ static int chunk_##SUFFIX(const T *q, int64_t q_stride, int64_t q_len, const T *
             const int64_t count = rows - first < rows_per_set ? rows - first : rows_per_set; \
             const float *qh = qs + h * rows * head_dim;                                     \
             if (head_dim == 64)                                                             \
-                rows_64(qh, kt + h * per_head, padded, vc + h * per_head, out, out_stride,  \
+                rows_64(qh, kt + h * per_head, kstride, vc + h * per_head, out, out_stride, \
                         first, count, group, h, context, window);                           \
             else                                                                            \
-                rows_128(qh, kt + h * per_head, padded, vc + h * per_head, out, out_stride, \
+                rows_128(qh, kt + h * per_head, kstride, vc + h * per_head, out, out_stride, \
                          first, count, group, h, context, window);                          \
         }                                                                                   \
     free(kt);                                                                               \
