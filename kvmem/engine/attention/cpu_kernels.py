@@ -31,9 +31,9 @@ logger = logging.getLogger(__name__)
 _COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 # each source with its own flags. paged_decode: -ffast-math lets the softmax's expf
 # vectorise (glibc's libmvec); the kernel keeps no infinities or NaNs of its own (the running
-# max starts at -FLT_MAX); activation: the same, for SiLU's expf. fused_ops: the rotary
-# arithmetic must round as the eager path does (no FMA contraction); reassociation only
-# vectorises the RMSNorm sum
+# max starts at -FLT_MAX); activation: the same, for SiLU (its inputs are clamped).
+# fused_ops: the rotary arithmetic must round as the eager path does (no FMA contraction);
+# reassociation only vectorises the RMSNorm sum
 _MODELS = Path(__file__).parent.parent / "models"
 _SOURCES = {
     Path(__file__).with_name("paged_decode.c"): ["-ffast-math"],
