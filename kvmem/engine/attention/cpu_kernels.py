@@ -45,7 +45,7 @@ _SOURCES = {
     Path(__file__).with_name("prefill.c"): [],
     _MODELS / "bf16_gemm.c": [],
 }
-_HEADERS = [Path(__file__).with_name(name) for name in ("sum16.h", "aligned.h")] \
+_HEADERS = [Path(__file__).with_name(name) for name in ("sum16.h", "aligned.h", "exp2.h")] \
     + [_MODELS / "bf16.h"]
 _ARG_TYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,

@@ -11,7 +11,8 @@
  *   sequence's first 16 while this sequence runs.
  * - token by token (any other shape, or no AVX-512): each key row, then each value row,
  *   serves all query heads.
- * Both keep an online softmax per query head with fp32 accumulation. Sequences that start
+ * Both keep an online softmax per query head with fp32 accumulation (the 16-token loop in
+ * base 2, on exp2.h's polynomial). Sequences that start
  * with the same block (a shared cached prefix) run one after another, so the prefix's rows
  * are still in the core's cache for the next one. Built at first use by
  * kvmem/engine/attention/cpu_kernels.py with the system C compiler and called via ctypes.
@@ -134,6 +135,7 @@ typedef void (*fast_fn_bf16)(const uint16_t *, const int32_t *, int, int, Scratc
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "exp2.h"
 #include "sum16.h"
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
@@ -203,10 +205,9 @@ static inline __m512 load16_bf16(const uint16_t *p) {
                                                           sum16(part));                     \
                     const float top = _mm512_reduce_max_ps(s);                              \
                     const float mx = top > w.m[h] ? top : w.m[h];                           \
-                    alpha[g] = expf(w.m[h] - mx);                                           \
-                    _mm512_store_ps(p[g], _mm512_sub_ps(s, _mm512_set1_ps(mx)));            \
-                    for (int t = 0; t < 16; ++t) p[g][t] = expf(p[g][t]);                   \
-                    const __m512 e = _mm512_maskz_mov_ps(valid, _mm512_load_ps(p[g]));      \
+                    alpha[g] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(w.m[h] - mx)));      \
+                    const __m512 e = _mm512_maskz_mov_ps(                                   \
+                        valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mx))));              \
                     _mm512_store_ps(p[g], e);                                               \
                     w.l[h] = w.l[h] * alpha[g] + _mm512_reduce_add_ps(e);                   \
                     w.m[h] = mx;                                                            \
@@ -308,12 +309,14 @@ static inline void prefetch_first_chunk(const void *cache, const int32_t *block_
     failed |= !ok;                                                                      \
     const fast_fn_##SUFFIX fast =                                                       \
         FAST_KERNEL(SUFFIX, head_dim, num_heads / num_kv_heads, block_size);            \
+    /* the 16-token loop's softmax is in base 2 */                                      \
+    const float q_scale = fast ? scale * 1.44269504088896341f : scale;                  \
     _Pragma("omp for schedule(dynamic)")                                                \
     for (int i = 0; i < num_seqs; ++i) {                                                \
         if (!ok) continue;                                                              \
         const int b = order ? order[i].seq : i;                                         \
         const float *src = q + (rows ? rows[b] : b) * q_stride;                         \
-        for (int j = 0; j < num_heads * head_dim; ++j) w.q[j] = src[j] * scale;         \
+        for (int j = 0; j < num_heads * head_dim; ++j) w.q[j] = src[j] * q_scale;       \
         const int32_t *table = block_tables + b * table_stride;                         \
         if (i + 1 < num_seqs)                                                           \
             prefetch_first_chunk(cache, block_tables, table_stride,                     \

@@ -10,8 +10,7 @@
  * micro-kernel: a key tile is two vectors per dimension), then the value rows, each read
  * once for all ROWS rows. Keys past a row's position (or before its window) are masked in
  * the tiles that cross those edges, and tiles no row may see are not read, so causal
- * attention costs half of full attention. exp2 is a degree-6 polynomial with the exponent
- * applied by scalef (within about an ulp of expf).
+ * attention costs half of full attention (softmax in base 2, exp2.h).
  *
  * fp32 caches run on fp32 FMAs. bf16 caches run on the CPU's bf16 dot products where it
  * has them (AVX-512 BF16: pairs of dimensions for the scores, pairs of keys for the values,
@@ -32,19 +31,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-static inline __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);  /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "exp2.h"
 
 static inline float scalar_f32(const float *p) { return *p; }
 
