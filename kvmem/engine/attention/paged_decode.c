@@ -6,16 +6,17 @@
  *   3, 4, 6 or 8 query heads per KV head): a query head's 16 scores come out as one vector
  *   from a transpose-and-add tree instead of one horizontal sum per token, each value row
  *   is read once for all query heads of its KV head with their accumulators in registers,
- *   and the next 16 tokens' rows are prefetched into L2 while these compute (blocks are
- *   scattered, so the hardware prefetcher starts cold on each one), as are the next
- *   sequence's first 16 while this sequence runs.
+ *   and the next 16 tokens' key rows are prefetched into L2 while these tokens' scores
+ *   compute, their value rows while these tokens' values are summed (blocks are scattered,
+ *   so the hardware prefetcher starts cold on each one); the next sequence's first 16
+ *   while this sequence runs.
  * - token by token (any other shape, or no AVX-512): each key row, then each value row,
  *   serves all query heads.
  * Both keep an online softmax per query head with fp32 accumulation (the 16-token loop in
- * base 2, on exp2.h's polynomial). Sequences that start
- * with the same block (a shared cached prefix) run one after another, so the prefix's rows
- * are still in the core's cache for the next one. Built at first use by
- * kvmem/engine/attention/cpu_kernels.py with the system C compiler and called via ctypes.
+ * base 2, on exp2.h's polynomial). Sequences that start with the same block (a shared
+ * cached prefix) run one after another, so the prefix's rows are still in the core's cache
+ * for the next one. Built at first use by kvmem/engine/attention/cpu_kernels.py with the
+ * system C compiler and called via ctypes.
  */
 #include <float.h>
 #include <math.h>
@@ -168,11 +169,11 @@ static inline __m512 load16_bf16(const uint16_t *p) {
             const int lo = first > base ? first - base : 0;                                 \
             const int hi = seq_len - base < 16 ? seq_len - base : 16;                       \
             const __mmask16 valid = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));      \
-            /* the next chunk's key and value rows are fetched while this one computes, */   \
-            /* spread over its score loops (blocks are scattered, so the hardware */         \
-            /* prefetcher starts cold on each one). Into L2, not L1: on a Zen 4 core an */    \
-            /* L1 prefetch waits for one of the few L1 miss buffers, and decode read */      \
-            /* 13.6 GB/s instead of 9.1 (the same kernel otherwise) */                      \
+            /* the next chunk's key rows are fetched while this one's scores compute, and */ \
+            /* its value rows while this one's values are summed (blocks are scattered, so */ \
+            /* the hardware prefetcher starts cold on each one). Into L2, not L1: on a Zen */ \
+            /* 4 core an L1 prefetch waits for one of the few L1 miss buffers. fp32 decode */ \
+            /* read 9.1 GB/s with L1 hints, 13.6 with L2, 15.7 with the two spread apart */   \
             const char *next_k = base + 16 < seq_len ? (const char *)(cache                  \
                 + (int64_t)table[(base + 16) / block_size] * 2 * side                       \
                 + (int64_t)((base + 16) % block_size) * heads_dim) : 0;                     \
@@ -181,6 +182,9 @@ static inline __m512 load16_bf16(const uint16_t *p) {
             const int lines_per_row = (int)((chunk_bytes / 64 + num_heads * 16 - 1)         \
                                             / (num_heads * 16));                            \
             int64_t fetched = 0;                                                            \
+            const int v_lines_per_row = (int)((chunk_bytes / 64 + num_kv_heads * 16 - 1)    \
+                                              / (num_kv_heads * 16));                       \
+            int64_t v_fetched = 0;                                                          \
             for (int kh = 0; kh < num_kv_heads; ++kh) {                                     \
                 float p[G][16] __attribute__((aligned(64)));                                \
                 float alpha[G];                                                             \
@@ -193,7 +197,6 @@ static inline __m512 load16_bf16(const uint16_t *p) {
                         for (int i = 0; next_k && i < lines_per_row                         \
                                         && fetched < chunk_bytes; ++i, fetched += 64) {     \
                             _mm_prefetch(next_k + fetched, _MM_HINT_T1);                    \
-                            _mm_prefetch(next_v + fetched, _MM_HINT_T1);                    \
                         }                                                                   \
                         __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q), load16_##SUFFIX(k));   \
                         for (int c = 1; c < C; ++c)                                         \
@@ -220,6 +223,9 @@ static inline __m512 load16_bf16(const uint16_t *p) {
                             _mm512_set1_ps(alpha[g]));                                      \
                 for (int t = lo; t < hi; ++t) {                                             \
                     const T *v = values + t * heads_dim + kh * D;                           \
+                    for (int i = 0; next_k && i < v_lines_per_row                           \
+                                    && v_fetched < chunk_bytes; ++i, v_fetched += 64)       \
+                        _mm_prefetch(next_v + v_fetched, _MM_HINT_T1);                      \
                     for (int c = 0; c < C; ++c) {                                           \
                         const __m512 x = load16_##SUFFIX(v + 16 * c);                       \
                         for (int g = 0; g < G; ++g)                                         \
