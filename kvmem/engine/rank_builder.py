@@ -280,6 +280,10 @@ def build_rank(ctx: RankContext, peers: Peers) -> RankState:
     """Every step: a rank ready to run the steps rank 0 schedules."""
     config, parallel, device = ctx.config, ctx.parallel, ctx.device
     rank = parallel.rank
+    if device.type == "cpu" and not ctx.profile_only:
+        from kvmem.engine.cpu_malloc import keep_freed_memory
+
+        keep_freed_memory()
     loaded = load_rank(ctx, peers)
     spec, kv_plan, model = loaded.spec, loaded.kv_plan, loaded.model
     rank_plan = kv_plan.ranks[rank]
