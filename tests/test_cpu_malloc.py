@@ -56,3 +56,16 @@ def test_opt_out_leaves_malloc_alone(monkeypatch):
     monkeypatch.setenv("KVMEM_CPU_MALLOC", "default")
     assert not cpu_malloc.keep_freed_memory()
     assert libc.calls == []
+
+
+def test_a_cpu_engine_sets_it_when_it_starts(tmp_path, monkeypatch):
+    from tiny_models import make_tiny_checkpoint
+
+    from kvmem.engine.llm import LLM
+
+    calls = []
+    monkeypatch.setattr(cpu_malloc, "keep_freed_memory", lambda: calls.append(1) or True)
+    tiny = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2)
+    LLM(str(tiny), kv_cache_memory_bytes="4MiB", max_model_len=128, max_num_batched_tokens=32)
+    assert calls == [1]
