@@ -44,6 +44,14 @@ def test_matches_f_linear_with_bias_leading_dims_and_strided_inputs(dtype):
                        onednn_gemm.linear(strided.contiguous(), packed))
 
 
+def test_inputs_of_another_dtype_are_converted_and_converted_back():
+    weight = _weight()
+    x = torch.randn(3, 2, 80)
+    got = onednn_gemm.linear(x, onednn_gemm.pack(weight.bfloat16()))
+    assert got.dtype == torch.float32 and got.shape == (3, 2, 96)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=2 ** -6, atol=5e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [576, 1536])
 def test_a_row_does_not_depend_on_the_rest_of_the_batch(dtype, in_features):

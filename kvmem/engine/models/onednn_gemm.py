@@ -79,7 +79,11 @@ def linear(x: torch.Tensor, weight: OneDNNWeight, bias: torch.Tensor | None = No
         # a new thread starts with OpenMP's default (every core) until torch sets its own
         torch.get_num_threads()
         _threads.ready = True
-    rows = x.reshape(-1, k).to(weight.dtype)
+    # each torch call costs microseconds and a decode step makes over a hundred of these:
+    # the common case (2-d rows in the weight's dtype) makes only the GEMM's
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    if rows.dtype != weight.dtype:
+        rows = rows.to(weight.dtype)
     if rows.stride(-1) != 1 or rows.stride(0) < k:  # rows of a wider tensor need no copy
         rows = rows.contiguous()
     if bias is not None:
@@ -88,4 +92,6 @@ def linear(x: torch.Tensor, weight: OneDNNWeight, bias: torch.Tensor | None = No
         out = rows.new_empty((0, weight.out_features))
     else:
         out = torch.ops.mkldnn._linear_pointwise(rows, weight.buffer, bias, "none", [], "")
-    return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
