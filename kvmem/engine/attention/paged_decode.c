@@ -24,16 +24,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../models/bf16.h"
 #include "aligned.h"
 
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_DIM 256    /* head_dim */
 #define MAX_BLOCK 128  /* block_size */
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
 
 #define DEFINE_ROW_OPS(SUFFIX, T, LOAD)                                                      \
     static inline float dot_##SUFFIX(const float *q, const T *k, int n) {                  \
@@ -48,7 +45,7 @@ static inline float bf16_to_f32(uint16_t x) {
     }
 
 #define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_f32(x)
+#define LOAD_BF16(x) bf16_widen(x)
 DEFINE_ROW_OPS(f32, float, LOAD_F32)
 DEFINE_ROW_OPS(bf16, uint16_t, LOAD_BF16)
 

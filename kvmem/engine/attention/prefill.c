@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../models/bf16.h"
 #include "aligned.h"
 
 #define TILE 32
@@ -35,10 +36,7 @@
 
 static inline float scalar_f32(const float *p) { return *p; }
 
-static inline float scalar_bf16(const uint16_t *p) {
-    union { uint32_t u; float f; } v = { (uint32_t)*p << 16 };
-    return v.f;
-}
+static inline float scalar_bf16(const uint16_t *p) { return bf16_widen(*p); }
 
 /* The scores of ROWS rows x one tile of 32 keys into s[r][0..1], fp32: the query rows
  * qs[r] (fp32, scaled) against the key copy kt (fp32 [D][kstride]). */
