@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmem.engine.models import packed_gemm
+from kvmem.engine import cpu_features
+from kvmem.engine.models import onednn_gemm, packed_gemm
 from kvmem.engine.models.layers import PackableLinear, weight_bytes
 
 pytestmark = pytest.mark.skipif(not packed_gemm.available(),
@@ -102,17 +103,24 @@ def test_small_bf16_batches_run_on_the_bf16_copy(monkeypatch, rows, in_features,
                                atol=1e-2)
 
 
-def test_the_bf16_choice_follows_amx_and_the_environment(monkeypatch):
+@pytest.mark.parametrize(("onednn_bf16", "amx", "setting", "as_fp32"), [
+    (True, True, None, False), (True, False, None, True), (True, False, "bf16", False),
+    (False, True, None, True), (False, False, "bf16", True)])
+def test_the_bf16_choice_follows_the_cpu_and_the_environment(monkeypatch, onednn_bf16, amx,
+                                                             setting, as_fp32):
+    """bf16 weights stay bf16 (on oneDNN) with AMX or when asked, but only where oneDNN
+    runs bf16 GEMMs at all; elsewhere (AVX2-only CPUs) they run as fp32 on MKL."""
+    monkeypatch.setattr(cpu_features, "amx", lambda: amx)
+    monkeypatch.setattr(onednn_gemm, "available", lambda dtype=torch.float32: onednn_bf16)
+    if setting is None:
+        monkeypatch.delenv("KVMEM_CPU_BF16_WEIGHTS", raising=False)
+    else:
+        monkeypatch.setenv("KVMEM_CPU_BF16_WEIGHTS", setting)
     packed_gemm.bf16_as_fp32.cache_clear()
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert not packed_gemm.bf16_as_fp32()
-    packed_gemm.bf16_as_fp32.cache_clear()
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert packed_gemm.bf16_as_fp32()
-    packed_gemm.bf16_as_fp32.cache_clear()
-    monkeypatch.setenv("KVMEM_CPU_BF16_WEIGHTS", "bf16")
-    assert not packed_gemm.bf16_as_fp32()
-    packed_gemm.bf16_as_fp32.cache_clear()
+    try:
+        assert packed_gemm.bf16_as_fp32() is as_fp32
+    finally:
+        packed_gemm.bf16_as_fp32.cache_clear()
 
 
 def test_what_does_not_pack_and_bad_inputs():

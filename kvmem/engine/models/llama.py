@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmem.engine.attention import AttentionBackend, AttentionMetadata
-from kvmem.engine.models import cpu_ops
+from kvmem.engine.models import cpu_ops, onednn_gemm
 from kvmem.engine.models.layers import (
     MergedColumnParallelLinear,
     PackableLinear,
@@ -257,10 +257,12 @@ class LlamaForCausalLM(nn.Module):
                     packed = module.packed
                     widened += packed.nbytes - packed.out_features * packed.in_features * 2
         if widened:
-            logger.info("bf16 projection weights run as packed fp32 on this CPU (no AMX), "
+            why = ("no AMX; KVMEM_CPU_BF16_WEIGHTS=bf16 keeps them in bf16 only"
+                   if onednn_gemm.available(torch.bfloat16) else
+                   "oneDNN's bf16 GEMM needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
+            logger.info("bf16 projection weights run as packed fp32 on this CPU (%s), "
                         "decode-sized batches on their bf16 copy where the CPU has AVX-512 "
-                        "BF16: %.0f MiB more memory, faster GEMMs; KVMEM_CPU_BF16_WEIGHTS=bf16 "
-                        "keeps them in bf16 only", widened / 2**20)
+                        "BF16: %.0f MiB more memory", why, widened / 2**20)
 
     def _targets(self, hf_name: str) -> list[tuple[str, object]]:
         """This module's parameter name(s) for a HuggingFace weight name."""

@@ -14,6 +14,10 @@ CPUs, and on Intel's times both once per process and dtype and picks.
 
 From two rows up a row's result does not depend on the other rows of the batch (a single
 row takes another path, as with MKL).
+
+oneDNN's bf16 GEMM needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU
+(AMD's Zen 3, say) ``available(torch.bfloat16)`` is False and ``pack`` declines bf16
+weights, which then run on MKL's fp32 GEMM (``packed_gemm``).
 """
 
 from __future__ import annotations
@@ -24,18 +28,27 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmem.engine import cpu_features
+
 _threads = threading.local()  # whether this thread's OpenMP count was set from torch's
 
 
 @functools.cache
-def available() -> bool:
-    """Whether this torch build has oneDNN's linear with a reordered weight."""
+def _linear_ops() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
     try:
         return bool(torch.backends.mkldnn.is_available()) and ops is not None \
             and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
     except (RuntimeError, AttributeError):
         return False
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN's linear with a reordered weight, and this CPU
+    runs it for ``dtype`` weights (fp32 everywhere; bf16 where ``cpu_features`` says so)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not _linear_ops():
+        return False
+    return dtype == torch.float32 or cpu_features.onednn_bf16()
 
 
 @dataclass(frozen=True)
@@ -56,9 +69,10 @@ class OneDNNWeight:
 
 
 def pack(weight: torch.Tensor) -> OneDNNWeight | None:
-    """``weight`` (fp32 or bf16, on the CPU) reordered for ``x @ weight.T``, else None."""
-    if not available() or weight.device.type != "cpu" or weight.dim() != 2 \
-            or weight.numel() == 0 or weight.dtype not in (torch.float32, torch.bfloat16):
+    """``weight`` (fp32, or bf16 where the CPU runs it; on the CPU) reordered for
+    ``x @ weight.T``, else None."""
+    if not available(weight.dtype) or weight.device.type != "cpu" or weight.dim() != 2 \
+            or weight.numel() == 0:
         return None
     n, k = weight.shape
     buffer = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)

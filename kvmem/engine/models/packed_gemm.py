@@ -26,7 +26,9 @@ another order.
 On CPUs not made by Intel, where MKL takes a generic path, ``pack`` returns oneDNN's
 reordered weight (``onednn_gemm``) instead; on Intel's, ``backend`` times both once per
 process and dtype (about 0.1 s) and takes oneDNN where it is clearly faster.
-``KVMEM_CPU_GEMM=mkl|onednn`` overrides the choice.
+``KVMEM_CPU_GEMM=mkl|onednn`` overrides the choice. bf16 weights go to oneDNN only where
+the CPU runs its bf16 GEMM (``kvmem.engine.cpu_features.onednn_bf16``); on an AVX2-only
+CPU they run on MKL's fp32 GEMM as above, whatever the setting.
 
 Where the API is missing (no MKL: ARM, macOS), for other dtypes and devices, and with
 ``KVMEM_CPU_KERNELS=0``, ``pack`` returns None and the layer keeps its weight.
@@ -46,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from kvmem.engine import cpu_features
 from kvmem.engine.attention import cpu_kernels
 from kvmem.engine.models import onednn_gemm
 from kvmem.engine.models.onednn_gemm import OneDNNWeight
@@ -96,11 +99,14 @@ def available() -> bool:
 
 @functools.cache
 def bf16_as_fp32() -> bool:
-    """Whether bf16 weights are packed as fp32 here (no AMX, and not turned off)."""
+    """Whether bf16 weights are packed as fp32 for MKL here: without AMX, unless
+    ``KVMEM_CPU_BF16_WEIGHTS=bf16`` keeps them bf16 (on oneDNN), and always where oneDNN
+    cannot run bf16 GEMMs on this CPU."""
+    if not onednn_gemm.available(torch.bfloat16):
+        return True
     if os.environ.get("KVMEM_CPU_BF16_WEIGHTS", "fp32") == "bf16":
         return False
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return not (amx is not None and amx())
+    return not cpu_features.amx()
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,11 @@ def backend(dtype: torch.dtype) -> str:
     choice = os.environ.get("KVMEM_CPU_GEMM", "auto")
     if choice not in ("auto", "mkl", "onednn"):
         raise ConfigError(f"KVMEM_CPU_GEMM must be auto, mkl or onednn, not {choice!r}")
-    if not onednn_gemm.available():
+    if not onednn_gemm.available(dtype):
+        if choice == "onednn":
+            log.warning("KVMEM_CPU_GEMM=onednn: this CPU cannot run oneDNN's %s GEMM (it "
+                        "needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); those projections run on "
+                        "MKL's fp32 GEMM", str(dtype).removeprefix("torch."))
         return "mkl"
     if choice == "onednn" or _load() is None or (dtype != torch.float32 and not bf16_as_fp32()):
         return "onednn"  # asked for, or MKL does not take these weights here
