@@ -84,16 +84,32 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str) -> Path:
-    common = [*_COMMON_FLAGS, f"-march={cpu_features.march()}"]
-    key = hashlib.sha256(compiler.encode() + " ".join(common).encode() + _cpu_id().encode())
+def _common_flags() -> list[str]:
+    return [*_COMMON_FLAGS, f"-march={cpu_features.march()}"]
+
+
+def _target(compiler: str) -> Path:
+    """Where the library for these sources, flags, compiler and CPU is cached."""
+    key = hashlib.sha256(compiler.encode() + " ".join(_common_flags()).encode()
+                         + _cpu_id().encode())
     for source, flags in _SOURCES.items():
         key.update(source.read_bytes() + " ".join(flags).encode())
     for header in _HEADERS:
         key.update(header.read_bytes())
-    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    return _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def needs_build() -> bool:
+    """Whether the first use will compile the library (a compiler, and none cached yet)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    return enabled() and compiler is not None and not _target(compiler).exists()
+
+
+def _build(compiler: str) -> Path:
+    target = _target(compiler)
     if target.exists():
         return target
+    common = _common_flags()
     target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: concurrent first starts never load half a file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

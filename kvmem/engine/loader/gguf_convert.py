@@ -75,9 +75,15 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def conversion_dir(gguf_path: Path) -> Path:
+    """Where ``gguf_path``'s converted checkpoint lives (it is complete once it holds a
+    config.json)."""
+    return cache_root() / "models" / f"{gguf_path.stem}-{file_digest(gguf_path)}"
+
+
 def cached_conversion(gguf_path: Path, *, progress: bool = True) -> Path:
     """The converted checkpoint directory for ``gguf_path``, converting on first use."""
-    target = cache_root() / "models" / f"{gguf_path.stem}-{file_digest(gguf_path)}"
+    target = conversion_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
