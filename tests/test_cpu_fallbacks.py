@@ -29,8 +29,9 @@ from kvmem.errors import ConfigError
 REPO = Path(__file__).resolve().parent.parent
 AVX2_ENV = {"KVMEM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
             "ONEDNN_MAX_CPU_ISA": "AVX2"}
-_CACHED = (cpu_features.isa, cpu_features.amx, cpu_features.onednn_bf16,
-           packed_gemm.backend, packed_gemm.bf16_as_fp32)
+_CACHED = (cpu_features.isa, cpu_features.amx, cpu_features.avx512_bf16,
+           cpu_features.onednn_bf16, packed_gemm.backend, packed_gemm.bf16_as_fp32,
+           packed_gemm._bf16_kernel)
 
 
 def _clear() -> None:
@@ -63,36 +64,48 @@ def test_the_setting_is_checked_and_names_the_compiler_target(monkeypatch):
     _clear()
 
 
-def test_without_onednn_bf16_bf16_weights_run_on_mkls_fp32_gemm(avx2_only):
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_without_onednn_bf16_bf16_weights_run_as_fp32(avx2_only, monkeypatch, gemm):
+    """Widened to fp32 (exact) on the fp32 weights' backend, each product rounded once to
+    bf16: what a bf16 GEMM with fp32 accumulation gives."""
+    if gemm == "mkl" and not packed_gemm.available():
+        pytest.skip("this torch build exports no MKL packed GEMM")
+    if gemm == "onednn" and not onednn_gemm.available():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setenv("KVMEM_CPU_GEMM", gemm)
     assert not cpu_features.amx() and not cpu_features.onednn_bf16()
     assert "oneDNN bf16 no" in cpu_features.describe()
     weight = torch.randn(96, 80, generator=torch.Generator().manual_seed(0)).bfloat16()
     assert not onednn_gemm.available(torch.bfloat16) and onednn_gemm.pack(weight) is None
-    assert packed_gemm.backend(torch.bfloat16) == "mkl" and packed_gemm.bf16_as_fp32()
-    if onednn_gemm.available():
-        assert isinstance(onednn_gemm.pack(weight.float()), onednn_gemm.OneDNNWeight)
-    if not packed_gemm.available():
-        pytest.skip("this torch build exports no MKL packed GEMM")
+    assert packed_gemm.backend(torch.bfloat16) == gemm and packed_gemm.bf16_as_fp32()
     layer = ColumnParallelLinear(80, 96).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(weight)
-    x = torch.randn(20, 80, generator=torch.Generator().manual_seed(1)).bfloat16()
     layer.pack_weight()
-    assert isinstance(layer.packed, packed_gemm.PackedWeight)
-    # fp32 products of the bf16 values, rounded once to bf16
-    assert torch.equal(layer(x), F.linear(x.float(), weight.float()).bfloat16())
+    kind = packed_gemm.PackedWeight if gemm == "mkl" else onednn_gemm.OneDNNWeight
+    assert isinstance(layer.packed, kind) and layer.packed.nbytes == 96 * 80 * 4
+    for rows in (1, 20):
+        x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, F.linear(x.float(), weight.float()).bfloat16(),
+                                   atol=0, rtol=2 ** -8)  # at most one bf16 rounding apart
 
 
-@pytest.mark.parametrize("settings", [{"KVMEM_CPU_GEMM": "onednn"},
-                                      {"KVMEM_CPU_BF16_WEIGHTS": "bf16"}])
-def test_asking_for_onednn_bf16_falls_back_where_the_cpu_cannot(avx2_only, monkeypatch,
-                                                                settings, caplog):
-    for name, value in settings.items():
-        monkeypatch.setenv(name, value)
-    assert packed_gemm.backend(torch.bfloat16) == "mkl"
-    assert packed_gemm.bf16_as_fp32()
-    if "KVMEM_CPU_GEMM" in settings:
-        assert "cannot run oneDNN's bfloat16 GEMM" in caplog.text
+@pytest.mark.skipif(not (onednn_gemm.available() and packed_gemm.available()),
+                    reason="needs both oneDNN's linear and MKL's packed GEMM in torch")
+@pytest.mark.parametrize(("intel", "speedup", "picked"), [
+    (False, None, "onednn"), (True, 2.0, "onednn"), (True, 1.0, "mkl")])
+def test_auto_takes_the_fp32_choice_for_widened_bf16_weights(avx2_only, monkeypatch, intel,
+                                                              speedup, picked):
+    """On other vendors' CPUs MKL takes its generic path, so oneDNN; on Intel's, the
+    fp32 timing decides, once for both dtypes."""
+    monkeypatch.setattr(packed_gemm, "_intel_cpu", lambda: intel)
+    timed = []
+    monkeypatch.setattr(packed_gemm, "_onednn_speedup",
+                        lambda dtype: timed.append(dtype) or speedup)
+    assert packed_gemm.backend(torch.bfloat16) == packed_gemm.backend(torch.float32) == picked
+    assert timed == ([torch.float32] if intel else [])
 
 
 @pytest.mark.slow

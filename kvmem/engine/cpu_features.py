@@ -59,6 +59,12 @@ def amx() -> bool:
 
 
 @functools.cache
+def avx512_bf16() -> bool:
+    """AVX-512 BF16 (``VDPBF16PS``: kvmem's bf16 decode GEMM)."""
+    return not capped() and _torch_says("_is_avx512_bf16_supported")
+
+
+@functools.cache
 def onednn_bf16() -> bool:
     """Whether oneDNN runs bf16 GEMMs on this CPU (torch's own check)."""
     if capped():

@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
             why = ("no AMX; KVMEM_CPU_BF16_WEIGHTS=bf16 keeps them in bf16 only"
                    if onednn_gemm.available(torch.bfloat16) else
                    "oneDNN's bf16 GEMM needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
-            logger.info("bf16 projection weights run as packed fp32 on this CPU (%s), "
+            logger.info("bf16 projection weights run as fp32 on this CPU (%s), "
                         "decode-sized batches on their bf16 copy where the CPU has AVX-512 "
                         "BF16: %.0f MiB more memory", why, widened / 2**20)
 

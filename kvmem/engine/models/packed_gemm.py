@@ -26,9 +26,10 @@ another order.
 On CPUs not made by Intel, where MKL takes a generic path, ``pack`` returns oneDNN's
 reordered weight (``onednn_gemm``) instead; on Intel's, ``backend`` times both once per
 process and dtype (about 0.1 s) and takes oneDNN where it is clearly faster.
-``KVMEM_CPU_GEMM=mkl|onednn`` overrides the choice. bf16 weights go to oneDNN only where
-the CPU runs its bf16 GEMM (``kvmem.engine.cpu_features.onednn_bf16``); on an AVX2-only
-CPU they run on MKL's fp32 GEMM as above, whatever the setting.
+``KVMEM_CPU_GEMM=mkl|onednn`` overrides the choice. bf16 weights stay bf16 on oneDNN only
+where the CPU runs its bf16 GEMM (``kvmem.engine.cpu_features.onednn_bf16``); on an
+AVX2-only CPU they are widened to fp32 and take the fp32 weights' backend (oneDNN on CPUs
+not made by Intel, as above), the product rounded once to bf16.
 
 Where the API is missing (no MKL: ARM, macOS), for other dtypes and devices, and with
 ``KVMEM_CPU_KERNELS=0``, ``pack`` returns None and the layer keeps its weight.
@@ -132,12 +133,12 @@ def backend(dtype: torch.dtype) -> str:
     choice = os.environ.get("KVMEM_CPU_GEMM", "auto")
     if choice not in ("auto", "mkl", "onednn"):
         raise ConfigError(f"KVMEM_CPU_GEMM must be auto, mkl or onednn, not {choice!r}")
-    if not onednn_gemm.available(dtype):
-        if choice == "onednn":
-            log.warning("KVMEM_CPU_GEMM=onednn: this CPU cannot run oneDNN's %s GEMM (it "
-                        "needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); those projections run on "
-                        "MKL's fp32 GEMM", str(dtype).removeprefix("torch."))
+    if not onednn_gemm.available():
         return "mkl"
+    if dtype == torch.bfloat16 and not onednn_gemm.available(dtype):
+        # no bf16 GEMM on this CPU: the weights are widened and run as fp32 weights do
+        # (the model logs it when it packs them)
+        return backend(torch.float32)
     if choice == "onednn" or _load() is None or (dtype != torch.float32 and not bf16_as_fp32()):
         return "onednn"  # asked for, or MKL does not take these weights here
     if choice == "mkl":
@@ -200,6 +201,8 @@ def pack(weight: torch.Tensor) -> PackedWeight | OneDNNWeight | None:
             or weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.enabled():
         return None
     if backend(weight.dtype) == "onednn":
+        if not onednn_gemm.available(weight.dtype):
+            weight = weight.float()  # bf16 values, exact in fp32, on oneDNN's fp32 GEMM
         return onednn_gemm.pack(weight)
     return pack_mkl(weight)
 
@@ -235,7 +238,7 @@ def pack_mkl(weight: torch.Tensor) -> PackedWeight | None:
 def _bf16_kernel() -> ctypes._CFuncPtr | None:
     """``kvmem_gemm_bf16`` where the CPU has AVX-512 BF16 and the kernels build, else None."""
     library = cpu_kernels.library()
-    if library is None:
+    if library is None or not cpu_features.avx512_bf16():
         return None
     probe = torch.ones(_BF16_ROW_GROUP, 2, dtype=torch.bfloat16)
     out = torch.empty(_BF16_ROW_GROUP, 1)
