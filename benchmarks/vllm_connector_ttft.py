@@ -23,16 +23,9 @@ import statistics
 import tempfile
 import time
 
+from vllm_engines import engine_kwargs
 
-def engine_kwargs(model: str, extra: dict | None) -> dict:
-    kwargs = dict(model=model, dtype="float32", kv_cache_memory_bytes=128 << 20,
-                  max_model_len=2048, seed=0, enforce_eager=True)
-    if extra is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvmemConnector", "kv_connector_module_path": "kvmem.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
-    return kwargs
+KV_BYTES = 128 << 20  # 22 blocks of 128 tokens: one 2,000-token prompt, not two
 
 
 def main() -> None:
@@ -46,10 +39,10 @@ def main() -> None:
 
     disk_dir = tempfile.mkdtemp(prefix="kvmem-vllm-ttft-")
     engines = {
-        "recomputed (plain vLLM)": LLM(**engine_kwargs(args.model, None)),
-        "kvmem CPU tier": LLM(**engine_kwargs(args.model, {"cpu_offload_gib": 1})),
+        "recomputed (plain vLLM)": LLM(**engine_kwargs(args.model, None, KV_BYTES)),
+        "kvmem CPU tier": LLM(**engine_kwargs(args.model, {"cpu_offload_gib": 1}, KV_BYTES)),
         "kvmem disk tier": LLM(**engine_kwargs(args.model, {
-            "disk_offload_dir": disk_dir, "disk_offload_gib": 1})),
+            "disk_offload_dir": disk_dir, "disk_offload_gib": 1}, KV_BYTES)),
     }
     one = SamplingParams(max_tokens=1, temperature=0)
     rng = random.Random(0)

@@ -121,14 +121,16 @@ assert not side.has_pending_block_frees()
 assert side.request_finished(request("v", computed=7), [3, 4]) == (False, None)  # all held
 assert side.request_finished(request("w", mm_features=[1], computed=17), [1, 2]) == (False, None)
 
-def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16):
+def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16, sleep=False):
     pc = NS(world_size=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     group = NS(kv_cache_spec=NS(block_size=block))
-    return (NS(parallel_config=pc, cache_config=NS(block_size=sched_block)),
+    return (NS(parallel_config=pc, cache_config=NS(block_size=sched_block),
+               model_config=NS(enable_sleep_mode=sleep)),
             NS(kv_cache_groups=[group] * groups))
 
 assert _check_deployment(*deployment()) == 16
-for kw, text in [({"tp": 2}, "tensor_parallel_size=1"), ({"pp": 2}, "pp=2"),
+assert _check_deployment(*deployment(tp=2, pp=2)) == 16  # every rank keeps its own shard
+for kw, text in [({"sleep": True}, "does not support sleep mode"),
                  ({"groups": 2}, "one KV cache group"), ({"block": 32}, "block size 32")]:
     try:
         _check_deployment(*deployment(**kw))
@@ -151,7 +153,8 @@ def test_scheduler_side_lookups_loads_stores_and_refusals(engine_free) -> None:
     starting an engine: lookups wait for every rank's first report, count a block only
     when every rank holds it, never cover the last prompt token and respect the cache
     salt; loads name the blocks vLLM allocated; stores hold only blocks not yet stored;
-    unsupported deployments are one-line refusals."""
+    tensor and pipeline parallel deployments are accepted, unsupported ones are one-line
+    refusals."""
     assert "SCHEDULER OK" in engine_free
 
 
@@ -160,15 +163,16 @@ import time
 import torch
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm.connector_meta import BlockTransfer, KvmemConnectorMetadata
-from kvmem.integrations.vllm.connector_worker import LayerSlots, WorkerSide
+from kvmem.integrations.vllm.connector_worker import LayerSlots, RankPlace, WorkerSide
 from kvmem.tiers import Faults, OffloadConfig
 from kvmem.tiers.blocks import key_name
 
 N, H, B, C = 8, 2, 4, 16  # vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_size]
 layers = ["l0", "l1", "l2"]
 kv = {n: torch.randn(N, H, B, C) for n in layers}
-worker = WorkerSide(OffloadConfig(cpu_bytes=1 << 20), Faults(store_delay_s=0.5), rank=0,
-                    model="m", layout="l", layer_names=layers, num_blocks=N, block_size=B)
+worker = WorkerSide(OffloadConfig(cpu_bytes=1 << 20), Faults(store_delay_s=0.5),
+                    place=RankPlace(0), model="m", layout="l", layer_names=layers,
+                    num_blocks=N, block_size=B)
 worker.register_kv_caches(kv)
 assert worker.report().changes == {0: []}  # the first report says the rank is up
 assert worker.report() is None
@@ -240,7 +244,7 @@ def test_second_prompt_comes_back_from_cpu_tier_with_plain_vllm_tokens(runs) -> 
     assert tiers[0]["cached"] == 0 and tiers[2]["cached"] >= 1900
     for ours, reference in zip(tiers, plain, strict=True):
         assert ours["tokens"] == reference["tokens"], ours["name"]
-    assert "kvmem: rank 0: KV offload" in log
+    assert "kvmem: rank 0 (pp stage 0, tp rank 0): KV offload" in log
 
 
 def test_request_waits_for_blocks_held_by_a_store(runs) -> None:
@@ -252,7 +256,7 @@ def test_request_waits_for_blocks_held_by_a_store(runs) -> None:
     c, d = tiers[3:]
     assert c["tokens"] == plain[3]["tokens"] and d["tokens"] == plain[4]["tokens"]
     assert "Traceback" not in log
-    assert "kvmem: rank 0: store of 15 blocks" in log
+    assert "kvmem: rank 0 (pp stage 0, tp rank 0): store of 15 blocks" in log
 
 
 def test_fresh_process_serves_prompt_from_disk_tier(runs) -> None:

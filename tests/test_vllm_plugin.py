@@ -45,12 +45,12 @@ def test_unknown_policy_is_a_one_line_error(monkeypatch, value):
     assert "uniform, proportional, optimal" in text
 
 
-def test_version_check():
-    assert compat.check_vllm_version("0.32.0") == "0.32.0"
-    assert compat.check_vllm_version("0.32.3+cpu") == "0.32.3+cpu"
-    for other in ("0.31.1", "0.33.0", "1.32.0"):
-        with pytest.raises(ConfigError, match=r"supports vLLM 0\.32\.x, not " + re.escape(other)):
-            compat.check_vllm_version(other)
+def test_tested_series():
+    for version in ("0.32.0", "0.32.3+cpu", "0.33.0", "0.33.1"):
+        assert compat.tested(version) and compat.untested_warning(version) is None
+    for other in ("0.31.1", "0.34.0", "1.32.0"):
+        assert not compat.tested(other)
+        assert f"vLLM {other} has everything it checks for" in compat.untested_warning(other)
 
 
 def test_entry_point_is_declared():

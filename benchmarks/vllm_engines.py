@@ -1,0 +1,16 @@
+"""What the vLLM benchmarks share: the keyword arguments of one ``vllm.LLM`` on kvmem's
+embedded model in fp32 (eager, 2,048-token context), with or without ``KvmemConnector``."""
+
+from __future__ import annotations
+
+
+def engine_kwargs(model: str, extra: dict | None, kv_cache_memory_bytes: int) -> dict:
+    """``extra``: the connector's ``kv_connector_extra_config``; None: plain vLLM."""
+    kwargs = dict(model=model, dtype="float32", kv_cache_memory_bytes=kv_cache_memory_bytes,
+                  max_model_len=2048, seed=0, enforce_eager=True)
+    if extra is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvmemConnector", "kv_connector_module_path": "kvmem.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+    return kwargs

