@@ -44,6 +44,7 @@ _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
 _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 is "resident"
 
 
 def _libc() -> ctypes.CDLL:
@@ -53,6 +54,7 @@ def _libc() -> ctypes.CDLL:
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     return libc
 
 
@@ -102,6 +104,18 @@ class MmapBackend:
 
         addr = self._check(offset, length)
         return torch.frombuffer((ctypes.c_uint8 * length).from_address(addr), dtype=torch.uint8)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the reservation resident in memory now (``mincore``: exactly this
+        range, whatever mappings the kernel merged it with)."""
+        if self._addr is None:
+            return 0
+        page = mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * -(-self._size // page))()
+        if self._libc.mincore(self._addr, self._size, vec) != 0:
+            err = ctypes.get_errno()
+            raise BackendError(f"mincore failed: {os.strerror(err)}")
+        return bytes(vec).translate(_LOW_BIT).count(1) * page
 
     def close(self) -> None:
         # Tensors over the range must be dropped first; callers own that ordering.

@@ -211,6 +211,34 @@ class EngineBudget:
             self.held_bytes += nbytes
         return taken
 
+    def take(self, nbytes: int) -> None:
+        """Take ``nbytes`` whatever the limits say: bytes an allocation already promised
+        (the engine then trims back under its limit as blocks are freed)."""
+        def change(entry: dict, table: dict) -> None:
+            self.limit_bytes = entry["limit_bytes"]
+            entry["mapped_bytes"] += nbytes
+
+        self._update(change)
+        self.held_bytes += nbytes
+
+    def room(self, used_bytes: int) -> int | None:
+        """Record used bytes and a heartbeat; returns how many more bytes this engine may
+        take now under its own limit and the device total (negative: it is over; None: no
+        limit applies)."""
+        def change(entry: dict, table: dict) -> int | None:
+            entry["used_bytes"] = used_bytes
+            self.limit_bytes = entry["limit_bytes"]
+            rooms = []
+            if entry["limit_bytes"] is not None:
+                rooms.append(entry["limit_bytes"] - entry["mapped_bytes"])
+            if table["total_limit"] is not None:
+                held = sum(e["mapped_bytes"] for e in table["engines"].values()
+                           if _alive(e["pid"]))
+                rooms.append(table["total_limit"] - held)
+            return min(rooms) if rooms else None
+
+        return self._update(change)  # type: ignore[return-value]
+
     def release(self, nbytes: int) -> None:
         def change(entry: dict, table: dict) -> None:
             entry["mapped_bytes"] = max(0, entry["mapped_bytes"] - nbytes)

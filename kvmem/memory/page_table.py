@@ -133,6 +133,15 @@ class PageTable:
             self.cond.notify_all()
             return True
 
+    def free_within(self, room_bytes: int | None) -> int:
+        """Blocks an allocation could take now: free blocks on mapped pages or on pages
+        credit pays for, cached-free blocks, and free blocks of unmapped pages that
+        ``room_bytes`` more budget would pay for (None: no limit)."""
+        with self.cond:
+            extra = (self.num_free if room_bytes is None
+                     else max(0, room_bytes) // self.page_bytes * self.geo.blocks_per_page)
+            return min(self.num_free, self._covered_blocks() + extra) + len(self.cached)
+
     # ---- free-block queue -----------------------------------------------------------------
 
     def _bucket_move(self, page: int, old: int, new: int) -> None:
@@ -464,6 +473,11 @@ class PageTable:
 
     def pages_in_flight(self) -> int:
         return sum(s in (PageState.MAPPING, PageState.UNMAPPING) for s in self.state)
+
+    def has_ops(self) -> bool:
+        """Whether mapping decisions are waiting to be drained."""
+        with self.cond:
+            return bool(self._ops)
 
     def drain_ops(self) -> list[PageOp]:
         """Mapping decisions since the last call, in order (for the other ranks)."""

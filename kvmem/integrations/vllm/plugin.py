@@ -54,6 +54,9 @@ def policy_from_env() -> str | None:
 
 def register() -> None:
     """vLLM's entry point; safe to call any number of times in any vLLM process."""
+    from kvmem.integrations.vllm.elastic_plugin import register_elastic
+
+    register_elastic()  # KVMEM_VLLM_KV_MEMORY
     policy = policy_from_env()
     if policy is None:
         return

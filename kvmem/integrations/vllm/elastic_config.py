@@ -1,0 +1,149 @@
+"""Elastic KV memory in vLLM: its settings, from the environment to vLLM's connector config.
+
+- ``KVMEM_VLLM_KV_MEMORY``: ``elastic`` turns it on; unset or empty: kvmem does nothing.
+- ``KVMEM_VLLM_KV_MEMORY_LIMIT``: most KV bytes the engine maps at once (``512MiB``,
+  ``4GiB``); default: all of vLLM's KV cache (``kv_cache_memory_bytes``), which is the
+  reservation.
+- ``KVMEM_VLLM_ENGINE_NAME``: the engine's name in the ledger (``kvmem top``,
+  ``kvmem limit NAME``); default ``vllm-<model>-<pid>``.
+- ``KVMEM_LEDGER_DIR``: where the ledger lives, as for kvmem's own engine (default
+  ``/dev/shm``).
+- ``KVMEM_VLLM_KV_MEMORY_FAULTS``: injected faults for drills and tests, JSON:
+  ``{"map_error_rank": 1, "map_error_after": 3}`` makes rank 1's fourth page map fail.
+
+The plugin reads them once, in the process that builds vLLM's configuration, and hands
+them to every process through vLLM's KV transfer config (``kv_connector_extra_config`` of
+``KvmemElasticConnector``), so the engine core and the workers see the same values.
+Every bad value is one line. Imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvmem.errors import ConfigError
+from kvmem.units import parse_size
+
+MODE_ENV = "KVMEM_VLLM_KV_MEMORY"
+LIMIT_ENV = "KVMEM_VLLM_KV_MEMORY_LIMIT"
+NAME_ENV = "KVMEM_VLLM_ENGINE_NAME"
+FAULTS_ENV = "KVMEM_VLLM_KV_MEMORY_FAULTS"
+LEDGER_ENV = "KVMEM_LEDGER_DIR"
+
+CONNECTOR = "KvmemElasticConnector"
+CONNECTOR_MODULE = "kvmem.integrations.vllm.elastic_connector"
+PREFIX = "KvmemElasticConnector: kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    engine_name: str
+    limit_bytes: int | None = None  # None: the whole reservation
+    ledger_dir: str | None = None  # None: $KVMEM_LEDGER_DIR or /dev/shm
+    map_error_rank: int | None = None  # injected: this rank's page maps fail...
+    map_error_after: int = 0  # ...after this many succeeded
+
+    def to_extra(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def elastic_from_env(model: str,
+                     environ: Mapping[str, str] | None = None) -> ElasticSettings | None:
+    """The settings the environment asks for; None when elastic KV memory is off.
+
+    ``model`` names the engine by default (its last path part and this process id)."""
+    env = os.environ if environ is None else environ
+    mode = env.get(MODE_ENV, "").strip()
+    others = [name for name in (LIMIT_ENV, NAME_ENV, FAULTS_ENV) if env.get(name, "").strip()]
+    if not mode:
+        if others:
+            raise ConfigError(f"{others[0]} is set but {MODE_ENV} is not; set "
+                              f"{MODE_ENV}=elastic to use it")
+        return None
+    if mode != "elastic":
+        raise ConfigError(f"{MODE_ENV}={mode!r}: the only value is 'elastic' (or leave it unset)")
+    limit_text = env.get(LIMIT_ENV, "").strip()
+    limit = parse_size(limit_text, LIMIT_ENV) if limit_text else None
+    name = env.get(NAME_ENV, "").strip() or default_engine_name(model)
+    faults = _faults(env.get(FAULTS_ENV, "").strip())
+    return ElasticSettings(engine_name=name, limit_bytes=limit,
+                           ledger_dir=env.get(LEDGER_ENV, "").strip() or None, **faults)
+
+
+def default_engine_name(model: str) -> str:
+    base = Path(str(model).rstrip("/")).name or str(model)
+    return f"vllm-{base}-{os.getpid()}"
+
+
+def _faults(text: str) -> dict[str, int]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    keys = {"map_error_rank", "map_error_after"}
+    if (not isinstance(value, dict) or not set(value) <= keys
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                       for v in value.values())):
+        raise ConfigError(f"{FAULTS_ENV}={text!r}: expected a JSON object with non-negative "
+                          f"integers for {', '.join(sorted(keys))}")
+    return value
+
+
+def settings_from_extra(extra: Mapping[str, Any] | None) -> ElasticSettings:
+    """The settings the plugin put in ``kv_connector_extra_config``, checked again (a
+    hand-written ``--kv-transfer-config`` may name the connector too)."""
+    extra = dict(extra or {})
+    known = set(ElasticSettings.__dataclass_fields__)
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(f"{PREFIX}: unknown key {unknown[0]!r}; known keys: "
+                          f"{', '.join(sorted(known))}")
+    name = extra.get("engine_name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{PREFIX}['engine_name'] must be a non-empty string, got {name!r}")
+    limit = extra.get("limit_bytes")
+    if limit is not None:
+        limit = parse_size(limit, f"{PREFIX}['limit_bytes']")
+    for key in ("map_error_rank", "map_error_after"):
+        value = extra.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ConfigError(f"{PREFIX}[{key!r}] must be a non-negative integer, got {value!r}")
+    return ElasticSettings(engine_name=name, limit_bytes=limit,
+                           ledger_dir=extra.get("ledger_dir"),
+                           map_error_rank=extra.get("map_error_rank"),
+                           map_error_after=extra.get("map_error_after") or 0)
+
+
+def with_elastic(kv_transfer: Mapping[str, Any] | None,
+                 settings: ElasticSettings) -> dict[str, Any]:
+    """The KV transfer config vLLM gets: kvmem's elastic connector alone, or with the
+    connector(s) the user configured, through vLLM's ``MultiConnector`` (elastic first:
+    it holds the KV cache's memory; the user's connectors load and store as before)."""
+    ours = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_connector_extra_config": settings.to_extra()}
+    user = {k: v for k, v in dict(kv_transfer or {}).items() if v is not None}
+    if not user.get("kv_connector"):
+        return ours
+    if user["kv_connector"] == CONNECTOR:
+        raise ConfigError(f"{CONNECTOR} is added by {MODE_ENV}=elastic; leave it out of "
+                          "--kv-transfer-config")
+    if user["kv_connector"] == "MultiConnector":
+        extra = dict(user.get("kv_connector_extra_config") or {})
+        children = list(extra.get("connectors") or [])
+        if any(c.get("kv_connector") == CONNECTOR for c in children):
+            raise ConfigError(f"{CONNECTOR} is added by {MODE_ENV}=elastic; leave it out of "
+                              "--kv-transfer-config")
+        return {**user, "kv_connector_extra_config": {**extra, "connectors": [ours, *children]}}
+    # Settings that vLLM reads from the top-level config stay there (and with the child).
+    top = {"kv_role": "kv_both", **{k: user[k] for k in ("kv_role", "kv_load_failure_policy")
+                                    if k in user}}
+    return {**top, "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {"connectors": [ours, user]}}

@@ -1,0 +1,248 @@
+"""``KvmemElasticConnector``: kvmem's elastic KV memory inside vLLM, as a KV connector (V1).
+
+The plugin adds it to vLLM's KV transfer config when ``KVMEM_VLLM_KV_MEMORY=elastic``
+(``elastic_config``; beside any connector already configured, through vLLM's
+``MultiConnector``). vLLM builds one instance per process:
+
+- in the engine core (scheduler role): ``ElasticScheduler`` registers the engine in the
+  ledger, and in ``bind_gpu_block_pool`` puts ``elastic_pool.ElasticBlockQueue`` in place
+  of vLLM's free-block queue; each ``build_connector_meta`` ends the step and sends its
+  mapping decisions (``ElasticStepMeta``) to every worker; ``has_pending_push_work``
+  keeps vLLM stepping until pages freed by the last step are given back;
+- in every worker: ``elastic_worker.ElasticWorker`` places vLLM's KV buffer over the
+  reservation (``get_mem_pool_context``) and applies each step's message before vLLM
+  touches the step's blocks (``handle_preemptions``, called first in ``execute_model``).
+
+It loads and stores no KV: lookups answer 0 tokens, and requests finish at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.utils import get_pp_indices
+from vllm.logger import init_logger
+
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.elastic_config import LIMIT_ENV, ElasticSettings, settings_from_extra
+from kvmem.integrations.vllm.elastic_layout import KVLayout, TensorPlacement
+from kvmem.integrations.vllm.elastic_pool import BlockRange, ElasticPool
+from kvmem.integrations.vllm.elastic_worker import ElasticWorker
+from kvmem.memory.ledger import Ledger
+from kvmem.memory.pages import blocks_per_page_for
+from kvmem.memory.sizing import CUDA_GRANULARITY
+from kvmem.units import format_bytes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = init_logger("vllm.kvmem.elastic")
+
+
+@dataclass
+class ElasticStepMeta(KVConnectorMetadata):
+    """One step's message to every worker: mapping decisions in order, numbered."""
+
+    seq: int
+    ops: tuple[BlockRange, ...]
+    # The first message: the KV bytes per block the ledger counts for each rank.
+    block_bytes: tuple[int, ...] | None = None
+
+
+def rank_block_bytes(vllm_config: VllmConfig, own: int) -> list[int]:
+    """Every worker's KV bytes per block, in rank order, from the scheduler's (stage 0's)
+    own: pipeline stages hold their share of the layers (vLLM's split)."""
+    pc = vllm_config.parallel_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    if pp == 1:
+        return [own] * tp
+    n = vllm_config.model_config.hf_text_config.num_hidden_layers
+    layers = [end - start for start, end in (get_pp_indices(n, s, pp) for s in range(pp))]
+    return [own * layers[stage] // layers[0] for stage in range(pp) for _ in range(tp)]
+
+
+def blocks_per_page(placements: list[TensorPlacement], granularity: int) -> int:
+    """Fewest blocks whose bytes fill whole granules in every tensor."""
+    return math.lcm(*(blocks_per_page_for(p.block_stride, granularity) for p in placements))
+
+
+def _request_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """Blocks one request of ``max_model_len`` holds (every KV cache group)."""
+    return sum(math.ceil(g.kv_cache_spec.max_memory_usage_bytes(vllm_config)
+                         / g.kv_cache_spec.page_size_bytes)
+               for g in kv_cache_config.kv_cache_groups)
+
+
+class ElasticScheduler:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 settings: ElasticSettings) -> None:
+        pc = vllm_config.parallel_config
+        layout = KVLayout.from_kv_cache_config(kv_cache_config)
+        self.rank_bytes = rank_block_bytes(vllm_config, layout.block_bytes)
+        device = vllm_config.device_config.device_type
+        if device == "cpu":
+            import mmap
+
+            granularity, ledger_device = mmap.PAGESIZE, "cpu"
+            block_bytes = sum(self.rank_bytes)  # every rank's KV lives in this memory
+        else:
+            granularity, ledger_device = CUDA_GRANULARITY, f"{device}:0"
+            block_bytes = self.rank_bytes[0]  # rank 0's device; other ranks' are their own
+        k = blocks_per_page(layout.placements, granularity)
+        usable = kv_cache_config.num_blocks // k * k
+        reserved = usable * block_bytes
+        page_bytes = k * block_bytes
+        limit = settings.limit_bytes or reserved
+        if limit > reserved:
+            log.warning("kvmem: %s=%s is above vLLM's KV cache of %s: the engine can map at "
+                        "most that", LIMIT_ENV, format_bytes(limit), format_bytes(reserved))
+        need = math.ceil(_request_blocks(vllm_config, kv_cache_config) / k) + 1
+        if limit // page_bytes < need:
+            raise ConfigError(
+                f"the KV memory limit {format_bytes(limit)} holds {limit // page_bytes} pages "
+                f"of {k} blocks ({format_bytes(page_bytes)} each) but one request of "
+                f"max_model_len {vllm_config.model_config.max_model_len:,} needs {need} (incl. "
+                f"the null block's); raise {LIMIT_ENV} or lower max_model_len")
+        budget = Ledger.for_device(ledger_device, settings.ledger_dir).register(
+            settings.engine_name, limit_bytes=limit)
+        try:
+            self.pool = ElasticPool(num_blocks=kv_cache_config.num_blocks, blocks_per_page=k,
+                                    block_bytes=block_bytes, budget=budget)
+        except BaseException:
+            budget.close()
+            raise
+        self.bound = False
+        log.info("kvmem: elastic KV memory: engine %r in the %s ledger %s: %s reserved (%d "
+                 "blocks over %d ranks), pages of %d blocks (%s), limit %s", settings.engine_name,
+                 ledger_device, budget.ledger.path, format_bytes(reserved), usable,
+                 pc.world_size, k, format_bytes(page_bytes), format_bytes(limit))
+
+    def bind(self, block_pool: BlockPool) -> None:
+        """Put the page-aware queue in place of vLLM's free-block queue (a fresh pool:
+        every block free but the null block)."""
+        if self.bound:
+            raise ConfigError("kvmem elastic KV memory: a second block pool was bound")
+        queue = block_pool.free_block_queue
+        if block_pool.null_block.block_id != 0 or queue.num_free_blocks != len(
+                block_pool.blocks) - 1:
+            raise ConfigError("kvmem elastic KV memory: vLLM's block pool is not fresh (null "
+                              "block 0, every other block free) when it is bound")
+        block_pool.free_block_queue = self.pool.queue(block_pool.blocks, block_pool.evict_blocks)
+        self.bound = True
+
+    def step_meta(self) -> ElasticStepMeta:
+        ops = tuple(self.pool.end_step())
+        first = self.pool.seq == 1
+        return ElasticStepMeta(self.pool.seq, ops, tuple(self.rank_bytes) if first else None)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvmem's elastic KV memory as a vLLM KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = settings_from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.scheduler_side: ElasticScheduler | None = None
+        self.worker_side: ElasticWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = ElasticScheduler(vllm_config, kv_cache_config, settings)
+        else:
+            pc = vllm_config.parallel_config
+            self.worker_side = ElasticWorker(
+                layout=KVLayout.from_kv_cache_config(kv_cache_config), settings=settings,
+                rank=pc.rank, tensor_parallel_size=pc.tensor_parallel_size,
+                pipeline_parallel_size=pc.pipeline_parallel_size,
+                own_process=pc.world_size > 1)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- worker side ----------------------------------------------------------------------
+    def get_mem_pool_context(self) -> Any:
+        assert self.worker_side is not None
+        return self.worker_side.allocation_context()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker_side is not None and isinstance(kv_connector_metadata, ElasticStepMeta)
+        meta = kv_connector_metadata
+        self.worker_side.apply(meta.seq, meta.ops, meta.block_bytes)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    # -- scheduler side -------------------------------------------------------------------
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.bind(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.step_meta()
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """Pages freed by the last step reach the workers with the next one: keep stepping
+        until they have."""
+        return self.scheduler_side is not None and self.scheduler_side.pool.has_pending()
+
+    def shutdown(self) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
+
+
+def worker_stats(_worker: Any = None) -> dict[str, int] | None:
+    """This worker's elastic KV figures (for ``LLM.collective_rpc``): mapped blocks and
+    bytes, resident bytes of the reservation, maps and unmaps; None when it has none."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    group = get_kv_transfer_group()
+    for c in [group, *getattr(group, "sub_connectors", [])]:
+        if isinstance(c, KvmemElasticConnector) and c.worker_side is not None:
+            return c.worker_side.stats()
+    return None

@@ -1,0 +1,63 @@
+"""The plugin's part for elastic KV memory: ``KVMEM_VLLM_KV_MEMORY=elastic`` alone turns it on.
+
+vLLM calls the plugin (``plugin.register``) in every process it starts; this part wraps
+one function, ``EngineArgs.create_engine_config``, where vLLM turns its arguments into its
+configuration: with elastic KV memory on, the KV transfer config it reads gets
+``KvmemElasticConnector`` (``elastic_config.with_elastic``), and vLLM then starts the
+connector in the engine core and in every worker as it would any connector. The
+arguments themselves are left as they were. Nothing happens when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import wraps
+from typing import Any
+
+from kvmem.integrations.vllm.elastic_config import elastic_from_env, with_elastic
+
+_MARK = "_kvmem_elastic"
+
+
+def register_elastic() -> None:
+    """Safe to call any number of times in any vLLM process; returns before importing
+    vLLM when elastic KV memory is off. A bad setting is one ConfigError line."""
+    if elastic_from_env("vllm") is None:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not getattr(EngineArgs.create_engine_config, _MARK, False):
+        EngineArgs.create_engine_config = with_elastic_connector(EngineArgs.create_engine_config)
+
+
+def with_elastic_connector(create_engine_config: Any) -> Any:
+    @wraps(create_engine_config)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        settings = elastic_from_env(str(self.model))
+        if settings is None:
+            return create_engine_config(self, *args, **kwargs)
+        from vllm.config import KVTransferConfig
+
+        given = self.kv_transfer_config
+        self.kv_transfer_config = KVTransferConfig(**with_elastic(_as_dict(given), settings))
+        try:
+            return create_engine_config(self, *args, **kwargs)
+        finally:
+            self.kv_transfer_config = given
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _as_dict(config: Any) -> dict[str, Any] | None:
+    """A KV transfer config as vLLM accepts it (object, dict or JSON text) as a dict of the
+    fields that were set."""
+    if config is None:
+        return None
+    if isinstance(config, str):
+        return json.loads(config)
+    if isinstance(config, dict):
+        return dict(config)
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {k: v for k, v in fields.items() if k != "engine_id"}

@@ -1,0 +1,305 @@
+"""Elastic KV memory, scheduler side: vLLM's block pool over kvmem's page table.
+
+vLLM's ``BlockPool`` keeps its free blocks in a ``FreeKVCacheBlockQueue`` and asks it how
+many are free before every allocation (``KVCacheManager.allocate_slots``: too few, and
+the request waits or another is preempted). ``ElasticBlockQueue`` takes that queue's
+place, with the same methods, over ``kvmem.memory.PageTable``:
+
+- **Placement.** Blocks go to pages already mapped first (the page with the fewest free
+  blocks first), then to new pages, then cached-free blocks are evicted (vLLM's own
+  order for those: least recently used first), so live blocks stay packed.
+- **The limit.** ``num_free_blocks`` counts the free blocks on mapped pages, the
+  cached-free blocks, and only as many blocks of unmapped pages as the engine's room in
+  the ledger pays for; beyond that the pool reports no free block and vLLM waits or
+  preempts as it always does. The room is read from the ledger at each heartbeat (every
+  0.25 s at step ends) and kept current by the engine's own takes and releases; bytes for
+  new pages are taken from the ledger when the blocks are handed out. If another engine
+  took the room in between, the blocks vLLM already counted are handed out anyway
+  (an overdraft, logged) and the pages come back as blocks are freed.
+- **Pages follow the pool.** Mapping decisions are recorded in order; ``ElasticPool.end_step``
+  returns them as block ranges for the step's message to every worker, which maps them
+  before the step's forward. Pages whose blocks are all free are given back at the next
+  step end (the workers unmap them before the next step's forward); over the limit,
+  cached-free blocks of otherwise unused pages are evicted from vLLM's prefix cache first.
+
+The null block (block 0, taken by vLLM's pool at construction) is mapped on every worker
+at start-up; its page is paid for here before anything else. Imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import ceil
+from typing import Any
+
+from kvmem.errors import KvmemError
+from kvmem.memory.ledger import EngineBudget
+from kvmem.memory.page_table import PageState, PageTable
+from kvmem.memory.pages import PageGeometry
+
+log = logging.getLogger("vllm.kvmem.elastic")  # shown and formatted as vLLM's own lines
+
+NULL_BLOCK = 0
+BlockRange = tuple[bool, int, int]  # (map: True / unmap: False, first block, end block)
+
+
+class _MappedElsewhere:
+    """The page table's backend in the scheduler: pages are decided here and mapped by
+    the workers, so mapping here is bookkeeping only."""
+
+    granularity = 1
+
+    def reserve(self, nbytes: int) -> None:
+        pass
+
+    def map(self, offset: int, length: int) -> None:
+        pass
+
+    def unmap(self, offset: int, length: int) -> None:
+        pass
+
+    def tensor(self, offset: int, length: int) -> Any:
+        raise KvmemError("the scheduler holds no KV tensors")
+
+    def close(self) -> None:
+        pass
+
+
+class LedgerView:
+    """The engine's ledger entry as the scheduler uses it: the bytes it may still take
+    (read at each heartbeat, then kept current by its own takes and releases), and an
+    overdraft for blocks vLLM has already counted as free."""
+
+    def __init__(self, budget: EngineBudget, heartbeat_s: float = 0.25) -> None:
+        self.budget = budget
+        self.heartbeat_s = heartbeat_s
+        self.room: int | None = None  # None: no limit applies
+        self.overdrawn = 0  # bytes taken past the limits since the last heartbeat
+        self._forced = False
+        self._beat = float("-inf")
+        self._used = 0
+
+    def heartbeat(self, used_bytes: int, *, now: bool = False) -> bool:
+        """Read the room from the ledger (and record used bytes) if one is due."""
+        self._used = used_bytes
+        if not now and time.monotonic() - self._beat < self.heartbeat_s:
+            return False
+        self._beat = time.monotonic()
+        self.room = self.budget.room(used_bytes)
+        self.overdrawn = 0
+        return True
+
+    def try_acquire(self, nbytes: int) -> bool:
+        if not self._forced and self.room is not None and nbytes > self.room:
+            return False
+        taken = self.budget.try_acquire(nbytes)
+        if not taken and self._forced:
+            self.budget.take(nbytes)
+            if not self.overdrawn:
+                log.warning("kvmem: KV memory limit reached between heartbeats; %d bytes "
+                            "taken past it for blocks vLLM already counted (given back as "
+                            "blocks are freed)", nbytes)
+            self.overdrawn += nbytes
+            taken = True
+        if taken:
+            if self.room is not None:
+                self.room -= nbytes
+        else:
+            self.heartbeat(self._used, now=True)  # the view was stale: read it again
+        return taken
+
+    def release(self, nbytes: int) -> None:
+        self.budget.release(nbytes)
+        if self.room is not None:
+            self.room += nbytes
+
+    @contextmanager
+    def overdraft(self) -> Iterator[None]:
+        self._forced = True
+        try:
+            yield
+        finally:
+            self._forced = False
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    mapped_pages: int
+    live_blocks: int  # including the null block
+    free_blocks: int  # uncached free blocks
+    cached_blocks: int
+    page_bytes: int
+    held_bytes: int
+    maps: int
+    unmaps: int
+
+
+class ElasticPool:
+    """The page state of one vLLM engine's KV cache, decided in the scheduler process.
+
+    ``num_blocks``: vLLM's pool; ``blocks_per_page``: blocks that map and unmap together;
+    ``block_bytes``: one block's bytes in the ledger's accounting (every worker of the
+    engine on the ledger's device). A last page that vLLM's pool does not fill is left
+    out (fewer than ``blocks_per_page`` blocks: never handed out)."""
+
+    def __init__(self, *, num_blocks: int, blocks_per_page: int, block_bytes: int,
+                 budget: EngineBudget, heartbeat_s: float = 0.25) -> None:
+        k = blocks_per_page
+        num_pages = num_blocks // k
+        if num_pages < 2:
+            raise KvmemError(f"vLLM's KV cache has {num_blocks} blocks, fewer than two pages "
+                             f"of {k}; give it more KV memory")
+        geometry = PageGeometry.build(num_slots=1, block_slot_bytes=block_bytes,
+                                      max_blocks=num_pages * k, granularity=1,
+                                      blocks_per_page=k)
+        self.num_blocks = num_blocks
+        self.blocks_per_page = k
+        self.block_bytes = block_bytes
+        self.view = LedgerView(budget, heartbeat_s)
+        self.table = PageTable(geometry, _MappedElsewhere(), self.view,  # type: ignore[arg-type]
+                               reserve_pages=0, record_ops=True)
+        # The null block's page, before anything else runs.
+        self.table.map_now(self.table.geo.page_of(NULL_BLOCK))
+        self.table.pin(NULL_BLOCK)
+        self.table.remove_free(NULL_BLOCK)
+        self.seq = 0  # step messages sent
+
+    @property
+    def page_bytes(self) -> int:
+        return self.table.page_bytes
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.table.geo.num_blocks
+
+    def queue(self, blocks: Sequence[Any],
+              evict: Callable[[set[int]], None]) -> ElasticBlockQueue:
+        """The free-block queue for vLLM's pool over ``blocks`` (its ``KVCacheBlock``s);
+        ``evict(ids)`` drops blocks from vLLM's prefix cache."""
+        if len(blocks) != self.num_blocks:
+            raise KvmemError(f"vLLM's block pool has {len(blocks)} blocks, its KV cache "
+                             f"config {self.num_blocks}")
+        self._evict = evict
+        return ElasticBlockQueue(self, blocks)
+
+    # -- step ends ------------------------------------------------------------------------
+    def end_step(self) -> list[BlockRange]:
+        """Give back what is free, then every mapping decision since the last call, as
+        block ranges in order (block 0 excluded: workers map it at start-up)."""
+        self.maintain()
+        self.seq += 1
+        return self._drain()
+
+    def maintain(self) -> None:
+        """Heartbeat when due; over the limit, free cached-only pages; trim free pages."""
+        t = self.table
+        if self.view.heartbeat(t.live_blocks * self.block_bytes):
+            room = self.view.room
+            if room is not None and room < 0:
+                self._reclaim(ceil(-room / self.page_bytes))
+        while t.maintain_once():
+            pass
+
+    def has_pending(self) -> bool:
+        """Whether the workers have mapping decisions to apply (after giving back free pages)."""
+        self.maintain()
+        return self.table.has_ops()
+
+    def _reclaim(self, pages: int) -> None:
+        """Evict the cached-free blocks of up to ``pages`` pages that hold no live block."""
+        t = self.table
+        by_page: dict[int, list[int]] = {}
+        for block in t.cached_ids():  # least recently freed first
+            page = t.geo.page_of(block)
+            if t.live[page] == 0 and t.state[page] is PageState.MAPPED:
+                by_page.setdefault(page, []).append(block)
+        victims = [b for page in list(by_page)[:pages] for b in by_page[page]]
+        if victims:
+            self._evict(set(victims))
+            t.remove_cached(victims)
+            t.push_free(victims)
+
+    def _drain(self) -> list[BlockRange]:
+        k = self.blocks_per_page
+        ranges: list[BlockRange] = []
+        for op in self.table.drain_ops():
+            start, end = max(op.page * k, NULL_BLOCK + 1), op.page * k + k
+            if start >= end:
+                continue
+            mapping = op.kind == "map"
+            if ranges and ranges[-1][0] == mapping and ranges[-1][2] == start:
+                ranges[-1] = (mapping, ranges[-1][1], end)
+            else:
+                ranges.append((mapping, start, end))
+        return ranges
+
+    def stats(self) -> PoolStats:
+        t = self.table
+        with t.cond:
+            return PoolStats(mapped_pages=t.mapped_pages, live_blocks=t.live_blocks,
+                             free_blocks=t.num_free, cached_blocks=len(t.cached),
+                             page_bytes=self.page_bytes, held_bytes=t.held_bytes,
+                             maps=t.maps, unmaps=t.unmaps)
+
+    def close(self) -> None:
+        self.view.budget.close()
+
+
+class ElasticBlockQueue:
+    """vLLM's free-block queue (``FreeKVCacheBlockQueue``'s methods), page-aware and under
+    the engine's limit. vLLM frees blocks without cached data with ``prepend_n`` (reused
+    first) and blocks holding prefix-cache data with ``append_n`` (evicted last)."""
+
+    def __init__(self, pool: ElasticPool, blocks: Sequence[Any]) -> None:
+        self.pool = pool
+        self.blocks = blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.table.free_within(self.pool.view.room)
+
+    def popleft(self) -> Any:
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[Any]:
+        if n == 0:
+            return []
+        table = self.pool.table
+        # Budget for the new pages these blocks need, or else evicting cached blocks:
+        # asked before the blocks are picked, so that placement knows which it is.
+        table.can_allocate(n)
+        with self.pool.view.overdraft():  # vLLM counted them as free: they are handed out
+            ids = table.pop_n(n)
+            table.on_blocks_allocated(ids)
+        return [self.blocks[i] for i in ids]
+
+    def remove(self, block: Any) -> None:
+        """A free block is used again (a prefix-cache hit on a cached-free block)."""
+        table, bid = self.pool.table, block.block_id
+        if bid in table.cached:
+            table.remove_cached([bid])
+        else:
+            table.remove_free(bid)
+        with self.pool.view.overdraft():
+            table.on_blocks_allocated([bid])
+
+    def prepend_n(self, blocks: Sequence[Any]) -> None:
+        ids = [b.block_id for b in blocks]
+        self.pool.table.on_blocks_released(ids)
+        self.pool.table.push_free(ids)
+
+    def append_n(self, blocks: Sequence[Any]) -> None:
+        ids = [b.block_id for b in blocks]
+        self.pool.table.on_blocks_released(ids)
+        self.pool.table.push_cached(ids)
+
+    def append(self, block: Any) -> None:
+        self.append_n([block])
+
+    def get_all_free_blocks(self) -> list[Any]:
+        table = self.pool.table
+        return [self.blocks[i] for i in table.free_ids() + table.cached_ids()]
