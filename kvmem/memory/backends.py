@@ -40,11 +40,10 @@ class PageBackend(Protocol):
     def close(self) -> None: ...
 
 
-_PROT_READ, _PROT_WRITE = 0x1, 0x2
+_PROT_NONE, _PROT_READ, _PROT_WRITE = 0x0, 0x1, 0x2
 _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
 _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 is "resident"
 
 
 def _libc() -> ctypes.CDLL:
@@ -54,7 +53,7 @@ def _libc() -> ctypes.CDLL:
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
 
@@ -69,13 +68,20 @@ class MmapBackend:
         self._populate = True  # MADV_POPULATE_WRITE needs Linux 5.14; fall back to touching
 
     def reserve(self, nbytes: int) -> None:
-        addr = self._libc.mmap(None, nbytes, _PROT_READ | _PROT_WRITE,
+        # An inaccessible page on each side: a stray access faults, and the range stays a
+        # mapping of its own (the kernel merges neighbouring anonymous mappings otherwise,
+        # e.g. with malloc's arenas, and /proc would report them together).
+        guard = self.granularity
+        base = self._libc.mmap(None, nbytes + 2 * guard, _PROT_NONE,
                                _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if addr in (None, _MAP_FAILED):
+        if base in (None, _MAP_FAILED) or self._libc.mprotect(
+                base + guard, nbytes, _PROT_READ | _PROT_WRITE) != 0:
             err = ctypes.get_errno()
+            if base not in (None, _MAP_FAILED):
+                self._libc.munmap(base, nbytes + 2 * guard)
             raise BackendError(f"cannot reserve {nbytes} bytes of address space: "
                                f"{os.strerror(err)}")
-        self._addr, self._size = addr, nbytes
+        self._addr, self._size = base + guard, nbytes
 
     def _check(self, offset: int, length: int) -> int:
         if self._addr is None or offset < 0 or offset + length > self._size:
@@ -106,21 +112,27 @@ class MmapBackend:
         return torch.frombuffer((ctypes.c_uint8 * length).from_address(addr), dtype=torch.uint8)
 
     def resident_bytes(self) -> int:
-        """Bytes of the reservation resident in memory now (``mincore``: exactly this
-        range, whatever mappings the kernel merged it with)."""
+        """This process's resident memory in the reservation now: the ``Rss`` that
+        ``/proc/self/smaps`` reports for its mapping (pages only read, which the kernel
+        backs with its shared zero page, do not count)."""
         if self._addr is None:
             return 0
-        page = mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * -(-self._size // page))()
-        if self._libc.mincore(self._addr, self._size, vec) != 0:
-            err = ctypes.get_errno()
-            raise BackendError(f"mincore failed: {os.strerror(err)}")
-        return bytes(vec).translate(_LOW_BIT).count(1) * page
+        lo, hi, total, inside = self._addr, self._addr + self._size, 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= start and end <= hi
+                elif inside and head == "Rss:":
+                    total += int(line.split()[1]) * 1024
+        return total
 
     def close(self) -> None:
         # Tensors over the range must be dropped first; callers own that ordering.
         if self._addr is not None:
-            self._libc.munmap(self._addr, self._size)
+            guard = self.granularity
+            self._libc.munmap(self._addr - guard, self._size + 2 * guard)
             self._addr = None
 
 

@@ -9,7 +9,8 @@
 - ``KVMEM_LEDGER_DIR``: where the ledger lives, as for kvmem's own engine (default
   ``/dev/shm``).
 - ``KVMEM_VLLM_KV_MEMORY_FAULTS``: injected faults for drills and tests, JSON:
-  ``{"map_error_rank": 1, "map_error_after": 3}`` makes rank 1's fourth page map fail.
+  ``{"map_error_rank": 1, "map_error_block": 100}`` makes rank 1 fail to map any block
+  from 100 on, as if its device ran out of memory there.
 
 The plugin reads them once, in the process that builds vLLM's configuration, and hands
 them to every process through vLLM's KV transfer config (``kv_connector_extra_config`` of
@@ -45,8 +46,8 @@ class ElasticSettings:
     engine_name: str
     limit_bytes: int | None = None  # None: the whole reservation
     ledger_dir: str | None = None  # None: $KVMEM_LEDGER_DIR or /dev/shm
-    map_error_rank: int | None = None  # injected: this rank's page maps fail...
-    map_error_after: int = 0  # ...after this many succeeded
+    map_error_rank: int | None = None  # injected: this rank cannot map...
+    map_error_block: int | None = None  # ...any block from this one on (None: 0)
 
     def to_extra(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -87,7 +88,7 @@ def _faults(text: str) -> dict[str, int]:
         value = json.loads(text)
     except json.JSONDecodeError:
         value = None
-    keys = {"map_error_rank", "map_error_after"}
+    keys = {"map_error_rank", "map_error_block"}
     if (not isinstance(value, dict) or not set(value) <= keys
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                        for v in value.values())):
@@ -111,7 +112,7 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> ElasticSettings:
     limit = extra.get("limit_bytes")
     if limit is not None:
         limit = parse_size(limit, f"{PREFIX}['limit_bytes']")
-    for key in ("map_error_rank", "map_error_after"):
+    for key in ("map_error_rank", "map_error_block"):
         value = extra.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
@@ -119,7 +120,7 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> ElasticSettings:
     return ElasticSettings(engine_name=name, limit_bytes=limit,
                            ledger_dir=extra.get("ledger_dir"),
                            map_error_rank=extra.get("map_error_rank"),
-                           map_error_after=extra.get("map_error_after") or 0)
+                           map_error_block=extra.get("map_error_block"))
 
 
 def with_elastic(kv_transfer: Mapping[str, Any] | None,

@@ -166,6 +166,7 @@ class ElasticPool:
         self.table.map_now(self.table.geo.page_of(NULL_BLOCK))
         self.table.pin(NULL_BLOCK)
         self.table.remove_free(NULL_BLOCK)
+        self._pending = self._drain()  # the rest of the null block's page, if any
         self.seq = 0  # step messages sent
 
     @property
@@ -192,7 +193,8 @@ class ElasticPool:
         block ranges in order (block 0 excluded: workers map it at start-up)."""
         self.maintain()
         self.seq += 1
-        return self._drain()
+        ops, self._pending = self._pending + self._drain(), []
+        return ops
 
     def maintain(self) -> None:
         """Heartbeat when due; over the limit, free cached-only pages; trim free pages."""
@@ -207,7 +209,7 @@ class ElasticPool:
     def has_pending(self) -> bool:
         """Whether the workers have mapping decisions to apply (after giving back free pages)."""
         self.maintain()
-        return self.table.has_ops()
+        return bool(self._pending) or self.table.has_ops()
 
     def _reclaim(self, pages: int) -> None:
         """Evict the cached-free blocks of up to ``pages`` pages that hold no live block."""

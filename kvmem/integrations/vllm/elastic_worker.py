@@ -27,6 +27,7 @@ added here: the scheduler decides every page and the step message carries it.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -155,7 +156,7 @@ class ElasticWorker:
                        "(the ranks disagree about the page map)")
         s = self.settings
         try:
-            if s.map_error_rank == self.rank and self.maps >= s.map_error_after:
+            if s.map_error_rank == self.rank and end > (s.map_error_block or 0):
                 raise BackendError("injected map failure")
             self.granules.map(self.layout.spans(start, end))  # type: ignore[union-attr]
         except (BackendError, OSError) as exc:
@@ -184,7 +185,11 @@ class ElasticWorker:
         message = f"kvmem: {self.name}: {what}; stopping the engine"
         log.error(message)
         if self.own_process:
-            raise SystemExit(message)
+            # Now, without cleanup: the other ranks may already wait for this one in a
+            # collective, and only vLLM's executor, seeing this process gone, ends them.
+            for handler in logging.getLogger("vllm").handlers:
+                handler.flush()
+            os._exit(1)
         raise ElasticMapError(message)
 
     # -- observation ----------------------------------------------------------------------
