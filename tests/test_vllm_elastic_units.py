@@ -38,7 +38,8 @@ def test_settings_from_the_environment() -> None:
         "KVMEM_LEDGER_DIR": "/tmp/l", "KVMEM_VLLM_KV_MEMORY_FAULTS":
         '{"map_error_rank": 1, "map_error_block": 7}'})
     assert s is not None and s.limit_bytes == 512 << 20 and s.ledger_dir == "/tmp/l"
-    assert s.engine_name.startswith("vllm-tiny-") and (s.map_error_rank, s.map_error_block) == (1, 7)
+    assert s.engine_name.startswith("vllm-tiny-")
+    assert (s.map_error_rank, s.map_error_block) == (1, 7)
     named = elastic_from_env("m", {"KVMEM_VLLM_KV_MEMORY": "elastic",
                                    "KVMEM_VLLM_ENGINE_NAME": "chat"})
     assert named == ElasticSettings(engine_name="chat")
@@ -186,9 +187,9 @@ def test_injected_map_failure_names_the_rank_and_blocks() -> None:
 
 def test_an_allocation_it_cannot_take_is_one_line() -> None:
     worker = make_worker()
-    with pytest.raises(ConfigError, match="vLLM allocated its KV cache without a torch.zeros"):
-        with worker.allocation_context():
-            torch.zeros(worker.layout.size, dtype=torch.float32)
+    with (pytest.raises(ConfigError, match="vLLM allocated its KV cache without a torch.zeros"),
+          worker.allocation_context()):
+        torch.zeros(worker.layout.size, dtype=torch.float32)
 
 
 def test_elastic_settings_travel_as_json() -> None:
