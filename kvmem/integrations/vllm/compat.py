@@ -8,7 +8,12 @@ before it touches anything, instead of matching a version string:
   any further parameters are forwarded untouched, such as the ``global_kv_cache_groups``
   vLLM 0.33 added — the worker's ``initialize_from_config``, and the helpers it calls;
 - ``KvmemConnector``: the connector base class and every hook it implements, with the
-  parameters vLLM passes them, and no abstract hook of the base class left unimplemented.
+  parameters vLLM passes them, and no abstract hook of the base class left unimplemented;
+- elastic KV memory (``elastic_*.py``): the function the plugin wraps
+  (``EngineArgs.create_engine_config``), ``KvmemElasticConnector``'s hooks, and inside
+  vLLM the calls it relies on (the KV allocation's ``torch.zeros`` inside the connector's
+  memory-pool context, ``handle_preemptions`` before the forward, ``has_pending_push_work``
+  keeping the engine stepping) and the free-block queue methods ``BlockPool`` uses.
 
 A missing or changed object stops that part with one line naming it (``require``); a
 vLLM that has them all but is not a tested series works with a warning. ``report`` lists
@@ -21,8 +26,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from kvmem.errors import ConfigError
@@ -93,10 +100,61 @@ CONNECTOR_NEEDS = (
       for hook, params in CONNECTOR_HOOKS.items()),
 )
 
+# KvmemElasticConnector's hooks (elastic KV memory), as CONNECTOR_HOOKS above.
+ELASTIC_HOOKS: dict[str, tuple[str, ...]] = {
+    "get_mem_pool_context": (),
+    "handle_preemptions": ("kv_connector_metadata",),
+    "start_load_kv": ("forward_context", "**"),
+    "wait_for_layer_load": ("layer_name",),
+    "save_kv_layer": ("layer_name", "kv_layer", "attn_metadata", "**"),
+    "wait_for_save": (),
+    "bind_gpu_block_pool": ("gpu_block_pool",),
+    "get_num_new_matched_tokens": ("request", "num_computed_tokens"),
+    "update_state_after_alloc": ("request", "blocks", "num_external_tokens"),
+    "build_connector_meta": ("scheduler_output",),
+    "request_finished": ("request", "block_ids"),
+    "has_pending_push_work": (),
+    "shutdown": (),
+}
+# The free-block queue methods vLLM's BlockPool may call; ElasticBlockQueue has them all.
+QUEUE_METHODS = ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n",
+                 "get_all_free_blocks", "num_free_blocks")
+# Where vLLM must call what elastic KV memory relies on: (function, what it must contain).
+ELASTIC_CALLS = (
+    ("vllm.v1.worker.gpu_worker:Worker.initialize_from_config", ".get_mem_pool_context()"),
+    ("vllm.v1.worker.utils:allocate_kv_cache", "torch.zeros("),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", ".handle_preemptions("),
+    ("vllm.v1.core.sched.scheduler:Scheduler.has_requests", ".has_pending_push_work()"),
+)
+
+ELASTIC_NEEDS = (
+    Need("vllm.engine.arg_utils:EngineArgs.create_engine_config"),
+    Need("vllm.engine.arg_utils:EngineArgs.kv_transfer_config"),
+    Need("vllm.config:KVTransferConfig"),
+    Need("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:MultiConnector"),
+    Need(f"{BASE}:KVConnectorBase_V1.__init__", ("vllm_config", "role", "kv_cache_config"),
+         exact=True),
+    Need(f"{BASE}:KVConnectorMetadata"),
+    Need(f"{BASE}:KVConnectorRole.SCHEDULER"),
+    Need(f"{BASE}:SupportsHMA.request_finished_all_groups", ("request", "block_ids"),
+         exact=True),
+    Need("vllm.v1.core.block_pool:BlockPool.evict_blocks", ("block_ids",)),
+    Need("vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue"),
+    Need("vllm.v1.kv_cache_interface:KVCacheTensor"),
+    Need("vllm.v1.kv_cache_interface:KVCacheSpec.max_memory_usage_bytes", ("vllm_config",)),
+    Need("vllm.v1.worker.utils:allocate_kv_cache", ("kv_cache_config", "device")),
+    Need("vllm.distributed.utils:get_pp_indices", ("num_hidden_layers", "pp_rank", "pp_size")),
+    Need("vllm.logger:init_logger"),
+    *(Need(f"{BASE}:KVConnectorBase_V1.{hook}", params, exact=True)
+      for hook, params in ELASTIC_HOOKS.items()),
+)
+
 FEATURES: dict[str, tuple[str, tuple[Need, ...]]] = {
     "plugin": ("per-rank KV budgets and fit check (KVMEM_VLLM_KV_BUDGET)", PLUGIN_NEEDS),
     "connector": ("KvmemConnector: CPU and disk KV tiers, tensor and pipeline parallel",
                   CONNECTOR_NEEDS),
+    "elastic": ("elastic KV memory (KVMEM_VLLM_KV_MEMORY=elastic): KV pages mapped as "
+                "vLLM's block pool needs them, under a limit engines share", ELASTIC_NEEDS),
 }
 
 
@@ -164,7 +222,28 @@ def problems(feature: str) -> tuple[str, ...]:
     if feature == "connector" and not found:
         found += [f"{BASE}.KVConnectorBase_V1.{hook} is abstract and KvmemConnector does not "
                   "implement it" for hook in _unimplemented_hooks()]
+    if feature == "elastic" and not found:
+        found += _elastic_call_sites()
     return tuple(found)
+
+
+def _elastic_call_sites() -> list[str]:
+    """What elastic KV memory relies on inside vLLM's functions: the calls it hooks into,
+    and a block pool that uses no free-block queue method kvmem's queue lacks."""
+    found = []
+    for path, call in ELASTIC_CALLS:
+        if call not in inspect.getsource(_resolve(path)):
+            found.append(f"{path.replace(':', '.')} no longer calls {call}")
+    tensor = _resolve("vllm.v1.kv_cache_interface:KVCacheTensor")
+    fields = {f.name for f in dataclass_fields(tensor)}
+    if missing := {"size", "layers", "layer_stride", "block_stride"} - fields:
+        found.append(f"vllm.v1.kv_cache_interface.KVCacheTensor has no {sorted(missing)[0]}")
+    pool = inspect.getsource(_resolve("vllm.v1.core.block_pool:BlockPool"))
+    used = set(re.findall(r"free_block_queue\.(\w+)", pool))
+    if unknown := sorted(used - set(QUEUE_METHODS)):
+        found.append(f"vllm.v1.core.block_pool.BlockPool calls free_block_queue.{unknown[0]}, "
+                     "which kvmem's page-aware queue does not have")
+    return found
 
 
 def vllm_version() -> str | None:

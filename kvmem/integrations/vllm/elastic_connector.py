@@ -32,6 +32,7 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.logger import init_logger
 
 from kvmem.errors import ConfigError
+from kvmem.integrations.vllm import compat
 from kvmem.integrations.vllm.elastic_config import LIMIT_ENV, ElasticSettings, settings_from_extra
 from kvmem.integrations.vllm.elastic_layout import KVLayout, TensorPlacement
 from kvmem.integrations.vllm.elastic_pool import BlockRange, ElasticPool
@@ -158,6 +159,7 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
+        compat.require("elastic")
         super().__init__(vllm_config, role, kv_cache_config)
         settings = settings_from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.scheduler_side: ElasticScheduler | None = None

@@ -5,7 +5,9 @@ one function, ``EngineArgs.create_engine_config``, where vLLM turns its argument
 configuration: with elastic KV memory on, the KV transfer config it reads gets
 ``KvmemElasticConnector`` (``elastic_config.with_elastic``), and vLLM then starts the
 connector in the engine core and in every worker as it would any connector. The
-arguments themselves are left as they were. Nothing happens when the variable is unset.
+arguments themselves are left as they were. Before wrapping, ``compat.require("elastic")``
+checks everything elastic KV memory uses in vLLM (one line naming what is missing).
+Nothing happens when the variable is unset.
 """
 
 from __future__ import annotations
@@ -25,9 +27,16 @@ def register_elastic() -> None:
     vLLM when elastic KV memory is off. A bad setting is one ConfigError line."""
     if elastic_from_env("vllm") is None:
         return
+    from kvmem.integrations.vllm import compat
+
+    version = compat.require("elastic")
     from vllm.engine.arg_utils import EngineArgs
 
     if not getattr(EngineArgs.create_engine_config, _MARK, False):
+        if warning := compat.untested_warning(version):
+            from vllm.logger import init_logger
+
+            init_logger("vllm.kvmem.elastic").warning("kvmem: %s", warning)
         EngineArgs.create_engine_config = with_elastic_connector(EngineArgs.create_engine_config)
 
 
