@@ -69,11 +69,15 @@ from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import KvmemConnector
 from kvmem.integrations.vllm.connector import _check_deployment
 from kvmem.integrations.vllm.connector_meta import TierReport
+from kvmem.integrations.vllm.connector_layout import GroupRule
 from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
 from kvmem.cache.hashing import hash_request_tokens
 from kvmem.tiers.blocks import key_name
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-assert KvmemConnector.__name__ == "KvmemConnector"
+assert KvmemConnector.__name__ == "KvmemConnector" and supports_hma(KvmemConnector)
 bs = 4
 tokens = list(range(100, 118))  # 4 full blocks and 2 tokens
 names = [key_name((0, h)) for h in hash_request_tokens(tokens, bs)]
@@ -86,7 +90,7 @@ def request(rid, toks=tokens, computed=0, **kw):
 def output(reports=None, sending=None):
     return NS(finished_sending=sending, kv_connector_worker_meta=reports)
 
-side = SchedulerSide(bs, num_ranks=2)
+side = SchedulerSide([GroupRule("full")], bs, num_ranks=2)
 assert side.get_num_new_matched_tokens(request("r"), 0) == (None, False)  # no report yet
 side.update_connector_output(output(TierReport({0: [(n, True) for n in names]})))
 assert side.get_num_new_matched_tokens(request("r"), 0) == (None, False)  # rank 1 missing
@@ -121,17 +125,21 @@ assert not side.has_pending_block_frees()
 assert side.request_finished(request("v", computed=7), [3, 4]) == (False, None)  # all held
 assert side.request_finished(request("w", mm_features=[1], computed=17), [1, 2]) == (False, None)
 
-def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16, sleep=False):
+def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16, sleep=False, mamba=False):
     pc = NS(world_size=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    group = NS(kv_cache_spec=NS(block_size=block))
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    if mamba:
+        spec = MambaSpec(block_size=block, shapes=((4, 4),), dtypes=(torch.float32,))
     return (NS(parallel_config=pc, cache_config=NS(block_size=sched_block),
                model_config=NS(enable_sleep_mode=sleep)),
-            NS(kv_cache_groups=[group] * groups))
+            NS(kv_cache_groups=[NS(kv_cache_spec=spec)] * groups))
 
-assert _check_deployment(*deployment()) == 16
-assert _check_deployment(*deployment(tp=2, pp=2)) == 16  # every rank keeps its own shard
+assert _check_deployment(*deployment()) == ([GroupRule("full")], 16)
+assert _check_deployment(*deployment(groups=2))[0] == [GroupRule("full")] * 2
+assert _check_deployment(*deployment(tp=2, pp=2))[1] == 16  # every rank keeps its own shard
 for kw, text in [({"sleep": True}, "does not support sleep mode"),
-                 ({"groups": 2}, "one KV cache group"), ({"block": 32}, "block size 32")]:
+                 ({"mamba": True}, "MambaSpec cannot be offloaded"),
+                 ({"block": 32}, "block size 32")]:
     try:
         _check_deployment(*deployment(**kw))
     except ConfigError as exc:
@@ -163,16 +171,19 @@ import time
 import torch
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm.connector_meta import BlockTransfer, KvmemConnectorMetadata
-from kvmem.integrations.vllm.connector_worker import LayerSlots, RankPlace, WorkerSide
+from kvmem.integrations.vllm.connector_worker import RankPlace, WorkerSide
 from kvmem.tiers import Faults, OffloadConfig
 from kvmem.tiers.blocks import key_name
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 N, H, B, C = 8, 2, 4, 16  # vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_size]
 layers = ["l0", "l1", "l2"]
 kv = {n: torch.randn(N, H, B, C) for n in layers}
+spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=C // 2, dtype=torch.float32)
+config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
 worker = WorkerSide(OffloadConfig(cpu_bytes=1 << 20), Faults(store_delay_s=0.5),
-                    place=RankPlace(0), model="m", layout="l", layer_names=layers,
-                    num_blocks=N, block_size=B)
+                    place=RankPlace(0), model="m", deployment="d", kv_cache_config=config)
 worker.register_kv_caches(kv)
 assert worker.report().changes == {0: []}  # the first report says the rank is up
 assert worker.report() is None
@@ -204,9 +215,11 @@ assert worker.load_errors() == {6, 7}
 worker.submit_stores(KvmemConnectorMetadata(stores=[BlockTransfer("u", [1], keys[:1])]))
 assert worker.finished_sending({"u"}) == {"u"}
 try:
-    LayerSlots([torch.zeros(N, H, 2, C)], N, B)
+    WorkerSide(OffloadConfig(cpu_bytes=1 << 20), Faults(), place=RankPlace(0), model="m",
+               deployment="d", kv_cache_config=config).register_kv_caches(
+        {n: torch.zeros(N + 1, H, B, C) for n in layers})
 except ConfigError as exc:
-    assert "unsupported KV cache tensor layout (8, 2, 2, 16)" in str(exc), exc
+    assert "has shape (9, 2, 4, 16)" in str(exc) and "\n" not in str(exc), exc
 else:
     raise AssertionError("a KV tensor of another layout was accepted")
 worker.shutdown()

@@ -21,13 +21,16 @@ one metadata vLLM sends every worker; a block counts as a hit only when every ra
 reported it held, and a block that fails to load on any rank is reported by that rank,
 vLLM joins the ranks' reports, and the request recomputes from there on every rank.
 
-Not supported, refused at start-up with one line: KV cache layouts other than vLLM CPU's,
-and sleep mode (``supports_sleep_mode`` is False): sleep mode exists to free or replace
-the weights while the engine sleeps, and the tiers, keyed by the checkpoint's digest, would
-then serve KV the new weights did not compute. Hybrid models (sliding-window or SSM
-layers beside full attention): the connector does not declare ``SupportsHMA``, so vLLM
-turns its hybrid KV cache manager off (it says so in its log); sliding-window models then
-run with full-attention KV and are offloaded whole, SSM hybrids are refused by vLLM itself.
+Hybrid models (sliding-window or chunked local layers beside full attention) keep vLLM's
+hybrid KV cache manager: the connector declares ``SupportsHMA`` and stores and loads each
+KV cache group by its own rules (``connector_scheduler``). Every KV cache layout vLLM
+resolves is read through the tensors it registers (``connector_layout``).
+
+Not supported, refused at start-up with one line: KV cache specs that are not attention
+(Mamba and other per-request state), groups of different block sizes, and sleep mode
+(``supports_sleep_mode`` is False): sleep mode exists to free or replace the weights while
+the engine sleeps, and the tiers, keyed by the checkpoint's digest, would then serve KV the
+new weights did not compute.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -46,6 +50,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import compat
 from kvmem.integrations.vllm.connector_config import parse_extra_config
+from kvmem.integrations.vllm.connector_layout import GroupRule, group_rules
 from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata
 from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
 from kvmem.integrations.vllm.connector_worker import RankPlace, WorkerSide, worker_identity
@@ -62,25 +67,22 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _check_deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
-    """The block size; ConfigError for what this version does not support."""
+def _check_deployment(vllm_config: VllmConfig,
+                      kv_cache_config: KVCacheConfig) -> tuple[list[GroupRule], int]:
+    """Each KV cache group's rule and the block size; ConfigError for what this version
+    does not support."""
     if getattr(vllm_config.model_config, "enable_sleep_mode", False):
         # vLLM 0.33 refuses this itself (supports_sleep_mode); 0.32 has no such hook
         raise ConfigError("KvmemConnector does not support sleep mode (enable_sleep_mode): "
                           "weights changed while asleep would meet KV cached for the old ones")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(f"KvmemConnector supports one KV cache group, the model has "
-                          f"{len(groups)} (hybrid models run with vLLM's hybrid KV cache "
-                          "manager off)")
-    block_size = groups[0].kv_cache_spec.block_size
+    rules, block_size = group_rules(kv_cache_config)
     if block_size != vllm_config.cache_config.block_size:
         raise ConfigError(f"KvmemConnector: KV cache group block size {block_size} differs "
                           f"from the scheduler's {vllm_config.cache_config.block_size}")
-    return block_size
+    return rules, block_size
 
 
-class KvmemConnector(KVConnectorBase_V1):
+class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
     """kvmem's offload tiers as a vLLM KV connector (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -88,26 +90,25 @@ class KvmemConnector(KVConnectorBase_V1):
         version = compat.require("connector")
         super().__init__(vllm_config, role, kv_cache_config)
         config, faults = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        block_size = _check_deployment(vllm_config, kv_cache_config)
+        rules, block_size = _check_deployment(vllm_config, kv_cache_config)
         self._cache_hit_source = CacheHitSource.HOST if config.cpu_bytes else CacheHitSource.DISK
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if warning := compat.untested_warning(version):
                 log.warning("kvmem: %s", warning)
-            self.scheduler_side = SchedulerSide(block_size, vllm_config.parallel_config.world_size)
+            self.scheduler_side = SchedulerSide(rules, block_size,
+                                                vllm_config.parallel_config.world_size)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning("kvmem: kv_load_failure_policy is %r: a block that leaves a tier "
                             "between lookup and load fails its request; 'recompute' "
                             "recomputes it instead",
                             self._kv_transfer_config.kv_load_failure_policy)
         else:
-            layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-            model, layout = worker_identity(vllm_config, layer_names)
+            model, deployment = worker_identity(vllm_config)
             self.worker_side = WorkerSide(
                 config, faults, place=RankPlace.of(vllm_config.parallel_config), model=model,
-                layout=layout, layer_names=layer_names, num_blocks=kv_cache_config.num_blocks,
-                block_size=block_size)
+                deployment=deployment, kv_cache_config=kv_cache_config)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -179,6 +180,11 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
         return self.scheduler_side.request_finished(request, block_ids)
 

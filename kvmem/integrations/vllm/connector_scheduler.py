@@ -4,18 +4,24 @@ It runs in vLLM's scheduler process and never touches KV bytes. What the tiers h
 knows from the workers' ``TierReport``s: a block is loadable when every rank reported
 it held (each rank keeps its own share of the KV in its own tiers). Blocks are found by
 kvmem's chained prefix hashes over the request's token ids (and its adapter name and
-cache salt), so a hit is the same in any process and after a restart.
+cache salt), so a hit is the same in any process and after a restart. A stored block is
+named by its KV cache group and hash: a hybrid model's groups (full attention beside
+sliding-window or chunked local layers) are stored and loaded each by its own rules.
 
-- ``get_num_new_matched_tokens``: from vLLM's own (block-aligned) hit, the run of
-  following blocks every rank holds, never the block of the last prompt token. ``None``
-  until every rank has sent its first report, so a restarted server's first request
-  already sees the disk tier.
-- ``update_state_after_alloc``: the blocks vLLM allocated for that hit get a load in
-  this step's metadata; a worker loads them before the forward, and any block that did
-  not load intact is reported to vLLM as invalid and recomputed.
-- ``request_finished``: the request's full blocks that not every rank holds yet get a
-  store; vLLM keeps them allocated (``True``: freed later) until the workers report the
-  request finished sending, so no new request can overwrite them while they are copied.
+- ``get_num_new_matched_tokens``: from vLLM's own (block-aligned) hit, the longest run of
+  following blocks that every group can be restored to, by vLLM's hybrid rules (a full
+  group needs every block of the run; a sliding-window group only the blocks of its window
+  before the run's end, the others being vLLM's null block), never the block of the last
+  prompt token. ``None`` until every rank has sent its first report, so a restarted
+  server's first request already sees the disk tier.
+- ``update_state_after_alloc``: the blocks vLLM allocated for that hit in each group (not
+  its null blocks) get a load in this step's metadata; a worker loads them before the
+  forward, and any block that did not load intact is reported to vLLM as invalid and
+  recomputed.
+- ``request_finished_all_groups``: the request's full blocks in every group (those vLLM
+  still holds: a sliding window's last blocks) that not every rank holds yet get a store;
+  vLLM keeps them allocated (``True``: freed later) until the workers report the request
+  finished sending, so no new request can overwrite them while they are copied.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmem.cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
+from kvmem.integrations.vllm.connector_layout import GroupRule, block_ids_per_group
 from kvmem.integrations.vllm.connector_meta import (
     BlockTransfer,
     KvmemConnectorMetadata,
@@ -32,7 +39,7 @@ from kvmem.integrations.vllm.connector_meta import (
 )
 from kvmem.tiers.blocks import key_name
 
-GROUP = 0  # the only KV cache group: hybrid models run with vLLM's hybrid manager off
+NULL_BLOCK = 0  # vLLM's null block: a position a group does not keep
 
 
 @dataclass
@@ -53,7 +60,8 @@ def request_extra_keys(request: Any) -> bytes | None:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, num_ranks: int) -> None:
+    def __init__(self, rules: list[GroupRule], block_size: int, num_ranks: int) -> None:
+        self.rules = rules
         self.block_size = block_size
         self.num_ranks = num_ranks
         self._holders: Counter[str] = Counter()  # block name -> ranks holding it
@@ -73,6 +81,41 @@ class SchedulerSide:
     def loadable(self, key: tuple[int, bytes]) -> bool:
         return self._holders[key_name(key)] >= self.num_ranks
 
+    def _longest_restorable(self, hashes: list[BlockHash], start: int, end: int) -> int:
+        """The largest ``stop <= end`` such that every group can have the blocks it keeps
+        among ``start .. stop - 1`` loaded (the blocks before ``start`` are vLLM's own hit),
+        else ``start``. A full group needs every block; a sliding-window or chunked group
+        only those it keeps once ``stop`` blocks are computed. Each block is looked up at
+        most once per group."""
+        bs = self.block_size
+        stop = end
+        for group, rule in enumerate(self.rules):
+            if rule.kind == "full":  # the run from start, to its first missing block
+                index = start
+                while index < stop and self.loadable((group, hashes[index])):
+                    index += 1
+                stop = index
+        windowed = [(g, r) for g, r in enumerate(self.rules) if r.kind != "full"]
+        known: dict[tuple[int, int], bool] = {}
+        while stop > start:
+            for group, rule in windowed:
+                first = max(start, rule.first_kept_block(stop * bs, bs))
+                missing = next((i for i in range(stop - 1, first - 1, -1)
+                                if not self._held(known, group, hashes, i)), None)
+                if missing is not None:
+                    stop = missing  # no run ending after a missing block can hold it
+                    break
+            else:
+                return stop
+        return start
+
+    def _held(self, known: dict[tuple[int, int], bool], group: int,
+              hashes: list[BlockHash], index: int) -> bool:
+        key = (group, index)
+        if key not in known:
+            known[key] = self.loadable((group, hashes[index]))
+        return known[key]
+
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         extra = request_extra_keys(request)
@@ -86,14 +129,12 @@ class SchedulerSide:
         if end <= start:
             return 0, False
         hashes = self._block_hashes(request, end, extra)
-        n = 0
-        while start + n < end and self.loadable((GROUP, hashes[start + n])):
-            n += 1
-        if not n:
+        stop = self._longest_restorable(hashes, start, end)
+        if stop == start:
             self._matches.pop(request.request_id, None)
             return 0, False
-        self._matches[request.request_id] = _Match(start, n)
-        return n * bs, False
+        self._matches[request.request_id] = _Match(start, stop - start)
+        return (stop - start) * bs, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -102,27 +143,38 @@ class SchedulerSide:
             return
         n = num_external_tokens // self.block_size
         assert n <= match.num_blocks, "vLLM allocated more external tokens than offered"
-        block_ids = blocks.get_block_ids()[GROUP][match.start:match.start + n]
-        hashes = self._hashes[request.request_id][match.start:match.start + n]
-        self._loads.append(BlockTransfer(request.request_id, list(block_ids),
-                                         [(GROUP, h) for h in hashes]))
+        hashes = self._hashes[request.request_id]
+        ids, keys = [], []
+        for group, table in enumerate(block_ids_per_group(blocks.get_block_ids())):
+            for index in range(match.start, match.start + n):
+                if table[index] != NULL_BLOCK:  # a block this group keeps
+                    ids.append(table[index])
+                    keys.append((group, hashes[index]))
+        self._loads.append(BlockTransfer(request.request_id, ids, keys))
 
     # -- stores ---------------------------------------------------------------------------
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        """``block_ids``: one list per KV cache group (or group 0's list alone)."""
         self._matches.pop(request.request_id, None)
         extra = request_extra_keys(request)
         if extra is None:
             return False, None
-        num_full = min(len(block_ids), request.num_computed_tokens // self.block_size)
+        tables = block_ids_per_group(block_ids)
+        num_full = min(max(map(len, tables)), request.num_computed_tokens // self.block_size)
         hashes = self._block_hashes(request, num_full, extra)
         del self._hashes[request.request_id]
         ids, keys = [], []
-        for block_id, block_hash in zip(block_ids[:num_full], hashes, strict=True):
-            if block_id == 0:  # vLLM's null block: the prefix stops here
-                break
-            if not self.loadable((GROUP, block_hash)):
-                ids.append(block_id)
-                keys.append((GROUP, block_hash))
+        for group, table in enumerate(tables):
+            for index, (block_id, block_hash) in enumerate(zip(table, hashes, strict=False)):
+                if index >= num_full:
+                    break
+                if block_id == NULL_BLOCK:
+                    if self.rules[group].kind == "full":
+                        break  # a full group's prefix stops here
+                    continue  # outside a window: vLLM no longer keeps it
+                if not self.loadable((group, block_hash)):
+                    ids.append(block_id)
+                    keys.append((group, block_hash))
         if not ids:
             return False, None
         self._stores.append(BlockTransfer(request.request_id, ids, keys))

@@ -1,9 +1,10 @@
 """``KvmemConnector``'s worker side: kvmem's tiers over one vLLM worker's KV tensors.
 
 Each worker (rank) owns an ``OffloadManager`` (CPU arena, namespaced and checksummed disk
-tier, transfer threads) over its own share of the KV cache: vLLM's per-layer KV tensors
-are kvmem's slot tensors (a block id is row ``b`` of every layer's tensor, whatever the
-layout inside the row), so a block is copied whole, as in kvmem's own engine.
+tier, transfer threads) over its own share of the KV cache: vLLM's per-layer KV tensors,
+in whatever layout vLLM resolved, are kvmem's slot tensors (``connector_layout``: a block
+id is row ``b`` of each distinct view), so a block of any KV cache group is copied whole,
+as in kvmem's own engine.
 
 Per step, driven by ``KvmemConnectorMetadata``:
 
@@ -31,6 +32,7 @@ import torch
 from vllm.logger import init_logger
 
 from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.connector_layout import WorkerKVLayout
 from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata, TierReport
 from kvmem.plan.types import rank_label
 from kvmem.tiers.config import OffloadConfig
@@ -58,27 +60,6 @@ class RankPlace:
 
     def __str__(self) -> str:
         return rank_label(self.rank, self.tp)
-
-
-class LayerSlots:
-    """vLLM's per-layer KV tensors as kvmem slot tensors (``slot_tensor(s)``): dimension 0
-    is the block id, and ``shape[2]`` the block size (vLLM's CPU layout
-    ``[num_blocks, kv_heads, block_size, 2 * head_size]``)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor], num_blocks: int,
-                 block_size: int) -> None:
-        for t in tensors:
-            if t.dim() != 4 or t.shape[0] != num_blocks or t.shape[2] != block_size \
-                    or not t.is_contiguous():
-                raise ConfigError(
-                    f"KvmemConnector: unsupported KV cache tensor layout {tuple(t.shape)} "
-                    f"(expected vLLM CPU's [num_blocks={num_blocks}, kv_heads, "
-                    f"block_size={block_size}, 2*head_size], contiguous)")
-        self.tensors = list(tensors)
-        self.num_slots = len(tensors)
-
-    def slot_tensor(self, slot: int) -> torch.Tensor:
-        return self.tensors[slot]
 
 
 class StoreHolds:
@@ -129,16 +110,13 @@ def model_weight_files(model: str, revision: str | None) -> list[Path]:
 
 class WorkerSide:
     def __init__(self, config: OffloadConfig, faults: Faults, *, place: RankPlace, model: str,
-                 layout: str, layer_names: Sequence[str], num_blocks: int,
-                 block_size: int) -> None:
+                 deployment: str, kv_cache_config: Any) -> None:
         self.config = config
         self.faults = faults
         self.place = place
         self.model = model
-        self.layout = layout
-        self.layer_names = list(layer_names)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.deployment = deployment
+        self.kv_cache_config = kv_cache_config
         self.offload: OffloadManager | None = None
         self.holds = StoreHolds()
         self._lock = threading.Lock()  # tier threads add index changes
@@ -149,18 +127,17 @@ class WorkerSide:
         self._seen_finished: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        missing = [n for n in self.layer_names if n not in kv_caches]
-        if missing:
-            raise ConfigError(f"KvmemConnector: no KV cache tensor for layer {missing[0]!r}")
-        slots = LayerSlots([kv_caches[n] for n in self.layer_names], self.num_blocks,
-                           self.block_size)
+        slots = WorkerKVLayout(kv_caches, self.kv_cache_config)
         self.offload = OffloadManager(self.config, slots, slots.num_slots, self.holds,
-                                      model=self.model, layout=self.layout,
+                                      model=self.model,
+                                      layout=f"{self.deployment} {slots.describe()}",
                                       faults=self.faults, on_change=self._on_change)
         # a worker that exits without vLLM's shutdown call still writes out queued stores
         atexit.register(self.shutdown)
-        log.info("kvmem: %s: KV offload %s, %d layers, %d-byte blocks", self.place,
-                 self.config.describe(), slots.num_slots, self.offload.copier.block_nbytes)
+        log.info("kvmem: %s: KV offload %s, %d KV cache groups (%s), %d slots, %d-byte "
+                 "blocks, %s layout", self.place, self.config.describe(), len(slots.rules),
+                 ",".join(r.describe() for r in slots.rules), slots.num_slots,
+                 self.offload.copier.block_nbytes, slots.layout)
 
     def _on_change(self, tier: str, name: str, present: bool) -> None:
         """A tier's index changed (tier threads, under the tier's lock): record when the
@@ -232,17 +209,17 @@ class WorkerSide:
             self.offload.shutdown(flush=True)
 
 
-def worker_identity(vllm_config: Any, layer_names: Sequence[str]) -> tuple[str, str]:
-    """(model, layout) of a worker's tiers: the weights by digest, model dtype and
-    architecture; the tensor and pipeline sizes, the rank, its layers and the KV cache
-    dtype. The disk tier's namespace is a digest of both, so each rank of each layout has
-    its own: a directory written at tp 2 never feeds a tp 1 engine."""
+def worker_identity(vllm_config: Any) -> tuple[str, str]:
+    """(model, deployment) of a worker's tiers: the weights by digest, model dtype and
+    architecture; the tensor and pipeline sizes, the rank and the KV cache dtype (the KV
+    cache groups, their layers and the tensor shapes are added when the tensors are
+    registered). The disk tier's namespace is a digest of all of it, so each rank of each
+    layout has its own: a directory written at tp 2 never feeds a tp 1 engine."""
     mc = vllm_config.model_config
     digest = weights_digest(model_weight_files(mc.model, getattr(mc, "revision", None)))
     archs = ",".join(getattr(mc.hf_config, "architectures", None) or [])
     dtype = str(mc.dtype).removeprefix("torch.")
     pc = vllm_config.parallel_config
-    layout = (f"vllm tp={pc.tensor_parallel_size} pp={pc.pipeline_parallel_size} "
-              f"rank={pc.rank} kv_dtype={vllm_config.cache_config.cache_dtype} "
-              f"layers={','.join(layer_names)}")
-    return f"{archs}|dtype={dtype}|weights={digest}", layout
+    deployment = (f"vllm tp={pc.tensor_parallel_size} pp={pc.pipeline_parallel_size} "
+                  f"rank={pc.rank} kv_dtype={vllm_config.cache_config.cache_dtype}")
+    return f"{archs}|dtype={dtype}|weights={digest}", deployment
