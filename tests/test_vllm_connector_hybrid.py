@@ -1,6 +1,22 @@
 """``KvmemConnector`` with a hybrid model (full attention beside sliding-window layers)
 inside vLLM's CPU build, against plain vLLM, and its per-group rules against vLLM's own.
 
+Live (three vLLM processes, a tiny random Gemma-3: 5 sliding-window layers of window 128
+and one full layer, so vLLM's hybrid KV cache manager runs 6 KV cache groups): a pool of
+48 blocks of 128 tokens holds one 2,000-token request but not two; chunked prefill (256
+tokens a step) and prefix caching on.
+
+1. plain vLLM: prompts A, B, A; its greedy tokens are the reference;
+2. vLLM with ``KvmemConnector`` (CPU and disk tiers, every store slowed by 1 s): A, then B
+   at once while A's stores are in flight (MISSION problem 3: B needs the blocks A's
+   stores hold), then A again, from kvmem's CPU tier. The engine core runs in the script's
+   process, and every block vLLM's block pool hands out is checked against the blocks held
+   for stores in flight: none may be among them;
+3. a fresh vLLM with only the disk tier: A from disk.
+
+``KVMEM_TEST_DROP_STORE_HOLD=1`` runs (2) with the connector freeing a request's blocks
+while its stores are still copying (the hold removed), to see the check fail.
+
 Engine-free (one script in vLLM's venv): kvmem's rule for which blocks a group keeps is
 vLLM's (``get_num_skipped_tokens`` of its sliding-window and chunked local managers), and
 the scheduler side's lookups, loads and stores per KV cache group.
@@ -8,11 +24,135 @@ the scheduler side's lookups, loads and stores per KV cache group.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.vllm_cpu import run_script
 
 pytestmark = pytest.mark.vllm
+
+BLOCK_BYTES = 2 * 128 * 64 * 4  # 2 KV heads x 128 tokens x (key + value of 32) x fp32
+POOL_BLOCKS = 48
+
+SCRIPT = r"""
+import json, os, random, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    mode, model, disk_dir, pool_bytes = sys.argv[1:5]
+    kwargs = dict(model=model, dtype="float32", kv_cache_memory_bytes=int(pool_bytes),
+                  max_model_len=2048, max_num_batched_tokens=256, enable_chunked_prefill=True,
+                  enable_prefix_caching=True, seed=0, enforce_eager=True)
+    extra = {
+        "plain": None,
+        "tiers": {"cpu_offload_gib": 0.25, "disk_offload_dir": disk_dir,
+                  "disk_offload_gib": 0.25, "faults": {"store_delay_s": 1.0}},
+        "disk": {"disk_offload_dir": disk_dir, "disk_offload_gib": 0.25},
+    }[mode]
+    if extra is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvmemConnector",
+            "kv_connector_module_path": "kvmem.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+    llm = LLM(**kwargs)
+    checks = {"allocations": 0, "handed_out_while_held": 0, "unref_held": 0,
+              "most_held_while_waiting": 0}
+    if mode == "tiers":
+        # the engine core runs here (VLLM_ENABLE_V1_MULTIPROCESSING=0): watch its pool
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        pool, side = scheduler.kv_cache_manager.block_pool, scheduler.connector.scheduler_side
+        if os.environ.get("KVMEM_TEST_DROP_STORE_HOLD") == "1":
+            finished = side.request_finished
+            side.request_finished = lambda *a: (finished(*a), (False, None))[1]
+        take = pool.get_new_blocks
+
+        def checked(num_blocks):
+            blocks = take(num_blocks)
+            held = side.held_block_ids()
+            checks["allocations"] += 1
+            checks["handed_out_while_held"] += sum(b.block_id in held for b in blocks)
+            checks["unref_held"] += sum(pool.blocks[b].ref_cnt == 0 for b in held)
+            return blocks
+
+        schedule = scheduler.schedule
+
+        def watched(*args, **kwargs):  # how long a waiting request waited on stores
+            if scheduler.waiting:
+                checks["most_held_while_waiting"] = max(checks["most_held_while_waiting"],
+                                                        len(side.held_block_ids()))
+            return schedule(*args, **kwargs)
+
+        pool.get_new_blocks = checked
+        scheduler.schedule = watched
+    rng = random.Random(1)
+    prompts = {name: [rng.randrange(10, 250) for _ in range(2000)] for name in "AB"}
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    def run(name):
+        (out,) = llm.generate([{"prompt_token_ids": prompts[name]}], params, use_tqdm=False)
+        return {"name": name, "tokens": list(out.outputs[0].token_ids),
+                "cached": out.num_cached_tokens}
+
+    results = [run("A")] if mode == "disk" else [run("A"), run("B"), run("A")]
+    print("RESULT " + json.dumps({"runs": results, "checks": checks}), flush=True)
+"""
+
+
+def _run(mode: str, model: str, disk_dir: str, env: dict | None = None) -> tuple[dict, str]:
+    run = run_script(SCRIPT, mode, model, disk_dir, str(POOL_BLOCKS * BLOCK_BYTES),
+                     threads_bind="0", timeout=900,
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}).check()
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT ")), run.output
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, str]]:
+    from tests.tiny_models import make_tiny_gemma3
+
+    model = str(make_tiny_gemma3(tmp_path_factory.mktemp("gemma3")))
+    disk_dir = str(tmp_path_factory.mktemp("kvmem-disk"))
+    return {mode: _run(mode, model, disk_dir) for mode in ("plain", "tiers", "disk")}
+
+
+@pytest.mark.slow
+def test_hybrid_manager_stays_on_and_a_comes_back_from_the_cpu_tier(runs) -> None:
+    plain, _ = runs["plain"]
+    tiers, log = runs["tiers"]
+    assert "kv cache group sizes (128, 128, 128, 128, 128, 128)" in log  # 6 groups
+    assert "6 KV cache groups (sliding128,sliding128,sliding128,sliding128,sliding128," \
+           "full)" in log
+    a, b, again = tiers["runs"]
+    assert a["cached"] == 0 and b["cached"] == 0
+    # B evicted A from vLLM's pool: plain vLLM recomputes, kvmem loads every full block but
+    # the one holding the last prompt token (2,000 tokens: 15 full blocks, 1,920 tokens)
+    assert plain["runs"][2]["cached"] < 1920
+    assert again["cached"] == 1920
+    for ours, reference in zip(tiers["runs"], plain["runs"], strict=True):
+        assert ours["tokens"] == reference["tokens"], ours["name"]
+
+
+@pytest.mark.slow
+def test_no_block_held_by_a_store_in_flight_goes_to_another_request(runs) -> None:
+    """MISSION problem 3 inside vLLM: B arrives while A's (slowed) stores still hold A's
+    blocks and the pool cannot hold both; B waits for them, nothing crashes, and vLLM's
+    block pool never hands out a block a store still holds."""
+    tiers, log = runs["tiers"]
+    checks = tiers["checks"]
+    # B was waiting while A's blocks (15 full-attention and 5 window blocks) were held
+    assert checks["most_held_while_waiting"] >= 20 and checks["allocations"] > 10
+    assert checks["handed_out_while_held"] == 0 and checks["unref_held"] == 0
+    assert log.count("store of 20 blocks") == 2  # A's, then B's, each held until copied
+    assert "EngineDeadError" not in log and "AssertionError" not in log
+
+
+@pytest.mark.slow
+def test_fresh_process_serves_the_hybrid_prompt_from_disk(runs) -> None:
+    plain, _ = runs["plain"]
+    disk, _ = runs["disk"]
+    (a,) = disk["runs"]
+    assert a["cached"] == 1920 and a["tokens"] == plain["runs"][0]["tokens"]
 
 RULES_SCRIPT = r"""
 from types import SimpleNamespace as NS

@@ -80,6 +80,30 @@ def embedded_files():
     return resolve_model(None)
 
 
+def make_tiny_gemma3(tmp_path: Path, seed: int = 0) -> Path:
+    """A random tiny Gemma-3 text checkpoint: 5 sliding-window layers (window 128) and one
+    full-attention layer, as vLLM runs it with its hybrid KV cache manager (6 KV cache
+    groups of one layer each)."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=320, max_position_embeddings=4096,
+        sliding_window=128, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        bos_token_id=256, eos_token_id=258, pad_token_id=256, rope_theta=10000.0,
+        rope_local_base_freq=10000.0)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).float().eval()
+    out = Path(tmp_path) / "tiny-gemma3"
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
+    }))
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def transformers_gguf_reference():
     """(HF config, state dict, model) of the embedded GGUF, read by transformers' own GGUF

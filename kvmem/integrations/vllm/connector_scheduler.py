@@ -70,7 +70,7 @@ class SchedulerSide:
         self._matches: dict[str, _Match] = {}
         self._loads: list[BlockTransfer] = []
         self._stores: list[BlockTransfer] = []
-        self._storing: set[str] = set()  # requests whose blocks vLLM keeps for a store
+        self._held: dict[str, list[int]] = {}  # request -> blocks vLLM keeps for its store
 
     # -- lookups --------------------------------------------------------------------------
     def _block_hashes(self, request: Any, num_blocks: int, extra: bytes) -> list[BlockHash]:
@@ -101,7 +101,7 @@ class SchedulerSide:
             for group, rule in windowed:
                 first = max(start, rule.first_kept_block(stop * bs, bs))
                 missing = next((i for i in range(stop - 1, first - 1, -1)
-                                if not self._held(known, group, hashes, i)), None)
+                                if not self._holds(known, group, hashes, i)), None)
                 if missing is not None:
                     stop = missing  # no run ending after a missing block can hold it
                     break
@@ -109,7 +109,7 @@ class SchedulerSide:
                 return stop
         return start
 
-    def _held(self, known: dict[tuple[int, int], bool], group: int,
+    def _holds(self, known: dict[tuple[int, int], bool], group: int,
               hashes: list[BlockHash], index: int) -> bool:
         key = (group, index)
         if key not in known:
@@ -178,7 +178,8 @@ class SchedulerSide:
         if not ids:
             return False, None
         self._stores.append(BlockTransfer(request.request_id, ids, keys))
-        self._storing.add(request.request_id)
+        self._held[request.request_id] = [b for table in tables for b in table
+                                          if b != NULL_BLOCK]
         return True, None
 
     # -- per step -------------------------------------------------------------------------
@@ -189,7 +190,7 @@ class SchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         for request_id in output.finished_sending or ():
-            self._storing.discard(request_id)
+            self._held.pop(request_id, None)
         report = output.kv_connector_worker_meta
         if isinstance(report, TierReport):
             for rank, events in report.changes.items():
@@ -202,4 +203,9 @@ class SchedulerSide:
     def has_pending_block_frees(self) -> bool:
         """Blocks held for stores come back soon: a request short of blocks may wait for
         them instead of preempting another."""
-        return bool(self._storing)
+        return bool(self._held)
+
+    def held_block_ids(self) -> set[int]:
+        """The blocks vLLM keeps allocated for stores still in flight (none of them may
+        be handed to another request until the store is done)."""
+        return {b for ids in self._held.values() for b in ids}
