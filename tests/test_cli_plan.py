@@ -316,3 +316,30 @@ def test_help_lists_the_options(capsys):
                 "--max-num-batched-tokens", "--cpu-offload-gib", "--json", "--engine",
                 "--plot"):
         assert opt in out
+
+
+def test_a_cpu_deployment_takes_vllm_cpus_defaults_and_names_vllms_kv_size(capsys):
+    """--device cpu: blocks of 128, `vllm serve`'s CPU batch defaults per rank, no CUDA
+    graphs; vLLM's "KV cache size" (concurrency x max_model_len) beside kvmem's tokens."""
+    argv = ["plan", "google/gemma-3-4b-it", "--device", "cpu", "--kv-cache-memory-bytes",
+            "2GiB", "--max-model-len", "8192", "--tp", "2"]
+    d = _json(capsys, argv)
+    s, e = d["settings"], d["engine"]
+    assert (s["block_size"], s["max_num_batched_tokens"], s["max_num_seqs"]) == (128, 4096, 256)
+    assert not s["cuda_graphs"] and e["num_kv_groups"] > 1
+    assert e["vllm_kv_cache_tokens"] == int(e["max_concurrency"] * 8192) != e["tokens"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"vLLM's KV size     {e['vllm_kv_cache_tokens']:,} tokens" in out
+    assert "GPU memory not given" not in out and "vLLM's CPU build" in out
+    given = _json(capsys, argv + ["--block-size", "64", "--max-num-batched-tokens", "512"])
+    assert (given["settings"]["block_size"], given["settings"]["max_num_batched_tokens"]) == (
+        64, 512)
+    assert _json(capsys, ["plan", "deepseek-ai/DeepSeek-V3", "--device", "cpu",
+                          "--kv-cache-memory-bytes", "8GiB"])["settings"]["block_size"] == 16
+
+
+def test_a_cpu_deployment_needs_its_kv_size(capsys):
+    assert main(["plan", "qwen3-8b", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cpu needs --kv-cache-memory-bytes" in err and err.count("\n") == 1

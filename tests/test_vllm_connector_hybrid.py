@@ -25,6 +25,9 @@ the scheduler side's lookups, loads and stores per KV cache group.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -108,10 +111,14 @@ def _run(mode: str, model: str, disk_dir: str, env: dict | None = None) -> tuple
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, str]]:
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.tiny_models import make_tiny_gemma3
 
-    model = str(make_tiny_gemma3(tmp_path_factory.mktemp("gemma3")))
+    return str(make_tiny_gemma3(tmp_path_factory.mktemp("gemma3")))
+
+
+@pytest.fixture(scope="module")
+def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, str]]:
     disk_dir = str(tmp_path_factory.mktemp("kvmem-disk"))
     return {mode: _run(mode, model, disk_dir) for mode in ("plain", "tiers", "disk")}
 
@@ -241,6 +248,18 @@ assert store.keys == [(0, h) for h in hashes[1:10]] + [(1, hashes[9])]
 done, _ = side4.request_finished(request("f", computed=41), ([11, 12, 0, 14], [0, 0, 0, 5]))
 (store,) = side4.build_connector_meta().stores
 assert store.block_ids == [12, 5] and store.keys == [(0, hashes[1]), (1, hashes[3])]
+
+# -- kvmem plan --device cpu: vLLM-CPU's own defaults for `vllm serve` ----------------------
+from vllm.engine.arg_utils import EngineArgs
+from vllm.usage.usage_lib import UsageContext
+from kvmem.plan.estimates import vllm_cpu_defaults
+from kvmem.spec import load_spec
+
+for world_size in (1, 2, 4):
+    batched, seqs = EngineArgs.get_batch_defaults(world_size)
+    served = (batched[UsageContext.OPENAI_API_SERVER], seqs[UsageContext.OPENAI_API_SERVER])
+    assert vllm_cpu_defaults(load_spec("Qwen/Qwen3-8B"), world_size)[1:] == served, served
+    assert vllm_cpu_defaults(load_spec("deepseek-ai/DeepSeek-V3"), world_size)[0] == 16
 print("HYBRID RULES OK")
 """
 
@@ -250,3 +269,23 @@ def test_group_rules_are_vllms_and_decisions_follow_each_group() -> None:
     compute it; lookups stop where any group could not be restored; loads fill each
     group's non-null blocks with that group's keys; stores take what vLLM still holds."""
     assert "HYBRID RULES OK" in run_script(RULES_SCRIPT, timeout=300).check().stdout
+
+
+@pytest.mark.slow
+def test_plan_gives_vllms_kv_cache_size_for_the_hybrid_model(runs, model) -> None:
+    """``kvmem plan --device cpu`` prints vLLM's "KV cache size" (concurrency times
+    max_model_len) beside its own block tokens, and both match the running engine."""
+    _, log = runs["plain"]
+    logged = re.findall(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for "
+                        r"2,048 tokens per request: ([\d.]+)x", log)
+    assert len(logged) == 1, log[-3000:]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmem", "plan", model, "--device", "cpu", "--json",
+         "--kv-cache-memory-bytes", str(POOL_BLOCKS * BLOCK_BYTES), "--max-model-len", "2048",
+         "--max-num-batched-tokens", "256", "--kv-cache-dtype", "fp32"],
+        capture_output=True, text=True, check=True).stdout
+    engine = json.loads(out)["engine"]
+    assert (engine["vllm_kv_cache_tokens"], f"{engine['max_concurrency']:.2f}") == (
+        int(logged[0][0].replace(",", "")), logged[0][1])
+    assert engine["num_blocks"] == POOL_BLOCKS and engine["block_size"] == 128
+    assert engine["tokens"] == POOL_BLOCKS * 128 // 6  # the blocks' tokens over 6 groups

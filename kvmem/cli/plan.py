@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for all), e.g. H100, A100-40GB, L40S, V100-16GB")
     g.add_argument("--gpu-memory", metavar="GiB",
                    help="total GPU memory in GiB (one, or a comma list per rank)")
+    g.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                   help="cpu: a deployment on vLLM's CPU build, with its defaults (block size "
+                        "128, 16 for MLA; max_num_batched_tokens 2,048 and max_num_seqs 128 "
+                        "per rank, as `vllm serve` picks; no CUDA graphs); needs "
+                        "--kv-cache-memory-bytes (default gpu)")
     e = p.add_argument_group("engine settings")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of total GPU memory the engine may use (default 0.9)")
@@ -58,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each GPU's memory and the stated budget (default uniform)")
     e.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="auto (model dtype), bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2")
-    e.add_argument("--block-size", type=int, default=16, metavar="N",
-                   help="tokens per KV block (default 16)")
+    e.add_argument("--block-size", type=int, metavar="N",
+                   help="tokens per KV block (default 16; 128 with --device cpu)")
     e.add_argument("--max-model-len", type=int, metavar="N",
                    help="longest request in tokens (default: the model's context length)")
     e.add_argument("--max-num-seqs", type=int, metavar="N",
@@ -118,7 +123,7 @@ def _gib_list(text: str, what: str) -> list[int]:
     return out
 
 
-def _inputs(args: argparse.Namespace, measured=None):
+def _inputs(args: argparse.Namespace, measured=None, spec=None):
     from kvmem.plan import EngineSettings, Layout
     from kvmem.plan.partition import parse_partition
     from kvmem.units import gib_bytes, parse_size
@@ -138,14 +143,25 @@ def _inputs(args: argparse.Namespace, measured=None):
                  if args.layer_partition is not None else None)
     layout = Layout(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                     layer_partition=partition, gpus=gpus, gpu_memory_bytes=memory)
-    batched, seqs = _batch_defaults(layout, measured)
+    cpu = args.device == "cpu"
+    if cpu and kv_bytes is None:
+        raise ConfigError("--device cpu needs --kv-cache-memory-bytes: vLLM's CPU build takes "
+                          "its KV cache size as given (kv_cache_memory_bytes or "
+                          "VLLM_CPU_KVCACHE_SPACE)")
+    if cpu:
+        from kvmem.plan.estimates import vllm_cpu_defaults
+
+        block_size, batched, seqs = vllm_cpu_defaults(spec, layout.world_size)
+    else:
+        block_size, (batched, seqs) = 16, _batch_defaults(layout, measured)
     settings = EngineSettings(
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
-        block_size=args.block_size, max_model_len=args.max_model_len,
+        block_size=block_size if args.block_size is None else args.block_size,
+        max_model_len=args.max_model_len,
         max_num_seqs=seqs if args.max_num_seqs is None else args.max_num_seqs,
         max_num_batched_tokens=(batched if args.max_num_batched_tokens is None
                                 else args.max_num_batched_tokens),
-        cuda_graphs=not args.enforce_eager, reserve_cuda_graphs=args.reserve_cuda_graphs,
+        cuda_graphs=not (args.enforce_eager or cpu), reserve_cuda_graphs=args.reserve_cuda_graphs,
         cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype)
     return layout, settings
 
@@ -323,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         from kvmem.engine.memory_profile import load_profiles  # imports no torch
 
         measured = load_profiles(args.profile)
-    layout, settings = _inputs(args, measured[0] if measured else None)
+    layout, settings = _inputs(args, measured[0] if measured else None, spec)
     offload = _offload_config(args)
     if measured is not None:
         _check_profile_matches(measured, layout, settings, args.profile)
@@ -336,6 +352,10 @@ def run(args: argparse.Namespace) -> int:
         result.notes.append(f"{what} measured memory of {measured[0].model} on "
                             f"{measured[0].device} ({args.profile}) replaces the estimates on "
                             f"{'its rank' if len(measured) > 1 else 'every rank'}")
+    if args.device == "cpu":
+        result.notes = [n for n in result.notes if not n.startswith("GPU memory not given")]
+        result.notes.append("a deployment on vLLM's CPU build: its block size and batch "
+                            "defaults, no CUDA graphs; the KV size is the one stated")
     result.model = served_model(args.model, spec)  # named as the user gave it, everywhere
     command = engine_command(result, args.engine, result.model) if args.engine else None
     offload_section = kv_offload(result, offload)

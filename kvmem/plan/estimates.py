@@ -28,7 +28,7 @@ decide the two peaks above. Imports no torch.
 
 from __future__ import annotations
 
-from kvmem.spec import ModelSpec, dtype_bytes
+from kvmem.spec import AttentionKind, ModelSpec, dtype_bytes
 from kvmem.units import GiB, MiB
 
 # Sampler warm-up, bytes per logit alive at its peak beyond the model-dtype logits: float32
@@ -58,6 +58,15 @@ def vllm_batch_defaults(memory_bytes: int | None, gpu: str | None = None) -> tup
     if memory_bytes >= 70 * GiB and "a100" not in (gpu or "").lower():
         return 8192, 1024
     return 2048, 256
+
+
+def vllm_cpu_defaults(spec: ModelSpec | None, world_size: int) -> tuple[int, int, int]:
+    """(block_size, max_num_batched_tokens, max_num_seqs) that ``vllm serve`` picks on
+    vLLM's CPU build: blocks of 128 tokens (16 for MLA models, whose reference CPU kernel
+    needs them; vLLM keeps 128 there where the CPU has AMX), and 2,048 batched tokens and
+    128 sequences per rank (4,096 and 256 for the offline ``vllm.LLM``)."""
+    mla = spec is not None and any(layer.kind == AttentionKind.MLA for layer in spec.layers)
+    return (16 if mla else 128), 2048 * world_size, 128 * world_size
 
 
 def cuda_graph_capture_sizes(max_num_seqs: int) -> list[int]:

@@ -45,7 +45,10 @@ def summary_lines(plan: Plan) -> list[str]:
     verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
     return [
         f"engine blocks      {e.num_blocks:,} (minimum over ranks)",
-        f"engine tokens      {e.tokens:,}",
+        f"engine tokens      {e.tokens:,} (the blocks' tokens, shared over {e.num_kv_groups} "
+        f"KV group{'s' if e.num_kv_groups != 1 else ''})",
+        f"vLLM's KV size     {e.vllm_kv_cache_tokens:,} tokens (vLLM's \"KV cache size\": "
+        f"concurrency x max_model_len)",
         f"concurrency        {e.max_concurrency:.2f}x requests of {e.max_model_len:,} tokens",
         f"max_model_len      {e.max_model_len:,}: {verdict}",
         f"longest that fits  {e.max_model_len_that_fits:,}",

@@ -116,6 +116,14 @@ class EnginePlan:
     kv_dtype: str
     num_kv_groups: int
 
+    @property
+    def vllm_kv_cache_tokens(self) -> int:
+        """What vLLM logs as its "KV cache size": the maximum concurrency times
+        max_model_len. For a hybrid model that is not ``tokens`` (the tokens the blocks hold
+        when shared out over the KV groups): a sliding-window group needs only its window's
+        blocks per request."""
+        return int(self.max_concurrency * self.max_model_len)
+
 
 @dataclass
 class Plan:
@@ -135,7 +143,10 @@ class Plan:
             ranks.append(d)
         layout = asdict(self.layout)
         return {"model": self.model, "layout": layout, "settings": asdict(self.settings),
-                "ranks": ranks, "engine": asdict(self.engine), "notes": list(self.notes),
+                "ranks": ranks,
+                "engine": {**asdict(self.engine),
+                           "vllm_kv_cache_tokens": self.engine.vllm_kv_cache_tokens},
+                "notes": list(self.notes),
                 "alternatives": list(self.alternatives)}
 
     def check_fit(self) -> None:
