@@ -111,7 +111,14 @@ def test_connector_hit_needs_every_rank_and_a_failed_load_fails_for_all(contract
 
 
 def test_connector_refuses_sleep_mode(contract):
-    assert contract["connector"]["sleep_mode_supported"] is False
+    """0.33 asks ``supports_sleep_mode`` and refuses the configuration itself; on either
+    version the connector refuses it when it is built."""
+    c = contract["connector"]
+    assert c["sleep_mode_supported"] is False
+    if contract["vllm"].startswith("0.33"):
+        assert c["vllm_refuses_sleep"] == "KvmemConnector does not support sleep mode."
+    assert c["connector_refuses_sleep"].startswith(
+        "KvmemConnector does not support sleep mode (enable_sleep_mode)")
 
 
 def test_vllm_check_reports_both_parts_working(contract):

@@ -206,6 +206,7 @@ class Deployment:
                                     kv_transfer_config=transfer)
         configs, scheduler_config = initialize_kv_caches(
             self.config, worker_specs(self.config, 2), [32 * rank0_block] * 2)
+        self.scheduler_config = scheduler_config
         self.block_size = scheduler_config.kv_cache_groups[0].kv_cache_spec.block_size
         connector_cls = integration.KvmemConnector
         self.connector_cls = connector_cls
@@ -345,6 +346,30 @@ def connector_checks(model: str) -> dict:
             request("s", b_tokens, cache_salt="x"), 0))
         for worker in d.workers:
             worker.shutdown()
+        out.update(sleep_mode_checks(d))
+    return out
+
+
+def sleep_mode_checks(d: Deployment) -> dict:
+    """Sleep mode with the connector: vLLM 0.33 asks the connector class and refuses; the
+    connector itself refuses it on any version. (vLLM's CPU platform has no sleep mode, so
+    the flag is set on a built config.)"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvmem.errors import ConfigError
+
+    config = copy.deepcopy(d.config)
+    object.__setattr__(config.model_config, "enable_sleep_mode", True)
+    out: dict = {"vllm_refuses_sleep": None, "connector_refuses_sleep": None}
+    if hasattr(config, "_verify_kv_transfer_compat"):
+        try:
+            config._verify_kv_transfer_compat()
+        except ValueError as exc:
+            out["vllm_refuses_sleep"] = str(exc)
+    try:
+        d.connector_cls(config, KVConnectorRole.SCHEDULER, d.scheduler_config)
+    except ConfigError as exc:
+        out["connector_refuses_sleep"] = str(exc)
     return out
 
 
