@@ -110,7 +110,7 @@ def planned(model: Path, *args: str) -> tuple[int, str]:
                           "--max-model-len", "2048", *args],
                          capture_output=True, text=True, check=True).stdout
     engine_plan = json.loads(out)["engine"]
-    return engine_plan["tokens"], f"{engine_plan['max_concurrency']:.2f}"
+    return engine_plan["vllm_kv_cache_tokens"], f"{engine_plan['max_concurrency']:.2f}"
 
 
 def rank_namespace(disk_dir: Path, rank: int, tp: int) -> Path:
@@ -181,7 +181,8 @@ def test_tp2_second_prompt_from_cpu_tier_with_plain_tokens(tp2):
     log = tp2["tiers"][1]
     for tp_rank in (0, 1):  # each rank's tiers over its own shard of 4 layers
         assert re.search(rf"kvmem: rank {tp_rank} \(pp stage 0, tp rank {tp_rank}\): KV "
-                         r"offload CPU .*, 4 layers, 131072-byte blocks", log), tp_rank
+                         r"offload CPU .*, 1 KV cache groups \(full\), 4 slots, 131072-byte "
+                         r"blocks", log), tp_rank
     assert "Traceback" not in log
 
 
@@ -248,7 +249,8 @@ def test_pp2_proportional_and_connector_together(pp2):
     for rank, layers in ((0, 20), (1, 10)):
         place = rf"rank {rank} \(pp stage {rank}, tp rank 0\)"
         assert re.search(rf"kvmem: {place}: KV budget \d+ bytes, 22 blocks, 2816 tokens", log)
-        assert re.search(rf"kvmem: {place}: KV offload CPU .*, {layers} layers", log)
+        assert re.search(rf"kvmem: {place}: KV offload CPU .*, 1 KV cache groups \(full\), "
+                         rf"{layers} slots", log)
     assert logged_kv_size(log) == logged_kv_size(pp2["plain"][1]) == (2816, "1.38")
 
 
