@@ -145,8 +145,8 @@ class ElasticScheduler:
         block_pool.free_block_queue = self.pool.queue(block_pool.blocks, block_pool.evict_blocks)
         self.bound = True
 
-    def step_meta(self) -> ElasticStepMeta:
-        ops = tuple(self.pool.end_step())
+    def step_meta(self, scheduled_tokens: int | None = None) -> ElasticStepMeta:
+        ops = tuple(self.pool.end_step(idle=scheduled_tokens == 0))
         first = self.pool.seq == 1
         return ElasticStepMeta(self.pool.seq, ops, tuple(self.rank_bytes) if first else None)
 
@@ -216,7 +216,8 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
-        return self.scheduler_side.step_meta()
+        return self.scheduler_side.step_meta(
+            getattr(scheduler_output, "total_num_scheduled_tokens", None))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -44,6 +44,7 @@ from kvmem.memory.pages import PageGeometry
 log = logging.getLogger("vllm.kvmem.elastic")  # shown and formatted as vLLM's own lines
 
 NULL_BLOCK = 0
+BACKOFF_S = 0.01
 BlockRange = tuple[bool, int, int]  # (map: True / unmap: False, first block, end block)
 
 
@@ -80,14 +81,14 @@ class LedgerView:
         self.room: int | None = None  # None: no limit applies
         self.overdrawn = 0  # bytes taken past the limits since the last heartbeat
         self._forced = False
+        self._stale = False  # a take was refused: read the ledger at the next step end
         self._beat = float("-inf")
-        self._used = 0
 
     def heartbeat(self, used_bytes: int, *, now: bool = False) -> bool:
         """Read the room from the ledger (and record used bytes) if one is due."""
-        self._used = used_bytes
-        if not now and time.monotonic() - self._beat < self.heartbeat_s:
+        if not (now or self._stale) and time.monotonic() - self._beat < self.heartbeat_s:
             return False
+        self._stale = False
         self._beat = time.monotonic()
         self.room = self.budget.room(used_bytes)
         self.overdrawn = 0
@@ -109,7 +110,10 @@ class LedgerView:
             if self.room is not None:
                 self.room -= nbytes
         else:
-            self.heartbeat(self._used, now=True)  # the view was stale: read it again
+            # The view was stale (another engine took the room). It is read again at the
+            # step end, not now: vLLM checks the free count once per request and again
+            # per allocation, and it must not fall in between by more than was taken.
+            self._stale = True
         return taken
 
     def release(self, nbytes: int) -> None:
@@ -168,6 +172,7 @@ class ElasticPool:
         self.table.remove_free(NULL_BLOCK)
         self._pending = self._drain()  # the rest of the null block's page, if any
         self.seq = 0  # step messages sent
+        self.limited = False  # the limit held free blocks back from vLLM since the last step
 
     @property
     def page_bytes(self) -> int:
@@ -188,9 +193,17 @@ class ElasticPool:
         return ElasticBlockQueue(self, blocks)
 
     # -- step ends ------------------------------------------------------------------------
-    def end_step(self) -> list[BlockRange]:
+    def end_step(self, idle: bool = False) -> list[BlockRange]:
         """Give back what is free, then every mapping decision since the last call, as
-        block ranges in order (block 0 excluded: workers map it at start-up)."""
+        block ranges in order (block 0 excluded: workers map it at start-up).
+
+        ``idle``: the step scheduled nothing. If the limit held blocks back meanwhile,
+        the engine is waiting for memory (another engine's, or a lowered limit): back off
+        10 ms and read the ledger again, rather than spin."""
+        if idle and self.limited:
+            time.sleep(BACKOFF_S)
+            self.view.heartbeat(self.table.live_blocks * self.block_bytes, now=True)
+        self.limited = False
         self.maintain()
         self.seq += 1
         ops, self._pending = self._pending + self._drain(), []
@@ -262,7 +275,11 @@ class ElasticBlockQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.table.free_within(self.pool.view.room)
+        table, room = self.pool.table, self.pool.view.room
+        n = table.free_within(room)
+        if room is not None and n < table.num_free + len(table.cached):
+            self.pool.limited = True
+        return n
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]

