@@ -294,8 +294,10 @@ if __name__ == "__main__":
             if during is not None:
                 during(len(steps))
             preempted |= {r.request_id for r in sched.requests.values() if r.num_preemptions}
-            me = next(e for e in ledger.entries() if e.name == role)
+            entries = ledger.entries()
+            me = next(e for e in entries if e.name == role)
             steps.append({"held": me.mapped_bytes, "limit": me.limit_bytes,
+                          "all": sum(e.mapped_bytes for e in entries),
                           "waiting": len(sched.waiting), "running": len(sched.running)})
         # One more step gives back the pages of the last requests (vLLM's own busy loop
         # takes it; here the script drives the engine core).
@@ -392,9 +394,11 @@ def test_two_engines_share_one_ledger(two_engines):
     # each wanted more than half the shared limit; together they stayed within it
     for side in (a, b):
         assert max(s["held"] for s in side["alone"]["steps"]) > TOTAL / 2
-    shared_peak = max(s["held"] for s in a["shared"]["steps"]) + \
-        max(s["held"] for s in b["shared"]["steps"])
-    assert shared_peak > TOTAL  # (peaks need not coincide)
+    # together they kept to it: what both held after each step of either, give or take
+    # the blocks two engines counted in the same instant (an overdraft of a few pages)
+    both = [s["all"] for side in (a, b) for s in side["shared"]["steps"]]
+    assert max(both) <= TOTAL + 4 * BLOCK_BYTES
+    assert max(both) >= TOTAL - 8 * BLOCK_BYTES  # and used it
     waited = sum(s["waiting"] > 0 for side in (a, b) for s in side["shared"]["steps"])
     assert waited > 0 or a["shared"]["preempted"] + b["shared"]["preempted"] > 0
 
@@ -410,12 +414,17 @@ def test_lowering_a_limit_while_serving_makes_it_wait_and_raising_lets_it_grow(t
     lower = a["lower"]
     assert "a: limit 8.00 MiB on cpu" in a["lowered"]
     assert lower["tokens"] == a["alone"]["tokens"]  # every request finished, same tokens
-    after = [s for s in lower["steps"][5:] if s["limit"] == LOWERED]
-    assert after, lower["steps"][:10]
+    held = [s["held"] for s in lower["steps"]]
+    first = next(i for i, s in enumerate(lower["steps"]) if s["limit"] == LOWERED)
+    after = lower["steps"][first:]
     assert lower["preempted"] > 0 or any(s["waiting"] for s in after)
-    # once the limit is read, the engine holds no more than it (and keeps to it)
-    settled = [s["held"] for s in after[len(after) // 2:]]
-    assert max(settled) <= LOWERED
+    # from the step that reads the limit on, it never grows while over it, comes under it
+    # while it still serves, and stays there
+    for i in range(first + 2, len(held)):
+        assert held[i] <= max(held[i - 1], LOWERED), (i, held)
+    under = next(i for i in range(first, len(held)) if held[i] <= LOWERED)
+    assert lower["steps"][under]["running"] > 0
+    assert max(held[under:]) <= LOWERED
     assert "a: limit 1.00 GiB on cpu" in a["raised"]
     assert a["raise"]["tokens"] == a["alone"]["tokens"]
     assert max(s["held"] for s in a["raise"]["steps"]) > 2 * LOWERED

@@ -17,8 +17,8 @@ vLLM's base class in the scheduler role and the worker role, then:
   (``handle_preemptions``), checking after each step that the worker maps exactly the
   scheduler's pages, that every live block is mapped, and that the ledger holds what the
   pages cost;
-- shows an overdraft: another engine takes the room between heartbeats, and blocks vLLM
-  already counted are still handed out.
+- shows an overdraft: another engine takes the room within a step, after vLLM counted
+  the free blocks, and the blocks vLLM counted are still handed out.
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ w = conn.worker_side
 ledger = Ledger.for_device("cpu", ledger_dir)
 scheduler = KvmemElasticConnector(cfg, KVConnectorRole.SCHEDULER, kv_config)
 sched = scheduler.scheduler_side
-sched.pool.view.heartbeat_s = 0.0  # read the ledger at every step end
 pool = BlockPool(kv_config.num_blocks, enable_caching=True, hash_block_size=16)
 scheduler.bind_gpu_block_pool(pool)
 page = sched.pool.page_bytes
@@ -191,7 +190,7 @@ step(); check()
 out["held_after_random"] = entry("a").mapped_bytes
 out["cached_after_random"] = sched.pool.stats().cached_blocks
 
-# an overdraft: engine "b" takes the shared room after a's heartbeat, and a has no
+# an overdraft: engine "b" takes the shared room after a counted, and a has no
 # prefix cache to evict instead (a low limit reclaims it first)
 ledger.set_limit("a", page)
 step(); check()
@@ -202,7 +201,7 @@ logging.getLogger("vllm.kvmem.elastic").addHandler(
 ledger.set_total_limit(entry("a").mapped_bytes + 4 * page)
 b = ledger.register("b")
 step()
-out["overdraft_counted"] = pool.get_num_free_blocks()  # the room a read at the step end
+out["overdraft_counted"] = pool.get_num_free_blocks()  # a step's first count reads the ledger
 b.try_acquire(3 * page)
 # vLLM checks the free count once for a request, then once per allocation of it
 blocks = pool.get_new_blocks(2) + pool.get_new_blocks(2)

@@ -11,11 +11,12 @@ place, with the same methods, over ``kvmem.memory.PageTable``:
 - **The limit.** ``num_free_blocks`` counts the free blocks on mapped pages, the
   cached-free blocks, and only as many blocks of unmapped pages as the engine's room in
   the ledger pays for; beyond that the pool reports no free block and vLLM waits or
-  preempts as it always does. The room is read from the ledger at each heartbeat (every
-  0.25 s at step ends) and kept current by the engine's own takes and releases; bytes for
-  new pages are taken from the ledger when the blocks are handed out. If another engine
-  took the room in between, the blocks vLLM already counted are handed out anyway
-  (an overdraft, logged) and the pages come back as blocks are freed.
+  preempts as it always does. The room is read from the ledger at the first count of
+  each step (``LedgerView``) and then follows the engine's own takes and releases; bytes
+  for new pages are taken from the ledger when the blocks are handed out. If another
+  engine took the room within the step, the blocks vLLM already counted are handed out
+  anyway (an overdraft, logged) and the pages come back as blocks are freed. A step the
+  limit left with nothing to schedule backs off 10 ms, rather than spin.
 - **Pages follow the pool.** Mapping decisions are recorded in order; ``ElasticPool.end_step``
   returns them as block ranges for the step's message to every worker, which maps them
   before the step's forward. Pages whose blocks are all free are given back at the next
@@ -71,28 +72,28 @@ class _MappedElsewhere:
 
 
 class LedgerView:
-    """The engine's ledger entry as the scheduler uses it: the bytes it may still take
-    (read at each heartbeat, then kept current by its own takes and releases), and an
-    overdraft for blocks vLLM has already counted as free."""
+    """The engine's ledger entry as the scheduler uses it: the bytes it may still take,
+    and an overdraft for blocks vLLM has already counted as free.
 
-    def __init__(self, budget: EngineBudget, heartbeat_s: float = 0.25) -> None:
+    The room is read from the ledger once per step: at the step end (to give back what is
+    over the limit) and again at the first free-block count of the next step, so vLLM
+    schedules against the ledger as it is then; within a step it only follows the
+    engine's own takes and releases. That keeps the count vLLM checks once per request
+    from falling, before that request's blocks are handed out, by more than it took (vLLM
+    checks again per allocation and would raise)."""
+
+    def __init__(self, budget: EngineBudget) -> None:
         self.budget = budget
-        self.heartbeat_s = heartbeat_s
         self.room: int | None = None  # None: no limit applies
-        self.overdrawn = 0  # bytes taken past the limits since the last heartbeat
+        self.stale = True  # read the ledger at the next count
+        self.overdrawn = 0  # bytes taken past the limits since the last read
         self._forced = False
-        self._stale = False  # a take was refused: read the ledger at the next step end
-        self._beat = float("-inf")
 
-    def heartbeat(self, used_bytes: int, *, now: bool = False) -> bool:
-        """Read the room from the ledger (and record used bytes) if one is due."""
-        if not (now or self._stale) and time.monotonic() - self._beat < self.heartbeat_s:
-            return False
-        self._stale = False
-        self._beat = time.monotonic()
+    def refresh(self, used_bytes: int) -> None:
+        """Read the room from the ledger, recording the bytes of live blocks."""
         self.room = self.budget.room(used_bytes)
+        self.stale = False
         self.overdrawn = 0
-        return True
 
     def try_acquire(self, nbytes: int) -> bool:
         if not self._forced and self.room is not None and nbytes > self.room:
@@ -101,19 +102,13 @@ class LedgerView:
         if not taken and self._forced:
             self.budget.take(nbytes)
             if not self.overdrawn:
-                log.warning("kvmem: KV memory limit reached between heartbeats; %d bytes "
-                            "taken past it for blocks vLLM already counted (given back as "
-                            "blocks are freed)", nbytes)
+                log.warning("kvmem: the KV memory limit was reached within a step (another "
+                            "engine took the room); %d bytes taken past it for blocks vLLM "
+                            "had already counted, given back as blocks are freed", nbytes)
             self.overdrawn += nbytes
             taken = True
-        if taken:
-            if self.room is not None:
-                self.room -= nbytes
-        else:
-            # The view was stale (another engine took the room). It is read again at the
-            # step end, not now: vLLM checks the free count once per request and again
-            # per allocation, and it must not fall in between by more than was taken.
-            self._stale = True
+        if taken and self.room is not None:
+            self.room -= nbytes
         return taken
 
     def release(self, nbytes: int) -> None:
@@ -151,7 +146,7 @@ class ElasticPool:
     out (fewer than ``blocks_per_page`` blocks: never handed out)."""
 
     def __init__(self, *, num_blocks: int, blocks_per_page: int, block_bytes: int,
-                 budget: EngineBudget, heartbeat_s: float = 0.25) -> None:
+                 budget: EngineBudget) -> None:
         k = blocks_per_page
         num_pages = num_blocks // k
         if num_pages < 2:
@@ -163,7 +158,7 @@ class ElasticPool:
         self.num_blocks = num_blocks
         self.blocks_per_page = k
         self.block_bytes = block_bytes
-        self.view = LedgerView(budget, heartbeat_s)
+        self.view = LedgerView(budget)
         self.table = PageTable(geometry, _MappedElsewhere(), self.view,  # type: ignore[arg-type]
                                reserve_pages=0, record_ops=True)
         # The null block's page, before anything else runs.
@@ -202,22 +197,26 @@ class ElasticPool:
         10 ms and read the ledger again, rather than spin."""
         if idle and self.limited:
             time.sleep(BACKOFF_S)
-            self.view.heartbeat(self.table.live_blocks * self.block_bytes, now=True)
         self.limited = False
         self.maintain()
+        self.view.stale = True  # the next step reads the ledger again
         self.seq += 1
         ops, self._pending = self._pending + self._drain(), []
         return ops
 
     def maintain(self) -> None:
-        """Heartbeat when due; over the limit, free cached-only pages; trim free pages."""
+        """Read the ledger; over the limit, free cached-only pages; trim free pages."""
         t = self.table
-        if self.view.heartbeat(t.live_blocks * self.block_bytes):
-            room = self.view.room
-            if room is not None and room < 0:
-                self._reclaim(ceil(-room / self.page_bytes))
+        self.view.refresh(self.used_bytes)
+        room = self.view.room
+        if room is not None and room < 0:
+            self._reclaim(ceil(-room / self.page_bytes))
         while t.maintain_once():
             pass
+
+    @property
+    def used_bytes(self) -> int:
+        return self.table.live_blocks * self.block_bytes
 
     def has_pending(self) -> bool:
         """Whether the workers have mapping decisions to apply (after giving back free pages)."""
@@ -275,7 +274,10 @@ class ElasticBlockQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        table, room = self.pool.table, self.pool.view.room
+        view = self.pool.view
+        if view.stale:  # the first count of a step
+            view.refresh(self.pool.used_bytes)
+        table, room = self.pool.table, view.room
         n = table.free_within(room)
         if room is not None and n < table.num_free + len(table.cached):
             self.pool.limited = True
