@@ -89,9 +89,10 @@ def main() -> None:
     me = psutil.Process()
     engines, processes = {}, {}
     for name in ("elastic", "plain"):
-        before = {p.pid for p in me.children()}
+        before = {p.pid for p in me.children(recursive=True)}
         engines[name] = LLM(**kwargs)
-        processes[name] = next(p for p in me.children() if p.pid not in before)
+        processes[name] = next(p for p in me.children(recursive=True)  # tp 1: one process
+                               if p.pid not in before and "EngineCore" in " ".join(p.cmdline()))
         for var in ("KVMEM_VLLM_KV_MEMORY", "KVMEM_VLLM_ENGINE_NAME"):
             os.environ.pop(var, None)  # the second engine: plain vLLM
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
@@ -131,12 +132,14 @@ def main() -> None:
     for name, rate in (("plain vLLM", plain), ("elastic KV memory", elastic)):
         print(f"| {name} | {rate:.1f} | {rate / plain:.3f}x |")
     print(f"greedy tokens identical in every round: {same}")
-    ratios = [s["mapped"] / s["live"] for s in busy]
+    ratios = sorted(s["mapped"] / s["live"] for s in busy)
     print(f"elastic KV over the run ({len(samples)} samples every 50 ms): mapped peak "
           f"{max(s['mapped'] for s in samples) / mib:.1f} MiB, live peak "
           f"{max(s['live'] for s in samples) / mib:.1f} MiB; mapped/live while serving: "
-          f"median {statistics.median(ratios):.3f}, max {max(ratios):.3f}; after the run "
-          f"{last['mapped'] / mib:.2f} MiB mapped (reservation {KV_BYTES / mib:.0f} MiB)")
+          f"median {statistics.median(ratios):.3f}, p95 {ratios[len(ratios) * 95 // 100]:.3f}, "
+          f"max {ratios[-1]:.3f} (live is recorded once per step, mapped as it changes); "
+          f"after the run {last['mapped'] / mib:.2f} MiB mapped (reservation "
+          f"{KV_BYTES / mib:.0f} MiB)")
     print(f"engine process resident memory, peak: plain "
           f"{max(s['rss_plain'] for s in samples) / mib:.0f} MiB, elastic "
           f"{max(s['rss_elastic'] for s in samples) / mib:.0f} MiB")

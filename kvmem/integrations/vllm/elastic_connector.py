@@ -160,6 +160,11 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         compat.require("elastic")
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+            # vLLM 0.33 asks supports_sleep_mode itself; 0.32 has no such hook
+            raise ConfigError("elastic KV memory does not support sleep mode "
+                              "(enable_sleep_mode): vLLM's sleep frees the KV cache through "
+                              "its own memory pool, and kvmem's pages are not in it")
         super().__init__(vllm_config, role, kv_cache_config)
         settings = settings_from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.scheduler_side: ElasticScheduler | None = None
@@ -173,6 +178,10 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 rank=pc.rank, tensor_parallel_size=pc.tensor_parallel_size,
                 pipeline_parallel_size=pc.pipeline_parallel_size,
                 own_process=pc.world_size > 1)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False  # see __init__
 
     @property
     def requires_kv_delivery(self) -> bool:
