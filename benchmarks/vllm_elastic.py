@@ -13,7 +13,8 @@ unset so that ``kv_cache_memory_bytes`` (1 GiB; the elastic engine's reservation
 Both engines live side by side in one script (each its own engine-core process, tp 1);
 each round sends the same fresh random prompts to both, in an order that alternates
 between rounds. While the elastic engine serves, a thread reads its ledger entry (bytes
-mapped and bytes of live blocks) and both engine processes' resident memory every 50 ms.
+mapped and bytes of live blocks) and both engines' worker processes' resident memory
+every 50 ms.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Sampler:
         from kvmem.memory.ledger import Ledger
 
         self.ledger = Ledger.for_device("cpu", ledger_dir)
-        self.processes = processes  # name -> psutil.Process of its engine core
+        self.processes = processes  # name -> psutil.Process of its worker
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -80,8 +81,11 @@ def main() -> None:
 
     ledger_dir = tempfile.mkdtemp(prefix="kvmem-bench-ledger-")
     os.environ.update(KVMEM_VLLM_KV_MEMORY="elastic", KVMEM_VLLM_ENGINE_NAME=NAME,
-                      KVMEM_LEDGER_DIR=ledger_dir)
+                      KVMEM_LEDGER_DIR=ledger_dir,
+                      VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc(worker_stats)
     from vllm import LLM, SamplingParams
+
+    from kvmem.integrations.vllm.elastic_connector import worker_stats
 
     kwargs = dict(model=args.model, dtype="float32", kv_cache_memory_bytes=KV_BYTES,
                   max_model_len=2048, seed=0, enforce_eager=True,
@@ -91,8 +95,8 @@ def main() -> None:
     for name in ("elastic", "plain"):
         before = {p.pid for p in me.children(recursive=True)}
         engines[name] = LLM(**kwargs)
-        processes[name] = next(p for p in me.children(recursive=True)  # tp 1: one process
-                               if p.pid not in before and "EngineCore" in " ".join(p.cmdline()))
+        processes[name] = next(p for p in me.children(recursive=True)  # its one worker
+                               if p.pid not in before and "Worker" in " ".join(p.cmdline()))
         for var in ("KVMEM_VLLM_KV_MEMORY", "KVMEM_VLLM_ENGINE_NAME"):
             os.environ.pop(var, None)  # the second engine: plain vLLM
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
@@ -118,6 +122,7 @@ def main() -> None:
         engines["elastic"].generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=1),
                                     use_tqdm=False)
         time.sleep(0.5)  # the step after the last one gives the pages back
+    worker = engines["elastic"].collective_rpc(worker_stats)[0]
     samples = sampler.samples
     busy = [s for s in samples if s["live"] > 0]
     last = samples[-1]
@@ -140,7 +145,10 @@ def main() -> None:
           f"max {ratios[-1]:.3f} (live is recorded once per step, mapped as it changes); "
           f"after the run {last['mapped'] / mib:.2f} MiB mapped (reservation "
           f"{KV_BYTES / mib:.0f} MiB)")
-    print(f"engine process resident memory, peak: plain "
+    print(f"elastic worker: {worker['maps']} blocks mapped and {worker['unmaps']} unmapped "
+          f"({worker['block_bytes'] / mib:.2f} MiB each) over the run, "
+          f"{worker['resident_bytes'] / mib:.2f} MiB of KV resident after it")
+    print(f"worker process resident memory, peak: plain "
           f"{max(s['rss_plain'] for s in samples) / mib:.0f} MiB, elastic "
           f"{max(s['rss_elastic'] for s in samples) / mib:.0f} MiB")
 

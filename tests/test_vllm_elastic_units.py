@@ -137,7 +137,7 @@ def make_worker(**settings) -> ElasticWorker:
                       size=2 * 64 * 8192)
     return ElasticWorker(layout=layout, settings=ElasticSettings(engine_name="e", **settings),
                          rank=1, tensor_parallel_size=2, pipeline_parallel_size=1,
-                         own_process=False)
+                         has_peers=False)
 
 
 def test_worker_places_the_kv_buffer_over_its_reservation() -> None:

@@ -5,6 +5,11 @@
   set (inert otherwise);
 - ``KvmemConnector`` (``kvmem.integrations.vllm.connector``): kvmem's CPU and disk tiers
   as a vLLM KV connector (``kv_connector_module_path`` ``"kvmem.integrations.vllm"``);
+- elastic KV memory (``KVMEM_VLLM_KV_MEMORY=elastic``; the plugin adds
+  ``KvmemElasticConnector`` from ``elastic_connector``): each worker's KV cache over a
+  reservation, pages mapped as vLLM's block pool hands out blocks, under a limit shared
+  through kvmem's ledger (``elastic_config``, ``elastic_plugin``, ``elastic_pool``,
+  ``elastic_worker``, ``elastic_layout``);
 - ``kvmem.integrations.vllm.compat``: what each part needs from vLLM, checked before it
   loads (``KvmemConnector`` is checked before its module imports vLLM's connector API).
 

@@ -177,7 +177,7 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 layout=KVLayout.from_kv_cache_config(kv_cache_config), settings=settings,
                 rank=pc.rank, tensor_parallel_size=pc.tensor_parallel_size,
                 pipeline_parallel_size=pc.pipeline_parallel_size,
-                own_process=pc.world_size > 1)
+                has_peers=pc.world_size > 1)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

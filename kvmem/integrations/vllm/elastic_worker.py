@@ -14,10 +14,10 @@
   unmapped (``elastic_layout`` turns them into granules). Messages are numbered; a
   missing one is an error.
 - **A page that cannot be mapped** stops the engine at once with one line naming the
-  rank and the blocks: in a worker process the process exits (vLLM's executor sees it
-  die, stops the other workers and fails the engine's requests; the other ranks are
-  never left waiting in a collective for this one), in the engine's own process the
-  error is raised.
+  rank and the blocks. With other ranks the worker's process exits (vLLM's executor sees
+  it die, stops the other workers and fails the engine's requests; the other ranks are
+  never left waiting in a collective for this one); a lone worker raises the error, and
+  vLLM fails the step with it.
 
 Rank and world size come from vLLM's ``ParallelConfig`` (``rank``,
 ``tensor_parallel_size``, ``pipeline_parallel_size``). No wait between processes is
@@ -87,20 +87,20 @@ class _TakeKVBuffer(TorchFunctionMode):
 class ElasticWorker:
     def __init__(self, *, layout: KVLayout, settings: ElasticSettings, rank: int,
                  tensor_parallel_size: int, pipeline_parallel_size: int,
-                 own_process: bool, backend: PageBackend | None = None) -> None:
+                 has_peers: bool, backend: PageBackend | None = None) -> None:
         self.layout = layout
         self.settings = settings
         self.rank = rank
         self.name = rank_name(rank, tensor_parallel_size, pipeline_parallel_size)
-        # In a worker process of its own, a failed map ends the process (see the docstring).
-        self.own_process = own_process
+        # With other ranks, a failed map ends this process (see the docstring).
+        self.has_peers = has_peers
         self.backend = backend
         self.buffer: torch.Tensor | None = None
         self.granules: GranuleMap | None = None
         self.mapped = np.zeros(layout.num_blocks, dtype=bool)
         self.seq = 0  # step messages applied
-        self.maps = 0
-        self.unmaps = 0
+        self.maps = 0  # blocks mapped over the worker's life
+        self.unmaps = 0  # and unmapped
 
     # -- start-up -------------------------------------------------------------------------
     @contextmanager
@@ -162,7 +162,7 @@ class ElasticWorker:
         except (BackendError, OSError) as exc:
             self._fail(f"cannot map KV blocks {start}..{end - 1}: {exc}")
         self.mapped[start:end] = True
-        self.maps += 1
+        self.maps += end - start
 
     def _unmap(self, start: int, end: int) -> None:
         if not self.mapped[start:end].all():
@@ -173,7 +173,7 @@ class ElasticWorker:
         except (BackendError, OSError) as exc:
             self._fail(f"cannot unmap KV blocks {start}..{end - 1}: {exc}")
         self.mapped[start:end] = False
-        self.unmaps += 1
+        self.unmaps += end - start
 
     def _check_accounting(self, expected: tuple[int, ...]) -> None:
         if self.rank < len(expected) and expected[self.rank] != self.layout.block_bytes:
@@ -184,7 +184,7 @@ class ElasticWorker:
     def _fail(self, what: str) -> None:
         message = f"kvmem: {self.name}: {what}; stopping the engine"
         log.error(message)
-        if self.own_process:
+        if self.has_peers:
             # Now, without cleanup: the other ranks may already wait for this one in a
             # collective, and only vLLM's executor, seeing this process gone, ends them.
             for handler in logging.getLogger("vllm").handlers:
