@@ -56,7 +56,7 @@ worker_configs, kv_config = initialize_kv_caches(cfg, worker_specs(cfg, 1), [256
 out = {"vllm": vllm.__version__, "problems": list(compat.problems("elastic")),
        "num_blocks": kv_config.num_blocks,
        "connector": cfg.kv_transfer_config.kv_connector,
-       "extra": cfg.kv_transfer_config.kv_connector_extra_config}
+       "extra": dict(cfg.kv_transfer_config.kv_connector_extra_config)}
 
 def worker():
     return KvmemElasticConnector(cfg, KVConnectorRole.WORKER, worker_configs[0])
@@ -218,6 +218,14 @@ pool.free_blocks([pool.get_new_blocks(1)[0]])
 out["pending_after_free"] = scheduler.has_pending_push_work()
 step()
 out["pending_after_step"] = scheduler.has_pending_push_work()
+
+# a limit below one request of max_model_len (512 tokens: 32 blocks and the null block's)
+cfg.kv_transfer_config.kv_connector_extra_config.update(engine_name="small",
+                                                        limit_bytes=10 * page)
+try:
+    KvmemElasticConnector(cfg, KVConnectorRole.SCHEDULER, kv_config)
+except Exception as exc:
+    out["small_limit"] = f"{type(exc).__name__}: {exc}"
 print("KVMEM_RESULT " + json.dumps(out))
 """
 
@@ -285,3 +293,10 @@ def test_vllm_keeps_stepping_until_freed_pages_reach_the_workers(result) -> None
     assert not result["pending_after_overdraft"]
     assert result["pending_after_free"]  # a page to give back: vLLM takes one more step
     assert not result["pending_after_step"]
+
+
+def test_a_limit_below_one_request_is_one_line(result) -> None:
+    assert result["small_limit"] == (
+        "ConfigError: the KV memory limit 7.03 MiB holds 10 pages of 1 blocks (720.00 KiB "
+        "each) but one request of max_model_len 512 needs 33 (incl. the null block's); "
+        "raise KVMEM_VLLM_KV_MEMORY_LIMIT or lower max_model_len")
