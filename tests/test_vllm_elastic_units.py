@@ -210,3 +210,21 @@ def test_every_elastic_hook_and_queue_method_is_checked_and_implemented() -> Non
     for hook in compat.ELASTIC_HOOKS:
         assert f"    def {hook}(self" in text, hook
     assert all(hasattr(ElasticBlockQueue, m) for m in compat.QUEUE_METHODS)
+
+
+def test_a_reservation_that_fails_names_the_rank() -> None:
+    from kvmem.memory.backends import BackendError
+
+    class NoAddressSpace(MmapBackend):
+        def reserve(self, nbytes: int) -> None:
+            raise BackendError(f"cannot reserve {nbytes} bytes of address space: Cannot "
+                               "allocate memory")
+
+    worker = make_worker()
+    worker.backend = NoAddressSpace()
+    with pytest.raises(ElasticMapError) as err, worker.allocation_context():
+        torch.zeros(worker.layout.size, dtype=torch.int8)
+    assert str(err.value) == (
+        "kvmem: rank 1 of 2 (pp stage 0, tp rank 1): cannot reserve 1048576 bytes of KV "
+        "memory and map its null block: cannot reserve 1048576 bytes of address space: "
+        "Cannot allocate memory")

@@ -120,11 +120,15 @@ class ElasticWorker:
         backend = self.backend or make_backend(str(device))
         g = backend.granularity
         size = -(-self.layout.size // g) * g
-        backend.reserve(size)
-        self.backend = backend
-        self.granules = GranuleMap(backend, size)
-        # Before anything else: the null block, which vLLM points every unused slot at.
-        self.granules.map(self.layout.spans(NULL_BLOCK, NULL_BLOCK + 1))
+        try:
+            backend.reserve(size)
+            self.backend = backend
+            self.granules = GranuleMap(backend, size)
+            # Before anything else: the null block, which vLLM points every unused slot at.
+            self.granules.map(self.layout.spans(NULL_BLOCK, NULL_BLOCK + 1))
+        except (BackendError, OSError) as exc:
+            raise ElasticMapError(f"kvmem: {self.name}: cannot reserve {size} bytes of KV "
+                                  f"memory and map its null block: {exc}") from None
         self.mapped[NULL_BLOCK] = True
         self.buffer = backend.tensor(0, self.layout.size).view(torch.int8)
         log.info("kvmem: %s: elastic KV memory: %d bytes reserved for %d blocks of %d bytes "
