@@ -42,8 +42,9 @@ def scrape(base: str) -> dict[str, float]:
 
 
 def snapshot(**offload: TierStats) -> EngineSnapshot:
-    return EngineSnapshot(received_requests=0, finished_requests={}, prompt_tokens=0,
-                          generation_tokens=0, steps=0, num_preemptions=0, num_running=0,
+    return EngineSnapshot(received_requests=0, finished_requests={}, failed_requests={},
+                          prompt_tokens=0, generation_tokens=0, steps=0, num_preemptions=0,
+                          num_running=0,
                           num_waiting=0, kv_blocks_total=8, kv_blocks_free=8, kv_blocks_used=0,
                           kv_blocks_cached=0, prefix_queried_tokens=0, prefix_hit_tokens=0,
                           offload=offload)

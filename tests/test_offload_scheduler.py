@@ -143,6 +143,34 @@ def test_aborting_a_parked_request_frees_its_blocks(setup):
     assert sched.kv_cache_manager.usage().used == 0
 
 
+def test_a_load_that_fails_in_the_tiers_code_fails_its_request_alone(setup, monkeypatch):
+    """Completing a load raises for one request: it fails (its blocks freed, its stage
+    tier_load) and the request beside it is admitted from its own load as usual."""
+    sched, connector = setup()
+    store_and_forget(sched, connector, req("a", 13))
+    store_and_forget(sched, connector, req("b", 13, start=300))
+    bad, good = req("a-again", 13), req("b-again", 13, start=300)
+    sched.add_request(bad)
+    sched.add_request(good)
+    sched.schedule()
+    assert sched.loading == [bad, good]
+    num_computed = connector.kv.num_computed_tokens
+
+    def failing_for_bad(rid):
+        if rid == "a-again":
+            raise RuntimeError("injected")
+        return num_computed(rid)
+
+    monkeypatch.setattr(connector.kv, "num_computed_tokens", failing_for_bad)
+    connector.gate_open = True
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens.items()) == [("b-again", 1)]
+    assert bad.status is RequestStatus.FINISHED_ERROR and bad.failure.stage == "tier_load"
+    assert "RuntimeError: injected" in bad.error
+    assert [u.request for u in sched.update_from_output(out, ModelRunnerOutput())] == [bad]
+    assert sched.kv_cache_manager.usage().used == 4  # b-again's 3 loaded blocks and 1 new
+
+
 def test_lone_request_short_of_held_blocks_waits_instead_of_failing(setup):
     """10 usable blocks, 3 held by a finished request's copies: a lone request that grows
     to 8 blocks cannot get its 8th, is preempted rather than failed, and runs once the

@@ -14,13 +14,13 @@ LOGITS = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]]))
 
 def draws(params: SamplingParams, n: int = 400, seed: int = 0) -> list[int]:
     sampler = Sampler(seed)
-    return [sampler(LOGITS, [params], [None])[0] for _ in range(n)]
+    return [sampler(LOGITS, [params], [None]).token_ids[0] for _ in range(n)]
 
 
 def test_greedy_is_argmax_per_row():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, -1.0, 4.9]])
     greedy = SamplingParams(temperature=0)
-    assert Sampler()(logits, [greedy, greedy], [None, None]) == [1, 0]
+    assert Sampler()(logits, [greedy, greedy], [None, None]).token_ids == [1, 0]
 
 
 def test_top_k_keeps_only_k_most_likely():
@@ -52,10 +52,11 @@ def test_per_request_generator_is_independent_of_batch():
         return torch.Generator().manual_seed(7)
 
     g = gen()
-    alone = [Sampler(1)(logits[1:2], [params], [g])[0] for _ in range(5)]
+    alone = [Sampler(1)(logits[1:2], [params], [g]).token_ids[0] for _ in range(5)]
     g = gen()
     hot = SamplingParams(temperature=1.0)
-    batched = [Sampler(2)(logits, [hot, params, hot], [None, g, None])[1] for _ in range(5)]
+    batched = [Sampler(2)(logits, [hot, params, hot], [None, g, None]).token_ids[1]
+               for _ in range(5)]
     assert batched == alone
 
 
@@ -117,13 +118,13 @@ def test_repetition_penalty_matches_transformers():
 def test_logit_bias_matches_transformers_sequence_bias():
     from transformers import SequenceBiasLogitsProcessor
 
-    from kvmem.engine.sampler import apply_penalties
+    from kvmem.engine.sampler import apply_logit_bias
 
     bias = {4: 5.5, 9: -100.0, 30: 0.25}
     logits = random_logits(1)
     expected = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(
         torch.tensor([[1, 2]]), logits.clone()[None])[0]
-    got = apply_penalties(logits.clone(), SamplingParams(logit_bias=bias), [1, 2], [])
+    got = apply_logit_bias(logits.clone(), bias)
     assert torch.allclose(got, expected)
 
 
@@ -164,9 +165,9 @@ def test_penalties_change_greedy_choice_and_leave_logits_alone():
     logits = torch.tensor([[0.0, 3.0, 2.9, 1.0]])
     before = logits.clone()
     greedy = SamplingParams(temperature=0, frequency_penalty=0.2)
-    assert Sampler()(logits, [greedy], [None], [([0], [1])]) == [2]
+    assert Sampler()(logits, [greedy], [None], [([0], [1])]).token_ids == [2]
     assert Sampler()(logits, [SamplingParams(temperature=0, logit_bias={3: 5})], [None],
-                     [([0], [])]) == [3]
+                     [([0], [])]).token_ids == [3]
     assert torch.equal(logits, before)
     with pytest.raises(ValueError, match="histories"):
         Sampler()(logits, [greedy], [None])
@@ -188,5 +189,5 @@ def test_extreme_penalty_and_temperature_still_sample():
     logits = torch.tensor([[50.0, 3.0e37, 2.9e37, -1.0]])
     for params in (SamplingParams(temperature=1.0, repetition_penalty=1e-200, seed=0),
                    SamplingParams(temperature=2e-5, seed=0)):
-        token = Sampler()(logits, [params], [None], [([1, 2], [])])[0]
+        token = Sampler()(logits, [params], [None], [([1, 2], [])]).token_ids[0]
         assert token in (1, 2)

@@ -1,6 +1,12 @@
-"""Errors a single request can cause; each maps to an HTTP 4xx and leaves the engine serving."""
+"""Errors a single request can cause; each fails that request alone and leaves the engine
+serving: bad input (HTTP 4xx before the request runs), or a failure in a step's work on
+that request (``RequestFailed``: its stage, counted per stage in ``/metrics``)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from kvmem.errors import KvmemError
 
@@ -23,3 +29,40 @@ class PromptTooLongError(InvalidRequestError):
     def for_length(cls, num_tokens: int, max_model_len: int) -> PromptTooLongError:
         return cls(f"the prompt has {num_tokens} tokens but max_model_len is {max_model_len} "
                    f"(at most {max_model_len - 1} prompt tokens)")
+
+
+# The parts of a step in which one request can fail alone (its own parameters or data):
+# a label of ``kvmem_requests_failed`` each.
+FAILURE_STAGES = ("kv_cache", "sampling", "logit_bias", "penalties", "logprobs", "stop",
+                  "detokenize", "fork", "tier_load")
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why a request failed while the others ran on: the stage and a one-line message."""
+
+    stage: str  # one of FAILURE_STAGES
+    message: str
+
+
+class RequestFailed(KvmemError):
+    """One request's part of a step failed; the request fails alone (``failure``)."""
+
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+@contextmanager
+def request_stage(stage: str) -> Iterator[None]:
+    """Turn any error raised inside into ``RequestFailed`` for ``stage``: the code inside
+    works on one request's data, so its failure is that request's alone."""
+    try:
+        yield
+    except RequestFailed:
+        raise
+    except Exception as exc:
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        message = f"the request failed in {stage}: {type(exc).__name__}" + \
+            (f": {detail}" if detail else "")
+        raise RequestFailed(RequestFailure(stage, message)) from exc

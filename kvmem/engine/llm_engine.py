@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING
 
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.distributed.config import ParallelConfig
-from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
+from kvmem.engine.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestFailed,
+    request_stage,
+)
 from kvmem.engine.executor import Executor
 from kvmem.engine.output_processor import OutputProcessor
 from kvmem.engine.outputs import RequestOutput
@@ -48,6 +53,7 @@ class EngineSnapshot:
 
     received_requests: int
     finished_requests: dict[str, int]
+    failed_requests: dict[str, int]  # kvmem.engine.errors.FAILURE_STAGES stage -> count
     prompt_tokens: int
     generation_tokens: int
     steps: int
@@ -197,6 +203,10 @@ class LLMEngine:
                                            for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
                                       param="prompt")
+        if prompt_text is not None and max(token_ids) >= vocab:  # a step would fail on it
+            raise InvalidRequestError(f"the prompt tokenizes to token id {max(token_ids)}, "
+                                      f"beyond the model's vocabulary of {vocab}: the "
+                                      "tokenizer does not match the model", param="prompt")
         self._check_supported(params)
         if params.best_of is not None and params.best_of > params.n and params.logprobs is None:
             params.logprobs = 0  # picking the best samples needs their cumulative logprobs
@@ -222,6 +232,10 @@ class LLMEngine:
         if any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size "
                                       f"({vocab})", param="logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise InvalidRequestError(f"{name} must be at most the vocabulary size "
+                                          f"({vocab})", param=name)
         if self.parallel is not None:  # logprobs and histories stay on the sampling rank
             for name, unset in (("logprobs", None), ("prompt_logprobs", None),
                                 ("logit_bias", {}), ("presence_penalty", 0.0),
@@ -235,7 +249,18 @@ class LLMEngine:
 
     def _fork(self, group: SampleGroup) -> None:
         """Start the other samples of ``group`` on the parent's prompt blocks (its prompt was
-        computed this step); a child that cannot share them queues to compute its own."""
+        computed this step); a child that cannot share them queues to compute its own. A
+        failure here fails the group alone."""
+        try:
+            with request_stage("fork"):
+                self._start_children(group)
+        except RequestFailed as exc:
+            logger.error("request %s: %s", group.request_id, exc, exc_info=exc.__cause__)
+            for member in group.members:
+                self._group_of[member.request_id] = group
+                self.scheduler.fail_request(member, exc.failure, report=True)
+
+    def _start_children(self, group: SampleGroup) -> None:
         for child in group.make_children():
             self._group_of[child.request_id] = group
             self.output_processor.add_request(child)
@@ -317,7 +342,23 @@ class LLMEngine:
         for update in updates:
             if update.request.is_finished:
                 self.request_metrics.finished(update.request, now)
-        return self._group_outputs(outputs)
+        outputs += self._stop_siblings_of_failed(updates, now)
+        grouped = self._group_outputs(outputs)
+        for out in grouped:
+            if out.finished and out.failure is not None:
+                self.stats.failed_requests[out.failure.stage] += 1
+        return grouped
+
+    def _stop_siblings_of_failed(self, updates: list, now: float) -> list[RequestOutput]:
+        """A sample of an n > 1 request failed: the request fails, so its other samples stop
+        (their outputs, to be merged into the group's)."""
+        siblings = [m.request_id for u in updates if u.request.failure is not None
+                    and (group := self._group_of.get(u.request.request_id)) is not None
+                    for m in group.members if not m.is_finished]
+        stopped = self.scheduler.abort_requests(siblings)
+        for request in stopped:
+            self.request_metrics.finished(request, now)
+        return [self.output_processor.finish(r) for r in stopped]
 
     # -- introspection ----------------------------------------------------------------
     @property
@@ -333,6 +374,7 @@ class LLMEngine:
         return EngineSnapshot(
             received_requests=self.stats.received_requests,
             finished_requests=dict(self.stats.finished_requests),
+            failed_requests=dict(self.stats.failed_requests),
             prompt_tokens=self.stats.prompt_tokens,
             generation_tokens=self.stats.generation_tokens, steps=self.stats.steps,
             num_preemptions=sched.num_preemptions, num_running=self.scheduler.num_running,

@@ -15,17 +15,24 @@ the request finishes (a preempted request keeps it).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from kvmem.engine.attention.metadata import AttentionMetadata
+from kvmem.engine.errors import RequestFailed, RequestFailure, request_stage
 from kvmem.engine.logprobs import position_logprobs
 from kvmem.engine.outputs import PositionLogprobs
-from kvmem.engine.sampler import Sampler
+from kvmem.engine.sampler import FAILED, Sampler
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.step import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("kvmem.engine")
+T = TypeVar("T")
+K = TypeVar("K")
 
 
 class StageLinks(Protocol):
@@ -169,72 +176,96 @@ class ModelRunner:
         tokens = None
         result = ModelRunnerOutput()
         if hidden is not None and links is None:  # logprobs: a single-process engine only
-            result.prompt_logprobs = self._prompt_logprobs(out, hidden)
+            result.prompt_logprobs = self._prompt_logprobs(out, hidden, result.failures)
         if hidden is not None and rows:
             index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
             logits = self.model.compute_logits(hidden[index])  # tp ranks: an all-gather
             if self.samples:
-                tokens = self._sample(logits, ids)
+                tokens = self._sample(logits, ids, result.failures)
                 if links is None:
-                    result.logprobs = self._logprobs(logits, ids, tokens)
+                    result.logprobs = self._logprobs(logits, ids, tokens, result.failures)
         if links is not None and rows:
             tokens = links.gather_tokens(tokens, len(rows))
         if tokens:
-            result.sampled_token_ids = dict(zip(ids, tokens, strict=True))
+            for rid, token in zip(ids, tokens, strict=True):
+                if token == FAILED:  # its error is known where it was sampled
+                    result.failures.setdefault(rid, RequestFailure(
+                        "sampling", "the request failed in sampling (on the sampling rank; "
+                        "its log has the cause)"))
+                elif rid not in result.failures:
+                    result.sampled_token_ids[rid] = token
         return result
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, request_ids: list[str],
+                failures: dict[str, RequestFailure]) -> list[int]:
+        """One token per row; a row whose request failed gets ``FAILED`` (and its failure)."""
         states = [self.requests[rid] for rid in request_ids]
         params = [s.sampling_params for s in states]
         generators = [self._generator(rid, p.seed)
                       for rid, p in zip(request_ids, params, strict=True)]
         histories = [(s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
                      for s in states]
-        return self.sampler(logits, params, generators, histories)
+        samples = self.sampler(logits, params, generators, histories)
+        for row, exc in samples.failures.items():
+            failures[request_ids[row]] = _logged(request_ids[row], exc)
+        return samples.token_ids
 
-    def _logprobs(self, logits: torch.Tensor, request_ids: list[str], tokens: list[int]
-                  ) -> dict[str, PositionLogprobs]:
-        """The sampled tokens' logprobs, for the requests that asked."""
+    def _logprobs(self, logits: torch.Tensor, request_ids: list[str], tokens: list[int],
+                  failures: dict[str, RequestFailure]) -> dict[str, PositionLogprobs]:
+        """The sampled tokens' logprobs, for the requests that asked (and did not fail)."""
         wanted = [i for i, rid in enumerate(request_ids)
-                  if self.requests[rid].sampling_params.logprobs is not None]
+                  if self.requests[rid].sampling_params.logprobs is not None
+                  and rid not in failures]
         if not wanted:
             return {}
-        rows = logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
-        found = position_logprobs(
-            rows, [tokens[i] for i in wanted],
-            [self.requests[request_ids[i]].sampling_params.logprobs for i in wanted])
-        return {request_ids[i]: entry for i, entry in zip(wanted, found, strict=True)}
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor
+        def compute(rows: list[int]) -> list[PositionLogprobs]:
+            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            return position_logprobs(
+                logits[index], [tokens[i] for i in rows],
+                [self.requests[request_ids[i]].sampling_params.logprobs for i in rows])
+
+        found = _each_alone(compute, wanted, [request_ids[i] for i in wanted], failures)
+        return {request_ids[i]: entry for i, entry in zip(wanted, found, strict=True)
+                if entry is not None}
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
+                         failures: dict[str, RequestFailure]
                          ) -> dict[str, tuple[int, list[PositionLogprobs]]]:
         """The logprobs of the prompt tokens this step's rows predict (position p's logits
         score prompt token p + 1), for the requests that asked."""
-        rows: list[int] = []
-        targets: list[int] = []
-        num_top: list[int] = []
-        spans: dict[str, tuple[int, int]] = {}  # request id -> (first position, count)
+        rows: dict[str, list[int]] = {}  # request id -> its rows, one per position scored
+        spans: dict[str, int] = {}  # request id -> its first position scored
         start_row = 0
         for rid, num_new in out.num_scheduled_tokens.items():
             state = self.requests[rid]
-            want = state.sampling_params.prompt_logprobs
             start = state.num_computed_tokens
             end = min(start + num_new, state.num_prompt_tokens - 1)
-            if want is not None and end > start:
-                spans[rid] = (start, end - start)
-                for pos in range(start, end):
-                    rows.append(start_row + pos - start)
-                    targets.append(state.token_ids[pos + 1])
-                    num_top.append(want)
+            if state.sampling_params.prompt_logprobs is not None and end > start:
+                spans[rid] = start
+                rows[rid] = [start_row + pos - start for pos in range(start, end)]
             start_row += num_new
         if not rows:
             return {}
-        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        found = position_logprobs(self.model.compute_logits(hidden[index]), targets, num_top)
-        result, i = {}, 0
-        for rid, (first, count) in spans.items():
-            result[rid] = (first, found[i:i + count])
-            i += count
-        return result
+
+        def compute(rids: list[str]) -> list[list[PositionLogprobs]]:
+            flat = [row for rid in rids for row in rows[rid]]
+            index = torch.tensor(flat, dtype=torch.long, device=hidden.device)
+            targets = [self.requests[rid].token_ids[spans[rid] + 1 + k]
+                       for rid in rids for k in range(len(rows[rid]))]
+            num_top = [self.requests[rid].sampling_params.prompt_logprobs
+                       for rid in rids for _ in rows[rid]]
+            found = position_logprobs(self.model.compute_logits(hidden[index]), targets, num_top)
+            result, i = [], 0
+            for rid in rids:
+                result.append(found[i:i + len(rows[rid])])
+                i += len(rows[rid])
+            return result
+
+        rids = list(rows)
+        found = _each_alone(compute, rids, rids, failures)
+        return {rid: (spans[rid], entries) for rid, entries in zip(rids, found, strict=True)
+                if entries is not None}
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -280,3 +311,27 @@ class ModelRunner:
                             hidden_states=hidden_in)
         if getattr(self.model, "is_last", True):
             self.model.compute_logits(hidden[-min(len(query_lens), 256):])
+
+
+def _logged(request_id: str, exc: RequestFailed) -> RequestFailure:
+    logger.error("request %s: %s", request_id, exc, exc_info=exc.__cause__ or exc)
+    return exc.failure
+
+
+def _each_alone(compute: Callable[[list[K]], list[T]], keys: list[K], request_ids: list[str],
+                failures: dict[str, RequestFailure]) -> list[T | None]:
+    """``compute(keys)`` for all at once; if that fails, for each key alone, so that only the
+    requests whose own logprobs fail (None, their failure recorded) lose them."""
+    try:
+        return compute(keys)
+    except Exception:  # noqa: BLE001 - find which requests it was, one by one
+        pass
+    results: list[T | None] = []
+    for key, rid in zip(keys, request_ids, strict=True):
+        try:
+            with request_stage("logprobs"):
+                results.append(compute([key])[0])
+        except RequestFailed as exc:
+            failures[rid] = _logged(rid, exc)
+            results.append(None)
+    return results

@@ -10,13 +10,17 @@ response never shows part of a stop string.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvmem.engine.errors import RequestFailed, RequestFailure, request_stage
 from kvmem.engine.outputs import CompletionOutput, RequestOutput
 from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.scheduler import RequestUpdate
+
+logger = logging.getLogger("kvmem.engine")
 
 
 class Detokenizer(Protocol):
@@ -32,6 +36,8 @@ class DetokenizerFactory(Protocol):
 class Finisher(Protocol):
     def finish_request(self, request: Request, status: RequestStatus) -> None: ...
 
+    def fail_request(self, request: Request, failure: RequestFailure) -> None: ...
+
 
 @dataclass
 class OutputStats:
@@ -39,6 +45,7 @@ class OutputStats:
 
     received_requests: int = 0
     finished_requests: Counter = field(default_factory=Counter)  # finish reason -> count
+    failed_requests: Counter = field(default_factory=Counter)  # failure stage -> count
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
@@ -69,11 +76,20 @@ class OutputProcessor:
         return outputs
 
     def _add_text(self, request: Request, token: int) -> None:
+        """Detokenize ``token`` and apply stop strings; a failure fails the request alone."""
         previous_len = len(request.output_text)
-        request.output_text += self._detokenizers[request.request_id].step(token)
-        by_token = request.status is RequestStatus.FINISHED_STOPPED  # EOS or a stop token id
-        if request.sampling_params.stop and not by_token and \
-                self._check_stop_strings(request, previous_len):
+        try:
+            with request_stage("detokenize"):
+                request.output_text += self._detokenizers[request.request_id].step(token)
+            by_token = request.status is RequestStatus.FINISHED_STOPPED  # EOS, stop token id
+            with request_stage("stop"):
+                stopped = bool(request.sampling_params.stop) and not by_token and \
+                    self._check_stop_strings(request, previous_len)
+        except RequestFailed as exc:
+            logger.error("request %s: %s", request.request_id, exc, exc_info=exc.__cause__)
+            self.finisher.fail_request(request, exc.failure)
+            return
+        if stopped:
             self.finisher.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _check_stop_strings(self, request: Request, previous_len: int) -> bool:
@@ -96,7 +112,12 @@ class OutputProcessor:
         detok = self._detokenizers.get(request.request_id)
         cut_by_stop_string = isinstance(request.stop_reason, str)
         if detok is not None and not cut_by_stop_string:
-            request.output_text += detok.flush()  # a held-back partial character, if any
+            try:
+                with request_stage("detokenize"):
+                    request.output_text += detok.flush()  # a held-back partial character
+            except RequestFailed as exc:
+                logger.error("request %s: %s", request.request_id, exc, exc_info=exc.__cause__)
+                self.finisher.fail_request(request, exc.failure)
         self.stats.finished_requests[request.finish_reason] += 1
         if request.parent_id is None:  # the samples of an n > 1 request share one prompt
             self.stats.prompt_tokens += request.num_prompt_tokens
@@ -133,4 +154,4 @@ class OutputProcessor:
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
                              finished=request.is_finished,
                              num_cached_tokens=request.num_cached_tokens, error=request.error,
-                             prompt_logprobs=request.prompt_logprobs)
+                             failure=request.failure, prompt_logprobs=request.prompt_logprobs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmem.engine.errors import RequestFailure
+
 
 @dataclass(frozen=True)
 class PositionLogprobs:
@@ -40,7 +42,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    error: str | None = None
+    error: str | None = None  # the failure's message
+    failure: RequestFailure | None = None  # why it failed alone (finish_reason "error")
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 

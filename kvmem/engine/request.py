@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 
+from kvmem.engine.errors import RequestFailure
 from kvmem.engine.sampling_params import SamplingParams
 
 
@@ -16,7 +17,7 @@ class RequestStatus(str, Enum):
     FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
-    FINISHED_ERROR = "finished_error"  # could never be scheduled (e.g. the KV pool is too small)
+    FINISHED_ERROR = "finished_error"  # failed alone (``Request.failure`` says where and why)
 
     @property
     def finished(self) -> bool:
@@ -62,7 +63,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
-        self.error: str | None = None
+        self.error: str | None = None  # failure.message
+        self.failure: RequestFailure | None = None
         self.stop_reason: int | str | None = None
         self.output_text = ""
         # with sampling_params.logprobs / prompt_logprobs: filled by the model runner

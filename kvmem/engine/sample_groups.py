@@ -80,8 +80,10 @@ class SampleGroup:
                                  reverse=True)[:params.n]
             completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
         parent = self.parent
-        error = next((m.error for m in self.members if m.error), None)
+        failed = next((m for m in self.members if m.error), None)
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=completions,
                              finished=finished, num_cached_tokens=parent.num_cached_tokens,
-                             error=error, prompt_logprobs=parent.prompt_logprobs)
+                             error=failed.error if failed else None,
+                             failure=failed.failure if failed else None,
+                             prompt_logprobs=parent.prompt_logprobs)

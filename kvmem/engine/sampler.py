@@ -3,15 +3,31 @@
 Per row, in vLLM's order: logit bias and the repetition, frequency and presence penalties
 (which change the greedy choice too), then temperature, min-p, top-k and top-p, then a draw
 from the row's own generator (seeded requests) or the engine's.
+
+A row is one request's: when its processing fails, that row alone gets ``FAILED`` and a
+``RequestFailed`` naming the stage (logit bias, penalties, sampling); the other rows are
+sampled as if it were not there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from kvmem.engine.errors import RequestFailed, request_stage
 from kvmem.engine.sampling_params import SamplingParams
+
+FAILED = -1  # the token id of a row whose request failed in the sampler
+
+
+@dataclass
+class Samples:
+    """One token per row (``FAILED`` for a failed row) and why each failed row failed."""
+
+    token_ids: list[int]
+    failures: dict[int, RequestFailed] = field(default_factory=dict)  # row -> its error
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float
@@ -27,13 +43,23 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float
     if top_p < 1.0:
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
-        sorted_logits[mass_before >= top_p] = float("-inf")
+        drop = mass_before >= top_p
+        drop[0] = False  # the most likely token, whatever top_p rounds to
+        sorted_logits[drop] = float("-inf")
     return sorted_logits, sorted_ids
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> torch.Tensor:
+    """``logits`` (one row, modified in place) plus each token's bias."""
+    device = logits.device
+    ids = torch.tensor(list(logit_bias), dtype=torch.long, device=device)
+    return logits.index_add_(0, ids, torch.tensor(list(logit_bias.values()),
+                                                  dtype=logits.dtype, device=device))
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
                     output_ids: Sequence[int]) -> torch.Tensor:
-    """``logits`` (one row, modified in place) with logit bias and penalties applied.
+    """``logits`` (one row, modified in place) with the penalties applied.
 
     Repetition: every token in the prompt or output has a positive logit divided by the
     penalty, a negative one multiplied. Frequency / presence (OpenAI): minus
@@ -41,10 +67,6 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     """
     vocab = logits.shape[-1]
     device = logits.device
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
-        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()),
-                                                dtype=logits.dtype, device=device))
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long, device=device)
         scores = logits[seen]
@@ -90,32 +112,48 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None
-                 ) -> list[int]:
+                 ) -> Samples:
         """``logits`` float32 ``[N, vocab]`` (left unchanged); ``generators[i]`` is row i's own
         generator or None; ``histories[i]`` row i's (prompt, output) token ids, which
         penalties need."""
+        if histories is None and any(p.has_penalties for p in params):
+            raise ValueError("penalties need the token histories")
         token_ids = logits.argmax(dim=-1)
         if all(p.greedy and not p.processes_logits for p in params):  # the common fast path
-            return token_ids.tolist()
+            return Samples(token_ids.tolist())
+        failures = {}
         for i, p in enumerate(params):
             if p.greedy and not p.processes_logits:
                 continue
-            row = logits[i].float().clone()
-            if p.processes_logits:
-                if histories is None:
-                    raise ValueError("penalties and logit_bias need the token histories")
-                apply_penalties(row, p, *histories[i])
-                _finite_(row)
-                token_ids[i] = row.argmax()
-            if p.greedy:
-                continue
+            try:
+                token_ids[i] = self._sample_row(logits[i], p, generators[i],
+                                                histories[i] if histories else ((), ()))
+            except RequestFailed as exc:
+                failures[i] = exc
+                token_ids[i] = FAILED
+        return Samples(token_ids.tolist(), failures)
+
+    def _sample_row(self, logits: torch.Tensor, p: SamplingParams,
+                    generator: torch.Generator | None,
+                    history: tuple[Sequence[int], Sequence[int]]) -> int:
+        row = logits.float().clone()
+        if p.logit_bias:
+            with request_stage("logit_bias"):
+                apply_logit_bias(row, p.logit_bias)
+        if p.has_penalties:
+            with request_stage("penalties"):
+                apply_penalties(row, p, *history)
+        if p.processes_logits:
+            _finite_(row)
+        if p.greedy:
+            return int(row.argmax())
+        with request_stage("sampling"):
             row /= p.temperature
             _finite_(row)
             if p.min_p > 0.0:
                 apply_min_p(row, p.min_p)
             sorted_logits, sorted_ids = filter_top_k_top_p(row, p.top_k, p.top_p)
             probs = sorted_logits.softmax(-1)
-            gen = generators[i] or self.shared_generator(logits.device)
+            gen = generator or self.shared_generator(logits.device)
             choice = torch.multinomial(probs, 1, generator=gen)
-            token_ids[i] = sorted_ids[choice[0]]
-        return token_ids.tolist()
+            return int(sorted_ids[choice[0]])

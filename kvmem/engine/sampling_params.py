@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 from kvmem.engine.errors import InvalidRequestError
@@ -80,8 +81,9 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1")
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be a number in [0, 100]")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be a number in (0, 1]")
+        # checked as the sampler computes with it: 1e-46 is positive, its float32 is 0
+        if not _is_number(self.top_p) or not 0.0 < _float32(self.top_p) <= 1.0:
+            raise bad("top_p", "must be a number in (0, 1] (and above 0 as a float32)")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise bad("top_k", "must be -1 or 0 (disabled) or an integer >= 1")
         if self.seed is not None and not (_is_int(self.seed) and
@@ -135,6 +137,11 @@ class SamplingParams:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, the precision the sampler computes in."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _is_unicode(text: str) -> bool:

@@ -32,6 +32,7 @@ from typing import Protocol
 
 from kvmem.cache import KVCacheManager, PrefixHit
 from kvmem.cache.results import Allocation
+from kvmem.engine.errors import RequestFailed, RequestFailure, request_stage
 from kvmem.engine.request import Request, RequestStatus
 from kvmem.engine.step import (
     CachedRequestData,
@@ -48,7 +49,9 @@ class OffloadHooks(Protocol):
 
     def start_load(self, request: Request, hit: PrefixHit) -> bool: ...
 
-    def poll(self) -> list[tuple[str, int]]: ...  # (request id, computed tokens) per done load
+    # per load done: (request id, computed tokens), or (request id, error) for a load that
+    # failed in the tiers' code (a block that did not load intact is recomputed instead)
+    def poll(self) -> list[tuple[str, int | str]]: ...
 
     def cancel(self, request_id: str) -> bool: ...
 
@@ -221,31 +224,49 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
-        """Close the step ``out``: advance, append samples, stop and finish requests."""
+        """Close the step ``out``: advance, append samples, stop and finish requests. A
+        request whose own part of the step failed (in the runner, or here) fails alone."""
         updates = [RequestUpdate(r) for r in self._failed]
         self._failed = []
         now = time.monotonic()
-        sampled = runner_output.sampled_token_ids
         for rid, num_new in out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None:  # finished between schedule and update (e.g. aborted)
                 continue
-            if rid in runner_output.prompt_logprobs:
-                request.add_prompt_logprobs(*runner_output.prompt_logprobs[rid])
-            request.num_computed_tokens += num_new
-            token = sampled.get(rid)
-            if token is None:
-                continue  # a partial prefill chunk: nothing to report yet
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if rid in runner_output.logprobs:
-                request.output_logprobs.append(runner_output.logprobs[rid])
-            request.append_output_token(token)
-            status = request.check_stop(token, self.max_model_len)
-            if status is not None:
-                self.finish_request(request, status)
-            updates.append(RequestUpdate(request, [token]))
+            failure = runner_output.failures.get(rid)
+            if failure is None:
+                try:
+                    token = self._advance(request, num_new, runner_output, now)
+                except RequestFailed as exc:
+                    failure = exc.failure
+            if failure is not None:
+                self.fail_request(request, failure)
+                updates.append(RequestUpdate(request))
+            elif token is not None:
+                updates.append(RequestUpdate(request, [token]))
         return updates
+
+    def _advance(self, request: Request, num_new: int, runner_output: ModelRunnerOutput,
+                 now: float) -> int | None:
+        """Apply one request's part of the step; its new token, if it sampled one."""
+        rid = request.request_id
+        if rid in runner_output.prompt_logprobs:
+            with request_stage("logprobs"):
+                request.add_prompt_logprobs(*runner_output.prompt_logprobs[rid])
+        request.num_computed_tokens += num_new
+        token = runner_output.sampled_token_ids.get(rid)
+        if token is None:
+            return None  # a partial prefill chunk: nothing to report yet
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if rid in runner_output.logprobs:
+            request.output_logprobs.append(runner_output.logprobs[rid])
+        request.append_output_token(token)
+        with request_stage("stop"):
+            status = request.check_stop(token, self.max_model_len)
+        if status is not None:
+            self.finish_request(request, status)
+        return token
 
     def idle(self) -> None:
         """Called when a step scheduled nothing: wait briefly for what unblocks it."""
@@ -289,14 +310,8 @@ class Scheduler:
             # a prefix hit would skip the positions whose prompt logprobs are asked for
             hit = mgr.get_computed_blocks(request) \
                 if self.enable_prefix_caching and not request.needs_prompt_logprobs else None
-            if hit is not None and self.offload is not None and \
-                    self.offload.start_load(request, hit):
-                self.waiting.popleft()  # waits here until its blocks arrive from a tier
-                self.stats.prefix_queried_tokens += request.num_tokens
-                request.num_computed_tokens = hit.num_tokens
-                request.status = RequestStatus.WAITING_FOR_KV
-                self._loading[request.request_id] = request
-                continue
+            if hit is not None and self.offload is not None and self._start_load(request, hit):
+                continue  # it waits for its blocks from a tier (or failed there)
             num_cached = hit.num_tokens if hit is not None else 0
             num_new = min(request.num_tokens - num_cached, budget)
             result = mgr.allocate_slots(request, num_new, prefix_hit=hit)
@@ -318,11 +333,36 @@ class Scheduler:
             scheduled.append((request, num_new, result))
             budget -= num_new
 
+    def _start_load(self, request: Request, hit: PrefixHit) -> bool:
+        """Continue the waiting queue's head ``request``'s prefix ``hit`` from the tiers;
+        True if it left the queue: to the loading queue, or failed (a failure in the tiers'
+        code fails it alone)."""
+        try:
+            with request_stage("tier_load"):
+                if not self.offload.start_load(request, hit):
+                    return False
+        except RequestFailed as exc:
+            self.waiting.popleft()
+            self.offload.cancel(request.request_id)  # if its load got under way
+            self.fail_request(request, exc.failure, report=True)
+            return True
+        self.waiting.popleft()
+        self.stats.prefix_queried_tokens += request.num_tokens
+        request.num_computed_tokens = hit.num_tokens
+        request.status = RequestStatus.WAITING_FOR_KV
+        self._loading[request.request_id] = request
+        return True
+
     def _admit_loaded(self) -> None:
-        """Move requests whose tier loads the connector reports done into the running queue."""
+        """Move requests whose tier loads the connector reports done into the running queue;
+        a load that failed in the tiers' code fails its request alone."""
         for rid, num_computed in self.offload.poll():
             request = self._loading.pop(rid, None)
             if request is None:
+                continue
+            if isinstance(num_computed, str):  # its blocks are already freed
+                self.fail_request(request, RequestFailure(
+                    "tier_load", f"the request failed in tier_load: {num_computed}"), report=True)
                 continue
             request.num_computed_tokens = num_computed
             if request.num_preemptions == 0:  # a first admission, not a resumption
@@ -359,13 +399,28 @@ class Scheduler:
         return _too_big(request, elastic=self.kv_memory is not None)
 
     def _fail(self, request: Request, message: str) -> None:
-        if request in self.running:
-            self.running.remove(request)
+        self.fail_request(request, RequestFailure("kv_cache", message), report=True)
+
+    def fail_request(self, request: Request, failure: RequestFailure, *,
+                     report: bool = False) -> None:
+        """Finish ``request`` with ``failure`` from whatever state it is in, freeing what it
+        holds (its blocks are not offered to the tiers). ``report``: its last update comes
+        with the next ``update_from_output`` (else the caller reports it)."""
+        if not request.is_finished:
+            rid = request.request_id
+            if request in self.running:
+                self.running.remove(request)
+            elif self._loading.pop(rid, None) is not None:
+                self.offload.cancel(rid)  # waits for the load, frees its blocks
+            elif request in self.waiting:
+                self.waiting.remove(request)
             self.kv_cache_manager.free(request)
+            self._forget(rid)
+            if report:
+                self._failed.append(request)
         request.status = RequestStatus.FINISHED_ERROR
-        request.error = message
-        self._forget(request.request_id)
-        self._failed.append(request)
+        request.error = failure.message
+        request.failure = failure
 
 
 def _too_big(request: Request, elastic: bool = False) -> str:

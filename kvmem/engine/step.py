@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmem.engine.errors import RequestFailure
 from kvmem.engine.outputs import PositionLogprobs
 from kvmem.engine.sampling_params import SamplingParams
 
@@ -71,11 +72,13 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """The token sampled for each request that completed its known tokens this step, and
-    the logprobs of the requests that asked (a single-process engine only)."""
+    """The token sampled for each request that completed its known tokens this step, the
+    logprobs of the requests that asked (a single-process engine only), and the requests
+    whose own part of the step failed (they fail alone; the others' results stand)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # request id -> (position of the first prompt token scored, its logprobs in order)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    failures: dict[str, RequestFailure] = field(default_factory=dict)
 

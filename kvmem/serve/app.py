@@ -210,8 +210,18 @@ async def _final(engine: AsyncLLMEngine, request: EngineRequest) -> RequestOutpu
         pass
     assert out is not None
     if out.error:
-        raise _HTTPError(400, out.error, code="kv_cache_too_small")
+        status, code = _failure(out)
+        raise _HTTPError(status, out.error, code=code)
     return out
+
+
+def _failure(out: RequestOutput) -> tuple[int, str]:
+    """The HTTP status and error code of a request that failed alone: too big for the KV
+    cache is the client's to fix (400); any other failure was the server's (500), and the
+    server serves the other requests on."""
+    if out.failure is None or out.failure.stage == "kv_cache":
+        return 400, "kv_cache_too_small"
+    return 500, "request_failed"
 
 
 async def _finals_unless_disconnected(engine: AsyncLLMEngine, requests: list[EngineRequest],
@@ -298,7 +308,8 @@ async def _completion_chunks(engine: AsyncLLMEngine, request: EngineRequest, met
     try:
         async for last in engine.stream(request):
             if last.error:
-                yield error_body(last.error, 400, code="kv_cache_too_small")
+                status, code = _failure(last)
+                yield error_body(last.error, status, code=code)
                 return
             if body.echo_only:
                 last = _without_generated(last)
@@ -342,7 +353,8 @@ async def _chat_chunks(engine: AsyncLLMEngine, request: EngineRequest, meta: dic
     try:
         async for last in engine.stream(request):
             if last.error:
-                yield error_body(last.error, 400, code="kv_cache_too_small")
+                status, code = _failure(last)
+                yield error_body(last.error, status, code=code)
                 return
             for out in last.outputs:
                 if out.delta_text or out.delta_logprobs:

@@ -16,6 +16,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from kvmem.engine.errors import FAILURE_STAGES
 from kvmem.engine.llm_engine import EngineSnapshot
 from kvmem.engine.request_metrics import HISTOGRAMS
 
@@ -47,6 +48,12 @@ class EngineCollector:
         for reason in ("stop", "length", "abort", "error"):
             finished.add_metric([*m, reason], s.finished_requests.get(reason, 0))
         yield finished
+        failed = CounterMetricFamily(
+            "kvmem_requests_failed", "Requests that failed alone, by the stage that failed "
+            "(the engine served the others on)", labels=[*labels, "stage"])
+        for stage in FAILURE_STAGES:
+            failed.add_metric([*m, stage], s.failed_requests.get(stage, 0))
+        yield failed
         yield counter("kvmem_prompt_tokens", "Prompt tokens of finished requests",
                       s.prompt_tokens)
         yield counter("kvmem_generation_tokens", "Generated tokens", s.generation_tokens)

@@ -149,20 +149,29 @@ class OffloadConnector:
             self._looked_up.popitem(last=False)
         return True
 
-    def poll(self) -> list[tuple[str, int]]:
+    def poll(self) -> list[tuple[str, int | str]]:
         """Finish transfers; (request id, computed tokens) of each request whose load is
-        done: its KV is valid up to there (a failed block shortens it)."""
-        done = []
+        done: its KV is valid up to there (a block that did not load intact shortens it).
+        A request whose load failed in this code comes as (request id, the error); its
+        blocks are freed."""
+        done: list[tuple[str, int | str]] = []
         for handle in self.offload.poll():
             load = self._loads.pop(handle.request_id, None)
             if load is None:  # cancelled meanwhile
                 continue
             request, _, loads = load
-            if handle.num_loaded < len(loads) and self._retry_after_failure(
-                    request, loads, handle.num_loaded,
-                    handle.error or "block no longer in a tier"):
-                continue  # a shorter load started
-            done.append((request.request_id, self.kv.num_computed_tokens(request.request_id)))
+            rid = request.request_id
+            try:
+                if handle.num_loaded < len(loads) and self._retry_after_failure(
+                        request, loads, handle.num_loaded,
+                        handle.error or "block no longer in a tier"):
+                    continue  # a shorter load started
+                done.append((rid, self.kv.num_computed_tokens(rid)))
+            except Exception as exc:  # noqa: BLE001 - this request's alone
+                log.exception("offload: finishing the load of request %s failed", rid)
+                self._loads.pop(rid, None)
+                self.kv.free(rid)
+                done.append((rid, f"{type(exc).__name__}: {exc}"))
         return done
 
     def _retry_after_failure(self, request: Any, loads: list[Position], num_loaded: int,
