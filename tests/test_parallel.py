@@ -162,6 +162,38 @@ def test_each_rank_checks_its_own_fit(model_dir):
             pipeline_parallel_size=2, layer_partition=[3, 1])
 
 
+def test_the_rendezvous_port_is_held_before_any_worker_starts(model_dir, monkeypatch):
+    """Two engines starting side by side must never meet. A port the driver picks, closes
+    and binds only after its workers have started can be handed meanwhile to another engine
+    on the machine; this engine's workers then join that engine's driver, whose plan differs
+    ("ranks disagree on the KV block count" with two test suites running side by side).
+    When each worker starts, its rendezvous port is already bound by its driver."""
+    import multiprocessing.context
+    import socket
+
+    states = []
+    start = multiprocessing.context.SpawnProcess.start
+
+    def start_checked(process) -> None:
+        port = process._args[0].parallel.master_port
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                states.append("free")
+            except OSError:
+                states.append("held")
+        start(process)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_checked)
+    llm = LLM(str(model_dir), kv_cache_memory_bytes="4MiB", max_model_len=128,
+              pipeline_parallel_size=2)
+    try:
+        assert len(llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids) == 12
+    finally:
+        llm.engine.shutdown()
+    assert states == ["held"]
+
+
 def test_config_errors_and_torchrun_environment():
     with pytest.raises(ConfigError, match="has 3 stages but pipeline_parallel_size is 2"):
         EngineConfig(pipeline_parallel_size=2, layer_partition=[1, 2, 1])

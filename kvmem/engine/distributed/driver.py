@@ -14,16 +14,18 @@ import atexit
 import contextlib
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kvmem.engine.distributed.channel import broadcast_step
+from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import ParallelError, StartupError, WorkerDiedError
 from kvmem.engine.distributed.page_ops import PageOpsFeed
 from kvmem.engine.distributed.rank_setup import GroupPeers, local_copier
@@ -40,10 +42,14 @@ logger = logging.getLogger("kvmem.engine.distributed")
 DEATH_NOTICE_S = 3.0  # how long a failed step waits for the watchdog to name a dead worker
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def hold_rendezvous(parallel: ParallelConfig) -> dist.TCPStore:
+    """The rendezvous store's server on a port the OS picks, bound before any worker
+    starts and held until the engine stops (``init_distributed``'s store shares it). A
+    port picked, closed and bound later could be taken meanwhile by another engine starting
+    on this machine, whose ranks this engine's workers would then join."""
+    return dist.TCPStore(parallel.master_addr, 0, None, is_master=True,
+                         timeout=timedelta(seconds=parallel.startup_timeout_s),
+                         wait_for_workers=False, multi_tenant=True)
 
 
 def start_parallel(ctx: RankContext) -> ParallelDriver:
@@ -52,9 +58,11 @@ def start_parallel(ctx: RankContext) -> ParallelDriver:
     parallel = ctx.parallel
     if parallel.rank != 0:
         raise ConfigError(f"{parallel.describe()} is a worker; only rank 0 runs the engine")
+    rendezvous = None
     if parallel.launcher == "local" and parallel.master_port == 0:
-        ctx = replace(ctx, parallel=replace(parallel, master_port=free_port()))
-    driver = ParallelDriver(ctx)
+        rendezvous = hold_rendezvous(parallel)
+        ctx = replace(ctx, parallel=replace(parallel, master_port=rendezvous.port))
+    driver = ParallelDriver(ctx, rendezvous)
     try:
         driver.start()
     except BaseException:
@@ -64,9 +72,10 @@ def start_parallel(ctx: RankContext) -> ParallelDriver:
 
 
 class ParallelDriver:
-    def __init__(self, ctx: RankContext) -> None:
+    def __init__(self, ctx: RankContext, rendezvous: dist.TCPStore | None = None) -> None:
         self.ctx = ctx
         self.parallel = ctx.parallel
+        self._rendezvous = rendezvous  # holds the port until shutdown (hold_rendezvous)
         self.processes: dict[int, Any] = {}  # rank -> multiprocessing.Process (local launch)
         self.state: RankState | None = None
         self.profiles: list[MemoryProfile] | None = None  # every rank's, when profiling
@@ -249,4 +258,5 @@ class ParallelDriver:
                 proc.kill()
                 proc.join(2.0)
         destroy_distributed()
+        self._rendezvous = None
         atexit.unregister(self.shutdown)
