@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 from test_serve import start_server, stop_server
+from test_tiers import plant_damage
 from tiny_models import make_tiny_checkpoint
 
 from kvmem.engine.llm_engine import EngineSnapshot
@@ -127,12 +128,42 @@ def test_generate_with_a_disk_tier_writes_blocks_that_a_second_run_reuses(model_
     assert len(list(namespace.glob("*/*.kvb"))) >= 8
 
 
+@pytest.mark.slow
+def test_serve_starts_over_damaged_disk_tier_entries(model_dir, tmp_path):
+    """Directories and links named like the disk tier's files (which used to stop `kvmem
+    serve` at start-up with a traceback) are skipped and counted; the blocks an earlier
+    run wrote are still served from disk."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 3  # 8 full blocks
+    sizes = ["--max-model-len", "192", "--kv-cache-memory-bytes", "1MiB"]
+    tier = ["--disk-offload-dir", str(tmp_path / "tier"), "--disk-offload-gib", "0.01"]
+    first = kvmem("generate", prompt, "--model", str(model_dir), "--max-tokens", "5",
+                  "--ignore-eos", "--temperature", "0", *sizes, *tier)
+    assert first.returncode == 0, first.stderr
+    (namespace,) = (tmp_path / "tier").glob("kvmem-*")
+    damaged = plant_damage(namespace, tmp_path / "outside")
+    proc, base = start_server(model_dir, *sizes, *tier)
+    try:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True}
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == first.stdout[:-1]
+        metrics = scrape(base)
+        disk = '{model_name="tiny",tier="disk"}'
+        assert metrics[f"kvmem_offload_skipped_files_total{disk}"] == len(damaged)
+        assert metrics[f"kvmem_offload_hits_total{disk}"] >= 7
+    finally:
+        assert stop_server(proc) == 0
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--disk-offload-gib", "1"], "needs --disk-offload-dir"),
     (["--disk-offload-dir", "/tmp/x"], "needs --disk-offload-gib"),
     (["--cpu-offload-gib", "-1"], "--cpu-offload-gib must be a non-negative"),
     (["--cpu-offload-gib", "nan"], "--cpu-offload-gib must be a non-negative"),
     (["--cpu-offload-gib", "100000"], "of memory available on this machine"),
+    (["--disk-offload-dir", "/tmp/kvmem-never-made", "--disk-offload-gib", "1e30"],
+     "--disk-offload-gib 1e+30 exceeds the"),
 ])
 def test_bad_offload_flags_are_one_line_exit_2(flags, message):
     res = kvmem("generate", "x", *flags)

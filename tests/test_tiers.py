@@ -354,6 +354,62 @@ def test_disappearing_directory_disables_disk_tier(manager_factory, caplog):
     assert mgr.lookup(keys(4)) == 1
 
 
+def plant_damage(root, outside) -> list[str]:
+    """Entries named like the tier's files that are not its regular files, in the disk
+    tier's namespace ``root``; the links lead to ``outside``. Returns their names."""
+    outside.mkdir()
+    (outside / "elsewhere.kvb").write_bytes(b"not the tier's")
+    (root / "zz").mkdir()
+    (root / "zz" / "zzdir.kvb").mkdir()  # a directory named like a block file
+    (root / "zz" / "zzdead.kvb").symlink_to(outside / "missing")  # dangling
+    (root / "zz" / "zzlink.kvb").symlink_to(outside / "elsewhere.kvb")  # leads out
+    (root / "zz" / "zzdir.kvb.123.tmp").mkdir()  # a directory named like a temp file
+    (root / "ee").symlink_to(outside)  # a block folder that is a link
+    return ["zz/zzdir.kvb", "zz/zzdead.kvb", "zz/zzlink.kvb", "zz/zzdir.kvb.123.tmp", "ee"]
+
+
+def test_damaged_disk_entries_are_skipped_and_counted_never_followed(manager_factory,
+                                                                     tmp_path, caplog):
+    """Start-up used to stop in the scan (IsADirectoryError, FileNotFoundError). Whatever
+    is not a regular file of the tier is left alone and counted; the blocks of an earlier
+    process are still found, and nothing outside the tier's folder is read or written."""
+    shared = tmp_path / "shared"
+    first, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=8, disk_dir=shared)
+    expected = block(storage, 1)
+    first.offer([1], keys(1))
+    first.shutdown(flush=True)
+    damaged = plant_damage(first.disk.root, tmp_path / "outside")
+    before = {p: p.read_bytes() for p in (tmp_path / "outside").iterdir()}
+    with caplog.at_level(logging.WARNING, logger="kvmem.tiers"):
+        second, fresh, _ = manager_factory(cpu_blocks=1, disk_blocks=8, disk_dir=shared,
+                                           storage=make_storage(seed=1))
+    disk = second.stats()["disk"]
+    assert disk.skipped_files == len(damaged) and disk.enabled
+    assert "skipped 5 entries that are not regular files" in caplog.text
+    assert all(os.path.lexists(second.disk.root / name) for name in damaged)
+    assert second.lookup(keys(1)) == 1
+    assert roundtrip(second, fresh, [], keys(1), [5]).ok and same_block(fresh, 5, expected)
+    # a block whose folder is a link is not written through it
+    assert not second.disk.put("ee" + "0" * 30, torch.zeros(BLOCK_NBYTES, dtype=torch.uint8))
+    assert {p: p.read_bytes() for p in (tmp_path / "outside").iterdir()} == before
+
+
+def test_a_namespace_that_is_a_link_turns_the_disk_tier_off(manager_factory, tmp_path):
+    first, _, _ = manager_factory(cpu_blocks=1, disk_blocks=8, disk_dir=tmp_path / "d")
+    root = first.disk.root
+    first.shutdown()
+    shutil.rmtree(root)
+    (tmp_path / "outside").mkdir()
+    root.symlink_to(tmp_path / "outside")
+    second, _, _ = manager_factory(cpu_blocks=1, disk_blocks=8, disk_dir=tmp_path / "d")
+    disk = second.stats()["disk"]
+    assert not disk.enabled and disk.skipped_files == 1
+    second.offer([1], keys(1))
+    second.drain()
+    assert list((tmp_path / "outside").iterdir()) == []
+    assert second.lookup(keys(1)) == 1  # the CPU tier still works
+
+
 def test_restart_reuses_disk_tier_only_with_the_same_identity(manager_factory, tmp_path):
     shared = tmp_path / "shared"
     first, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=8, disk_dir=shared)

@@ -8,7 +8,8 @@ Three vLLM processes (each start-up costs about a minute), every check folded in
    so blocks stay held): the second A comes back from kvmem's CPU tier; C and D arrive
    together and D needs the blocks C's store still holds (MISSION problem 3): no crash,
    no wrong token;
-3. a fresh vLLM with only the disk tier (same directory): A is served from disk.
+3. a fresh vLLM with only the disk tier (same directory, where directories and links
+   named like its files were planted meanwhile): A is served from disk.
 
 128 MiB of KV is 22 blocks of 128 tokens of the embedded model in fp32; a 2,000-token
 prompt takes 16, so B evicts most of A and D must wait for C's blocks.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_tiers import plant_damage
 
 from tests.vllm_cpu import model_dir, run_script
 
@@ -244,8 +246,13 @@ def _run(mode: str, disk_dir: str) -> tuple[list[dict], str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], str]]:
-    disk_dir = str(tmp_path_factory.mktemp("kvmem-disk"))
-    return {mode: _run(mode, disk_dir) for mode in ("plain", "tiers", "disk")}
+    disk_dir = tmp_path_factory.mktemp("kvmem-disk")
+    results = {mode: _run(mode, str(disk_dir)) for mode in ("plain", "tiers")}
+    # before the fresh process starts: entries that are not the tier's regular files
+    (namespace,) = disk_dir.glob("kvmem-*")
+    plant_damage(namespace, tmp_path_factory.mktemp("outside") / "outside")
+    results["disk"] = _run("disk", str(disk_dir))
+    return results
 
 
 def test_second_prompt_comes_back_from_cpu_tier_with_plain_vllm_tokens(runs) -> None:
@@ -273,9 +280,12 @@ def test_request_waits_for_blocks_held_by_a_store(runs) -> None:
 
 
 def test_fresh_process_serves_prompt_from_disk_tier(runs) -> None:
+    """A fresh vLLM finds the disk tier's blocks, past directories and links named like
+    its files (which used to stop the worker at start-up): they are skipped and counted."""
     plain, _ = runs["plain"]
     disk, log = runs["disk"]
     assert disk[0]["name"] == "A"
     assert disk[0]["cached"] >= 1900
     assert disk[0]["tokens"] == plain[0]["tokens"]
-    assert "disk" in log
+    assert "skipped 5 entries that are not regular files" in log
+    assert "Traceback" not in log

@@ -106,6 +106,8 @@ _OFFLOAD_COUNTERS = {
     "not_admitted": "Stores the admission policy turned down",
     "failed_loads": "Loads that failed (missing file, bad checksum, read error)",
     "evictions": "KV blocks evicted from this tier",
+    "skipped_files": "Entries of the disk tier's folder that are not its regular files "
+                     "(directories, links), left alone",
 }
 _OFFLOAD_GAUGES = {
     "used_bytes": "Bytes this tier holds now",

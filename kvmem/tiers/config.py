@@ -25,6 +25,19 @@ DISK_ENTRY_OVERHEAD_BYTES = 40 + 35
 
 
 @dataclass(frozen=True)
+class SettingNames:
+    """How errors name the offload settings: kvmem's flags, or in ``KvmemConnector`` the
+    keys of vLLM's ``kv_connector_extra_config``."""
+
+    cpu_bytes: str = "--cpu-offload-gib"
+    disk_dir: str = "--disk-offload-dir"
+    disk_bytes: str = "--disk-offload-gib"
+
+
+FLAG_NAMES = SettingNames()
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """Byte budgets of the CPU and disk tiers; a budget of 0 turns that tier off."""
 
@@ -35,6 +48,7 @@ class OffloadConfig:
     # Most blocks held by stores still copying out of the pool; beyond it a store is skipped
     # so that offloading can never starve allocation.
     max_inflight_store_blocks: int = 4096
+    names: SettingNames = FLAG_NAMES
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 0 or self.disk_bytes < 0:

@@ -19,15 +19,16 @@ from kvmem.tiers.store import BlockStore, Entry, IndexListener
 from kvmem.units import GiB, format_bytes
 
 
-def check_host_memory(budget_bytes: int) -> None:
-    """Refuse a CPU tier larger than the memory this machine has available now."""
+def check_host_memory(budget_bytes: int, setting: str = "--cpu-offload-gib") -> None:
+    """Refuse a CPU tier larger than the memory this machine has available now; the error
+    names the budget's ``setting`` (a flag, a config key)."""
     try:
         import psutil
     except ImportError:  # pragma: no cover - psutil is an engine dependency
         return
     available = psutil.virtual_memory().available
     if budget_bytes > available:
-        raise ConfigError(f"--cpu-offload-gib {budget_bytes / GiB:g} exceeds the "
+        raise ConfigError(f"{setting} {budget_bytes / GiB:g} exceeds the "
                           f"{format_bytes(available)} of memory available on this machine")
 
 
@@ -36,12 +37,14 @@ class CPUStore(BlockStore):
 
     def __init__(self, budget_bytes: int, block_nbytes: int, policy: LRUPolicy,
                  pin_memory: bool = False, faults: Faults = NO_FAULTS,
-                 on_change: IndexListener | None = None) -> None:
+                 on_change: IndexListener | None = None,
+                 setting: str = "--cpu-offload-gib") -> None:
+        """``setting``: how errors name the budget's setting (a flag, a config key)."""
         capacity_blocks = budget_bytes // block_nbytes
         if capacity_blocks < 1:
-            raise ConfigError(f"CPU offload budget {format_bytes(budget_bytes)} is smaller than "
-                              f"one KV block ({format_bytes(block_nbytes)})")
-        check_host_memory(budget_bytes)
+            raise ConfigError(f"{setting}: the CPU offload budget {format_bytes(budget_bytes)} "
+                              f"is smaller than one KV block ({format_bytes(block_nbytes)})")
+        check_host_memory(budget_bytes, setting)
         super().__init__(capacity_blocks * block_nbytes, policy, faults, on_change)
         self.block_nbytes = block_nbytes
         try:

@@ -9,13 +9,22 @@ name and the checksum. On start-up the namespace is scanned, so blocks written b
 earlier process with the same identity are found again (oldest first in LRU order).
 A directory that disappears disables the tier with a warning.
 
+Only regular files are the tier's. Whatever else the folder holds under a block's or a
+temporary file's name (a directory, a symbolic link, a device) is left alone, counted
+(``skipped_files``) and logged; no link inside the tier's folder is ever followed, for
+reading or for writing.
+
 Blocks encode users' prompts: the namespace and its folders are created 0700 and files
 0600 whatever the umask, and a namespace left with wider modes is narrowed on start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -23,13 +32,16 @@ import torch
 import xxhash
 
 from kvmem.errors import ConfigError
-from kvmem.tiers.config import FORMAT_VERSION, TierIdentity
+from kvmem.tiers.config import FLAG_NAMES, FORMAT_VERSION, SettingNames, TierIdentity
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
 from kvmem.tiers.store import BlockStore, Entry, IndexListener, LoadError
+from kvmem.units import GiB, format_bytes
 
 MAGIC = b"KVMEMBLK"
 _HEADER = struct.Struct("<8sIIQ16s")  # magic, version, name length, payload length, checksum
+log = logging.getLogger("kvmem.tiers")
+
 SUFFIX = ".kvb"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -40,37 +52,66 @@ class DiskStore(BlockStore):
 
     def __init__(self, root: str | Path, budget_bytes: int, block_nbytes: int,
                  identity: TierIdentity, policy: LRUPolicy, faults: Faults = NO_FAULTS,
-                 on_change: IndexListener | None = None) -> None:
+                 on_change: IndexListener | None = None,
+                 names: SettingNames = FLAG_NAMES) -> None:
+        """``names``: how errors name the settings (kvmem's flags, vLLM's config keys)."""
         super().__init__(budget_bytes, policy, faults, on_change)
         self.block_nbytes = block_nbytes
         self.root = identity.namespace_dir(root)
+        check_disk_budget(budget_bytes, Path(root), names)
         try:
+            if Path(root).exists() and not Path(root).is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory")
             Path(root).mkdir(mode=DIR_MODE, parents=True, exist_ok=True)  # if it is ours
-            self.root.mkdir(mode=DIR_MODE, exist_ok=True)
-            self.root.chmod(DIR_MODE)  # an earlier version made it 0755
-            with _private_file(self.root / "identity.json") as f:
-                f.write((identity.to_json() + "\n").encode())
+            if not os.path.lexists(self.root):
+                self.root.mkdir(mode=DIR_MODE)
         except OSError as exc:
-            raise ConfigError(f"--disk-offload-dir {root}: {exc.strerror}") from None
+            raise ConfigError(f"{names.disk_dir} {root}: {exc.strerror}") from None
+        if not _is_real_dir(self.root):
+            self.stats.skipped_files += 1
+            self.disable(f"{self.root} is not a directory of its own (a link or a file); "
+                         "remove it to use the disk tier")
+            return
+        try:
+            self.root.chmod(DIR_MODE)  # an earlier version made it 0755
+            identity_file = self.root / "identity.json"
+            if not _is_real_dir(identity_file):  # a directory there is counted by the scan
+                _write_replacing(identity_file, (identity.to_json() + "\n").encode())
+        except OSError as exc:
+            raise ConfigError(f"{names.disk_dir} {root}: {exc.strerror}") from None
         self._scan()
 
     def path_of(self, name: str) -> Path:
         return self.root / name[:2] / f"{name}{SUFFIX}"
 
     def _scan(self) -> None:
-        """Index the block files an earlier process left under this identity."""
-        found = []
-        for path in self.root.glob(f"*/*{SUFFIX}*"):
-            if path.suffix != SUFFIX:  # a temporary file from an interrupted write
-                path.unlink(missing_ok=True)
-                continue
-            stat = path.stat()
-            name = path.name[:-len(SUFFIX)]
-            if stat.st_size == self._entry_bytes(name):
-                found.append((stat.st_mtime_ns, name))
-            else:
-                path.unlink(missing_ok=True)
+        """Index the block files an earlier process left under this identity; remove
+        leftover temporary files and block files of the wrong size; skip and count the
+        rest (anything not a regular file), following no link."""
+        found, skipped = [], []
+        for folder in _entries(self.root):
+            if folder.is_symlink() or folder.name == "identity.json" and folder.is_dir():
+                skipped.append(folder.name)
+            elif folder.is_dir(follow_symlinks=False):
+                for entry in _entries(folder.path):
+                    if SUFFIX not in entry.name:
+                        continue
+                    if not entry.is_file(follow_symlinks=False):
+                        skipped.append(f"{folder.name}/{entry.name}")
+                        continue
+                    name = entry.name[:-len(SUFFIX)]
+                    if not entry.name.endswith(SUFFIX):  # a write interrupted by a crash
+                        _remove(entry.path)
+                    elif entry.stat(follow_symlinks=False).st_size == self._entry_bytes(name):
+                        found.append((entry.stat(follow_symlinks=False).st_mtime_ns, name))
+                    else:
+                        _remove(entry.path)
+        if skipped:
+            log.warning("disk offload tier %s: skipped %d entries that are not regular files "
+                        "(%s%s); they are left alone", self.root, len(skipped),
+                        ", ".join(skipped[:5]), ", ..." if len(skipped) > 5 else "")
         with self._lock:
+            self.stats.skipped_files += len(skipped)
             for _, name in sorted(found):
                 entry = Entry(name, self._entry_bytes(name), self.path_of(name), ready=True)
                 self._entries[name] = entry
@@ -93,6 +134,8 @@ class DiskStore(BlockStore):
                               xxhash.xxh3_128_digest(payload))
         path: Path = entry.handle
         path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+        if not _is_real_dir(path.parent):  # a link would lead out of the tier's folder
+            raise OSError(errno.ELOOP, f"{path.parent} is not a directory of the tier")
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             self.faults.before_write()
@@ -108,7 +151,7 @@ class DiskStore(BlockStore):
 
     def _read(self, entry: Entry, out: torch.Tensor) -> None:
         data = bytearray(entry.nbytes)
-        with open(entry.handle, "rb") as f:
+        with os.fdopen(os.open(entry.handle, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             size = f.readinto(data)
             trailing = f.read(1)
         if size != entry.nbytes or trailing:
@@ -126,16 +169,62 @@ class DiskStore(BlockStore):
 
     def _release(self, entry: Entry) -> None:
         if self._enabled:
-            Path(entry.handle).unlink(missing_ok=True)
+            _remove(entry.handle)
 
     def _io_failed(self, exc: OSError) -> None:
         if not self.root.is_dir():
             self.disable(f"directory {self.root} is gone ({exc.strerror or exc})")
 
 
+def check_disk_budget(budget_bytes: int, root: Path, names: SettingNames = FLAG_NAMES) -> None:
+    """Refuse a budget larger than the whole file system holding the tier: it could never
+    be used (a budget above the free space is fine: stores that meet a full disk are
+    skipped)."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the directory is created later, on that file system
+    total = shutil.disk_usage(existing).total
+    if budget_bytes > total:
+        raise ConfigError(f"{names.disk_bytes} {budget_bytes / GiB:g} exceeds the "
+                          f"{format_bytes(total)} file system holding {root}")
+
+
+def _entries(path: str | Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:  # gone, or not a directory: nothing of the tier's in it
+        return []
+
+
+def _is_real_dir(path: Path) -> bool:
+    """A directory, and not a link to one."""
+    return path.is_dir() and not path.is_symlink()
+
+
+def _remove(path: str | Path) -> None:
+    """Remove a file of the tier; something else under its name stays (``_scan`` counts it)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _write_replacing(path: Path, data: bytes) -> None:
+    """Write ``path`` (0600) through a temporary file renamed over it: a link at ``path``
+    is replaced, never followed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with _private_file(tmp) as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        _remove(tmp)
+        raise
+
+
 def _private_file(path: Path):
-    """``path`` opened for writing, created (or truncated) with mode 0600 whatever the umask."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    """``path`` opened for writing, created (or truncated) with mode 0600 whatever the umask;
+    a link at ``path`` is not followed (ELOOP)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)  # O_CREAT's mode is narrowed by the umask, never widened;
         # a file that existed keeps its mode unless changed here

@@ -73,11 +73,11 @@ class OffloadManager:
             self.cpu = CPUStore(config.cpu_bytes, block_nbytes,
                                 make_policy(config.policy, config.cpu_bytes // block_nbytes),
                                 pin_memory=self.copier.on_cuda, faults=faults,
-                                on_change=on_change)
+                                on_change=on_change, setting=config.names.cpu_bytes)
         if config.disk_bytes:
             self.disk = DiskStore(config.disk_dir, config.disk_bytes, block_nbytes, self.identity,
                                   make_policy(config.policy, config.disk_bytes // block_nbytes),
-                                  faults=faults, on_change=on_change)
+                                  faults=faults, on_change=on_change, names=config.names)
         self.tiers: list[BlockStore] = [t for t in (self.cpu, self.disk) if t is not None]
         self.engine = TransferEngine(self.copier, self.cpu, self.disk, faults,
                                      max(DISK_QUEUE_BYTES, block_nbytes))

@@ -16,6 +16,7 @@ class TierStats:
     not_admitted: int = 0  # stores the admission policy turned down (first sighting)
     failed_loads: int = 0  # missing file, checksum mismatch or read error
     evictions: int = 0
+    skipped_files: int = 0  # disk: entries found that are not its regular files (left alone)
     used_bytes: int = 0
     capacity_bytes: int = 0
     enabled: bool = True
