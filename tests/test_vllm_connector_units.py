@@ -11,6 +11,7 @@ from kvmem.integrations.vllm.connector_config import parse_extra_config
 from kvmem.memory.storage import SlotShape, TensorKVStorage
 from kvmem.tiers import Faults, OffloadConfig, OffloadManager
 from kvmem.tiers.blocks import key_name
+from kvmem.tiers.config import SettingNames
 from kvmem.units import GiB
 
 SHAPE = SlotShape(num_kv=2, block_size=4, num_heads=2, head_dim=8)
@@ -19,27 +20,52 @@ BLOCK_NBYTES = 2 * SHAPE.elements_per_block * 4
 
 def test_extra_config_gives_offload_settings_and_faults(tmp_path) -> None:
     config, faults = parse_extra_config({
-        "cpu_offload_gib": 0.5, "disk_offload_dir": str(tmp_path), "disk_offload_gib": "2",
+        "cpu_offload_gib": 0.5, "disk_offload_dir": str(tmp_path), "disk_offload_gib": 2,
         "offload_policy": "seen-twice", "faults": {"store_delay_s": 0.25}})
+    key = "KvmemConnector: kv_connector_extra_config[{!r}]".format
     assert config == OffloadConfig(cpu_bytes=GiB // 2, disk_dir=str(tmp_path),
-                                   disk_bytes=2 * GiB, policy="seen-twice")
+                                   disk_bytes=2 * GiB, policy="seen-twice", names=SettingNames(
+                                       key("cpu_offload_gib"), key("disk_offload_dir"),
+                                       key("disk_offload_gib")))
     assert faults.store_delay_s == 0.25
     assert parse_extra_config({"cpu_offload_gib": 1})[0].disk_bytes == 0
+    # a directory that does not exist yet is created by the tier
+    new = tmp_path / "a" / "b"
+    assert parse_extra_config({"disk_offload_dir": str(new), "disk_offload_gib": 1})[0].disk_dir
+
+
+@pytest.fixture(scope="module")
+def a_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("file") / "not-a-dir"
+    path.write_text("x")
+    return str(path)
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({}, "both are 0"),
     ({"cpu_offload_gib": -1}, "'cpu_offload_gib'] must be a non-negative number"),
     ({"cpu_offload_gib": "lots"}, "'cpu_offload_gib'] must be a number of GiB"),
+    ({"cpu_offload_gib": "4"}, "'cpu_offload_gib'] must be a number of GiB, got '4' (a string"),
+    ({"cpu_offload_gib": [4]}, "'cpu_offload_gib'] must be a number of GiB"),
     ({"cpu_offload_gib": float("nan")}, "non-negative number"),
     ({"cpu_offload_gib": True}, "must be a number of GiB"),
+    ({"cpu_offload_gib": 1e9}, "'cpu_offload_gib'] 1e+09 exceeds the"),
     ({"disk_offload_gib": 1}, "'disk_offload_gib' needs 'disk_offload_dir'"),
     ({"disk_offload_dir": "/x"}, "'disk_offload_dir' needs 'disk_offload_gib'"),
+    ({"disk_offload_dir": "FILE", "disk_offload_gib": 1}, "'disk_offload_dir'] 'FILE' is not a "
+                                                          "directory"),
+    ({"disk_offload_dir": "FILE/x", "disk_offload_gib": 1}, "cannot be created: 'FILE' is not"),
+    ({"disk_offload_dir": 7, "disk_offload_gib": 1}, "'disk_offload_dir'] must be a path"),
+    ({"disk_offload_dir": "/tmp", "disk_offload_gib": 1e30}, "'disk_offload_gib'] 1e+30 exceeds"),
     ({"cpu_offload_gib": 1, "offload_policy": "mru"}, "'offload_policy'] must be one of lru"),
     ({"cpu_offload_gib": 1, "cpu_gib": 1}, "unknown key 'cpu_gib'"),
     ({"cpu_offload_gib": 1, "faults": {"nope": 1}}, "'faults'] must be an object"),
+    ({"cpu_offload_gib": 1, "faults": {"store_delay_s": "1"}}, "['store_delay_s'] must be a float"),
+    ({"cpu_offload_gib": 1, "faults": {"disk_full": 1}}, "['disk_full'] must be a bool"),
 ])
-def test_bad_extra_config_is_one_line_error(extra, message) -> None:
+def test_bad_extra_config_is_one_line_error(extra, message, a_file) -> None:
+    extra = {k: v.replace("FILE", a_file) if isinstance(v, str) else v for k, v in extra.items()}
+    message = message.replace("FILE", a_file)
     with pytest.raises(ConfigError) as info:
         parse_extra_config(extra)
     text = str(info.value)

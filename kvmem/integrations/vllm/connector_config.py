@@ -8,18 +8,24 @@
 | ``offload_policy`` | ``lru`` (default) or ``seen-twice`` (store a block on its second offer) |
 | ``faults`` | injected faults (``kvmem.tiers.faults.Faults`` fields), for tests and drills |
 
-Every bad value is refused with one line naming the key. Imports no vLLM.
+Types are strict, as kvmem's HTTP API's are: a number of GiB is a JSON number (``"4"`` is
+refused, not read as 4), a path a string. Every bad value is refused with one line naming
+the key. Imports no vLLM.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from kvmem.errors import ConfigError
-from kvmem.tiers.config import POLICIES, OffloadConfig
+from kvmem.tiers.config import POLICIES, OffloadConfig, SettingNames
+from kvmem.tiers.cpu_store import check_host_memory
+from kvmem.tiers.disk_store import check_disk_budget
 from kvmem.tiers.faults import Faults
 from kvmem.units import GiB
 
@@ -27,45 +33,80 @@ KEYS = ("cpu_offload_gib", "disk_offload_dir", "disk_offload_gib", "offload_poli
 PREFIX = "KvmemConnector: kv_connector_extra_config"
 
 
+def setting(key: str) -> str:
+    """How messages name a key: ``KvmemConnector: kv_connector_extra_config['key']``."""
+    return f"{PREFIX}[{key!r}]"
+
+
+NAMES = SettingNames(cpu_bytes=setting("cpu_offload_gib"), disk_dir=setting("disk_offload_dir"),
+                     disk_bytes=setting("disk_offload_gib"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_TYPE_CHECKS = {  # the Faults fields' types, as strictly as the HTTP API checks them
+    "float": _is_number,
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+}
+
+
 def _gib(extra: Mapping[str, Any], key: str) -> float:
     value = extra.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{PREFIX}[{key!r}] must be a number of GiB, got {value!r}")
-    try:
-        gib = float(value)
-    except ValueError:
-        raise ConfigError(f"{PREFIX}[{key!r}] must be a number of GiB, got {value!r}") from None
-    if not math.isfinite(gib) or gib < 0:
-        raise ConfigError(f"{PREFIX}[{key!r}] must be a non-negative number of GiB, "
+    if not _is_number(value):
+        kind = " (a string: write the number without quotes)" if isinstance(value, str) else ""
+        raise ConfigError(f"{setting(key)} must be a number of GiB, got {value!r}{kind}")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{setting(key)} must be a non-negative number of GiB, "
                           f"got {value!r}")
-    return gib
+    return float(value)
 
 
 def _faults(value: Any) -> Faults:
-    names = {f.name for f in fields(Faults) if not f.name.startswith("_")}
-    if not isinstance(value, Mapping) or not set(value) <= names:
-        raise ConfigError(f"{PREFIX}['faults'] must be an object with keys among "
-                          f"{', '.join(sorted(names))}, got {value!r}")
-    try:
-        return Faults(**dict(value))
-    except TypeError as exc:
-        raise ConfigError(f"{PREFIX}['faults']: {exc}") from None
+    types = {f.name: f.type for f in fields(Faults) if not f.name.startswith("_")}
+    if not isinstance(value, Mapping) or not set(value) <= set(types):
+        raise ConfigError(f"{setting('faults')} must be an object with keys among "
+                          f"{', '.join(sorted(types))}, got {value!r}")
+    for name, given in value.items():
+        if not _TYPE_CHECKS[types[name]](given):
+            raise ConfigError(f"{setting('faults')}[{name!r}] must be a {types[name]}, "
+                              f"got {given!r}")
+    return Faults(**dict(value))
+
+
+def _check_dir(path: str) -> None:
+    """``path`` is a directory this process may write in, or one it may create."""
+    key = setting("disk_offload_dir")
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{key} {path!r} is not a directory")
+    while not target.exists():  # it will be created: its nearest existing parent decides
+        target = target.parent
+    if not target.is_dir():
+        raise ConfigError(f"{key} {path!r} cannot be created: {str(target)!r} is not a "
+                          "directory")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} {path!r}: {str(target)!r} is not writable by this process")
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[OffloadConfig, Faults]:
     """The offload settings and injected faults of a ``kv_connector_extra_config``."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError(f"{PREFIX} must be an object, got {extra!r}")
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(KEYS))
+    unknown = sorted(set(extra) - set(KEYS), key=str)
     if unknown:
         raise ConfigError(f"{PREFIX}: unknown key {unknown[0]!r}; known keys: {', '.join(KEYS)}")
     cpu = _gib(extra, "cpu_offload_gib")
     disk = _gib(extra, "disk_offload_gib")
     disk_dir = extra.get("disk_offload_dir") or None
     if disk_dir is not None and not isinstance(disk_dir, str):
-        raise ConfigError(f"{PREFIX}['disk_offload_dir'] must be a path, got {disk_dir!r}")
+        raise ConfigError(f"{setting('disk_offload_dir')} must be a path, got {disk_dir!r}")
     policy = extra.get("offload_policy", "lru")
-    if policy not in POLICIES:
-        raise ConfigError(f"{PREFIX}['offload_policy'] must be one of {', '.join(POLICIES)}, "
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ConfigError(f"{setting('offload_policy')} must be one of {', '.join(POLICIES)}, "
                           f"got {policy!r}")
     if disk and not disk_dir:
         raise ConfigError(f"{PREFIX}: 'disk_offload_gib' needs 'disk_offload_dir'")
@@ -74,6 +115,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[OffloadConfig, 
     if not cpu and not disk:
         raise ConfigError(f"{PREFIX}: set 'cpu_offload_gib' and/or 'disk_offload_gib' "
                           "(with 'disk_offload_dir'); both are 0")
+    if disk_dir:
+        _check_dir(disk_dir)
+        check_disk_budget(int(disk * GiB), Path(disk_dir), NAMES)
+    check_host_memory(int(cpu * GiB), setting("cpu_offload_gib"))
     config = OffloadConfig(cpu_bytes=int(cpu * GiB), disk_dir=disk_dir,
-                           disk_bytes=int(disk * GiB), policy=policy)
+                           disk_bytes=int(disk * GiB), policy=policy, names=NAMES)
     return config, _faults(extra.get("faults", {}))

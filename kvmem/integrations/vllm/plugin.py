@@ -14,6 +14,10 @@ once in every process it starts. Inert unless ``KVMEM_VLLM_KV_BUDGET`` names a b
   on as it came. vLLM then sizes blocks as it always does;
 - the worker's ``initialize_from_config``: each rank logs one line with the KV bytes,
   blocks and tokens it allocated.
+
+Whatever the variable says, ``register`` has ``KvmemConnector``'s settings checked where
+vLLM builds its config (``config_check``; nothing for other connectors). A bad policy name
+or connector setting ends vLLM with one line (``SystemExit``) before anything starts.
 """
 
 from __future__ import annotations
@@ -53,7 +57,21 @@ def policy_from_env() -> str | None:
 
 
 def register() -> None:
-    """vLLM's entry point; safe to call any number of times in any vLLM process."""
+    """vLLM's entry point; safe to call any number of times in any vLLM process. It has
+    ``KvmemConnector``'s settings checked as soon as vLLM builds its config
+    (``config_check``); the rest is inert unless ``KVMEM_VLLM_KV_MEMORY`` or
+    ``KVMEM_VLLM_KV_BUDGET`` is set. A bad setting ends vLLM with its one line (no
+    traceback), before anything starts."""
+    from kvmem.integrations.vllm import config_check
+
+    config_check.install()
+    try:
+        _register()
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _register() -> None:
     from kvmem.integrations.vllm.elastic_plugin import register_elastic
 
     register_elastic()  # KVMEM_VLLM_KV_MEMORY
