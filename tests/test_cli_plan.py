@@ -1,6 +1,7 @@
 """The ``kvmem plan`` command: output formats, engine flags, plots and one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -199,7 +200,12 @@ def test_check_fails_with_the_per_rank_message(capsys):
     (["plan", "qwen3-32b", "--gpu", "H100", "--max-num-seqs", "0"], "max_num_seqs"),
     (["plan", "qwen3-32b"], "give each rank's GPU"),
     (["plan", "qwen3-32b", "--gpu", "H100", "--cpu-offload-gib", "-1"], "negative"),
-    (["plan", "qwen3-32b", "--gpu", "H100", "--tp", "x"], "invalid int"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--tp", "x"], "--tp.*not an integer: 'x'"),
+    (["plan", "smollm2-135m", "--tp", "0"], "--tp.*must be at least 1, got 0"),
+    (["plan", "smollm2-135m", "--tp", "-2"], "--tp.*must be at least 1, got -2"),
+    (["plan", "smollm2-135m", "--pp", "0"], "--pp.*must be at least 1, got 0"),
+    (["plan", "smollm2-135m", "--pp", "-1"], "--pp.*must be at least 1, got -1"),
+    (["plan", "smollm2-135m", "--profile", "/dev/zero"], "profile /dev/zero: not a regular file"),
     (["plan", "qwen3-32b", "--gpu-memory", "inf"], "not a usable size"),
     (["plan", "qwen3-32b", "--gpu-memory", "1e400"], "not a usable size"),
     (["plan", "qwen3-32b", "--gpu-memory", "80,nan"], "positive number of GiB"),
@@ -288,6 +294,30 @@ def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
         assert main(["plan", str(path), "--kv-cache-memory-bytes", "1GiB"]) == 2
         err = capsys.readouterr().err.strip()
         assert match in err and "\n" not in err, err
+
+
+def test_smollm2_is_the_model_serve_embeds(capsys):
+    """`kvmem serve` accepts `smollm2` for its embedded model; so does `kvmem plan`."""
+    argv = ["plan", "--kv-cache-memory-bytes", "1GiB"]
+    assert _json(capsys, argv + ["smollm2"]) == _json(capsys, argv + ["smollm2-135m-instruct"])
+
+
+def test_what_is_read_from_a_named_file_is_bounded(tmp_path, capsys):
+    """`--profile /dev/zero` used to read until memory ran out. A named file that is not a
+    regular file, or is larger than any real one, is a one-line error before it is read."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").symlink_to("/dev/zero")
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a GiB that takes no disk
+    for argv, match in ((["plan", str(model)], "config.json: not a regular file"),
+                        (["plan", str(huge)], "huge.json: larger than 64.00 MiB"),
+                        (["plan", "smollm2-135m", "--profile", str(huge)],
+                         "profile .*huge.json: larger than 64.00 MiB")):
+        assert main([*argv, "--kv-cache-memory-bytes", "1GiB"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and re.search(match, err), err
 
 
 def test_plot_to_an_unwritable_path_is_a_clean_error(tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 
 from kvmem.cli import main
 from kvmem.errors import ConfigError
-from kvmem.memory.ledger import Ledger, UnknownEngineError
+from kvmem.memory.ledger import Ledger, LedgerError, UnknownEngineError
 
 ENGINE = textwrap.dedent("""
     import sys, torch
@@ -136,7 +136,7 @@ def test_two_engines_share_one_budget(tmp_path):
 
 
 def test_top_and_limit_commands(tmp_path, capsys):
-    ledger = Ledger.for_device("cuda:0", tmp_path)
+    ledger = Ledger.for_device("cuda:0", tmp_path)  # an engine on cuda:0 made it
     budget = ledger.register("llama", limit_bytes=4 << 30)
     budget.try_acquire(3 << 30)
     budget.report(1 << 30)
@@ -160,6 +160,61 @@ def test_top_and_limit_commands(tmp_path, capsys):
     assert err.startswith("kvmem: error:") and "mistral" in err and err.count("\n") == 1
     assert main(["limit", "llama", "lots", "--ledger-dir", str(tmp_path)]) == 2
     assert "cannot read 'lots'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("cuda:99", "--device cuda:99: this machine has 0 CUDA devices"),
+    ("tpu", "--device must be cpu or cuda:N (as kvmem top shows it), got 'tpu'"),
+    ("../../etc", "--device must be cpu or cuda:N (as kvmem top shows it), got '../../etc'"),
+    ("cuda:x", "--device must be cpu or cuda:N (as kvmem top shows it), got 'cuda:x'"),
+])
+def test_limit_refuses_a_device_this_machine_does_not_have(tmp_path, capsys, monkeypatch,
+                                                           device, message):
+    """`kvmem limit --total` used to write a ledger for any device name; a path-like one
+    must never lead out of the ledger folder either."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    ledgers = tmp_path / "ledgers"
+    ledgers.mkdir()
+    for args in (["--total", "1GiB", "--device", device], ["llama", "1GiB", "--device", device]):
+        assert main(["limit", *args, "--ledger-dir", str(ledgers)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"kvmem: error: {message}\n"
+    assert list(tmp_path.rglob("*.json")) == []
+    assert main(["limit", "--total", "1GiB", "--device", "cpu", "--ledger-dir",
+                 str(ledgers)]) == 0
+    assert [p.name for p in tmp_path.rglob("*.json")] == ["kvmem-ledger-cpu.json"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a machine with one GPU
+    assert main(["limit", "--total", "1GiB", "--device", "cuda", "--ledger-dir",
+                 str(ledgers)]) == 0
+    assert Ledger.for_device("cuda:0", ledgers).total_limit() == 1 << 30
+
+
+def test_a_ledger_name_never_leaves_the_ledger_folder(tmp_path):
+    for device in ("../../etc", "cuda:0/../../x", "ｃｐｕ／..", "a\x00b"):
+        assert Ledger.for_device(device, tmp_path).path.parent == tmp_path
+
+
+def test_top_refuses_watch_intervals_it_cannot_sleep(capsys):
+    for value in ("1e400", "-1", "nan", "0", "inf", "x"):
+        with pytest.raises(SystemExit) as done:
+            main(["top", "--watch", value])
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvmem: error: argument --watch:") and err.count("\n") == 1
+
+
+def test_a_ledger_that_is_not_a_regular_file_or_too_large_is_refused(tmp_path):
+    os.symlink("/dev/zero", tmp_path / "kvmem-ledger-cpu.json")
+    with pytest.raises(LedgerError, match="not a regular file"):
+        Ledger.for_device("cpu", tmp_path).entries()
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "kvmem-ledger-cpu.json", "wb") as f:
+        f.truncate(1 << 30)  # sparse: no disk used
+    with pytest.raises(LedgerError, match="larger than a KV memory ledger"):
+        Ledger.for_device("cpu", big).total_limit()
 
 
 @pytest.mark.parametrize("lose", ["delete", "reset"])

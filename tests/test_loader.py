@@ -99,6 +99,24 @@ def test_incomplete_checkpoint_dirs_are_clear_errors(tmp_path, remove, message):
         resolve_model(str(path))
 
 
+def test_what_is_read_from_a_model_directory_is_bounded(tmp_path):
+    """A model directory's JSON files are read with a bound: a huge config.json or a
+    tokenizer_config.json that is a device is a one-line error, not a read without end."""
+    from kvmem.engine.tokenizer import Tokenizer
+
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    (path / "config.json").rename(path / "config.json.orig")
+    with open(path / "config.json", "wb") as f:
+        f.truncate(1 << 30)  # sparse
+    with pytest.raises(KvmemError, match="config.json: larger than 64.00 MiB"):
+        resolve_model(str(path))
+    (path / "config.json.orig").replace(path / "config.json")
+    (path / "tokenizer_config.json").unlink()
+    (path / "tokenizer_config.json").symlink_to("/dev/zero")
+    with pytest.raises(KvmemError, match="tokenizer_config.json: not a regular file"):
+        Tokenizer.from_dir(path)
+
+
 def test_bad_sources_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(KvmemError, match="not found"):
         resolve_model(str(tmp_path / "nowhere"))

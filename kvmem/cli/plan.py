@@ -28,15 +28,25 @@ MODEL is a catalog name (see `kvmem models`), a config.json, or a model director
 """
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = _EPILOG
     p.add_argument("model", metavar="MODEL", help="catalog name, config.json or model directory")
     g = p.add_argument_group("layout")
-    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive_int, default=1,
                    metavar="N", help="tensor-parallel size (default 1)")
-    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
-                   metavar="N", help="pipeline-parallel size (default 1)")
+    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=_positive_int,
+                   default=1, metavar="N", help="pipeline-parallel size (default 1)")
     g.add_argument("--layer-partition", metavar="N,N,...",
                    help="layers per pipeline stage, e.g. 56,8 (default: even split as vLLM)")
     g.add_argument("--gpu", action="append", metavar="NAME",

@@ -6,11 +6,25 @@ import argparse
 import json
 import time
 
+MAX_WATCH_S = 86400.0  # a day
+
+
+def _interval(text: str) -> float:
+    """``--watch``'s SECONDS: a number from 0.1 to a day (not inf, nan or negative)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.1 <= seconds <= MAX_WATCH_S:  # nan fails too
+        raise argparse.ArgumentTypeError(f"SECONDS must be from 0.1 to {MAX_WATCH_S:g}, "
+                                         f"got {text!r}")
+    return seconds
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--watch", type=float, metavar="SECONDS", default=None,
-                   help="refresh every SECONDS until interrupted")
+    p.add_argument("--watch", type=_interval, metavar="SECONDS", default=None,
+                   help=f"refresh every SECONDS (0.1 to {MAX_WATCH_S:g}) until interrupted")
     p.add_argument("--ledger-dir", default=None,
                    help="where the ledgers live (default $KVMEM_LEDGER_DIR or /dev/shm)")
 
@@ -64,5 +78,5 @@ def run(args: argparse.Namespace) -> int:
 
     with Live(_table(_rows(args.ledger_dir)), console=console) as live:
         while True:
-            time.sleep(max(0.1, args.watch))
+            time.sleep(args.watch)
             live.update(_table(_rows(args.ledger_dir)))

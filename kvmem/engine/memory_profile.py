@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmem.errors import ConfigError
+from kvmem.files import read_bounded
 from kvmem.units import GiB, MiB
 
 PROFILE_HEADROOM_BYTES = 150 * MiB
@@ -191,11 +192,12 @@ class MemoryProfile:
 
 
 def _read_json(path: str | Path) -> Any:
+    if not Path(path).exists():
+        raise ConfigError(f"profile {path}: no such file")
+    raw = read_bounded(path, "profile")
     try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"profile {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"profile {path}: cannot read it as JSON ({e})") from None
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.errors import KvmemError
+from kvmem.files import check_regular, read_bounded
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -38,8 +39,8 @@ def check_unicode(text: str, param: str | None = "prompt") -> None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_bytes()) if path.is_file() else {}
-    except (OSError, ValueError):  # not JSON, or not UTF-8
+        return json.loads(read_bounded(path, "tokenizer file")) if path.exists() else {}
+    except ValueError:  # not JSON, or not UTF-8
         return {}
 
 
@@ -63,6 +64,7 @@ class Tokenizer:
                  extra_eos_ids: set[int] | None = None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
+        check_regular(tokenizer_json, "tokenizer")
         self._tok = HFTokenizer.from_file(str(tokenizer_json))
         cfg = tokenizer_config or {}
         self.bos_token = _token_content(cfg.get("bos_token"))

@@ -17,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from pathlib import Path
 from kvmem.errors import ConfigError, KvmemError
 
 log = logging.getLogger("kvmem.memory")
+LEDGER_LIMIT = 1 << 20  # bytes; an engine's entry is about 200
 
 
 class UnknownEngineError(KvmemError):
@@ -57,7 +59,9 @@ def ledger_dir() -> Path:
 
 
 def _device_key(device: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in str(device))
+    """A file-name part with ASCII letters, digits and dashes only: a device name never
+    leads out of the ledger directory."""
+    return "".join(c if c.isascii() and c.isalnum() else "-" for c in str(device))
 
 
 def _alive(pid: int) -> bool:
@@ -98,10 +102,13 @@ class Ledger:
                               f"({e.strerror or e}); set KVMEM_LEDGER_DIR to a writable "
                               "directory") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise LedgerError(f"the KV memory ledger {self.path} is not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
-            raw = b""
-            while chunk := os.read(fd, 1 << 16):
-                raw += chunk
+            raw = os.read(fd, LEDGER_LIMIT + 1)
+            if len(raw) > LEDGER_LIMIT:  # far more engines than a machine runs
+                raise LedgerError(f"{self.path} is larger than a KV memory ledger can be "
+                                  f"({LEDGER_LIMIT} bytes); not touching it")
             try:
                 table = json.loads(raw) if raw else {}
             except json.JSONDecodeError:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmem.errors import ConfigError
+from kvmem.files import read_bounded
 from kvmem.spec.dtypes import canonical_dtype
 from kvmem.spec.layout import MLA, AttentionKind, LayerKV, ModelSpec, MoE
 
@@ -257,8 +258,9 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
+    raw = read_bounded(path, "config")
     try:
-        return json.loads(path.read_bytes())  # JSON is UTF-8 whatever the locale says
+        return json.loads(raw)  # JSON is UTF-8 whatever the locale says
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except UnicodeDecodeError as e:

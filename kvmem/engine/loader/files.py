@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmem.errors import KvmemError
+from kvmem.files import read_bounded
 
 if TYPE_CHECKING:
     import torch
@@ -52,13 +53,13 @@ def open_checkpoint_dir(path: Path, name: str | None = None) -> ModelFiles:
     if not config_path.is_file():
         raise ModelLoadError(f"{path}: no config.json in the model directory")
     try:
-        config = json.loads(config_path.read_bytes())
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        config = json.loads(read_bounded(config_path, "model config"))
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ModelLoadError(f"{config_path}: cannot read ({e})") from None
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_bytes())["weight_map"]
+            weight_map = json.loads(read_bounded(index, "safetensors index"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index}: not a safetensors index ({e})") from None
         files = [path / name for name in sorted(set(weight_map.values()))]
