@@ -39,10 +39,14 @@ RANK = textwrap.dedent("""
                                world_size=world_size, timeout=20)
     coord.startup(storage)
     # One engine step: rank 0 allocates; every rank writes the same block on its own shard.
+    # Rank 0's pre-mapping thread keeps mapping spare pages in the background; an engine
+    # sends those with its next step, so to compare the maps after one step, rank 0 lets
+    # it finish before it drains the step's decisions.
     if rank == 0:
         queue = storage.free_queue()
         blocks = queue.pop_n(40)
         storage.on_blocks_allocated(blocks)
+        storage.settle()
         coord.publish(1, storage.drain_ops())
         dist.broadcast_object_list([blocks], src=0)
     else:
