@@ -219,13 +219,45 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(model_dir):
     assert code == 0
 
 
+def trickle(port: int, wait_s: float) -> bytes:
+    """Send a request whose body never arrives whole (one byte of 100); what the server
+    answers within ``wait_s``."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        answer = b""
+        try:
+            while chunk := s.recv(4096):
+                answer += chunk
+        except TimeoutError:
+            pass
+    return answer
+
+
 def test_sigterm_ends_every_open_stream_with_an_error_event_and_done(model_dir):
     """Streams still running after the graceful-shutdown time get a final OpenAI-style
-    error event and ``data: [DONE]``; the process exits 0 with no traceback in its log."""
+    error event and ``data: [DONE]``; the process exits 0 with no traceback in its log.
+    Before that, on the same server: bodies that trickle in are answered 408 once their time
+    limit passes (they used to stay open indefinitely), and the server serves on."""
     server = ServeProcess(model_dir, "--served-model-name", MODEL, "--max-model-len", "8192",
-                          "--kv-cache-memory-bytes", "8MiB", "--max-request-bytes", "4KiB")
+                          "--kv-cache-memory-bytes", "8MiB", "--max-request-bytes", "4KiB",
+                          "--request-body-timeout", "1")
     error_of(httpx.post(f"{server.base}/v1/completions",  # the flag reaches the app
                         json={"model": MODEL, "prompt": "x" * 5000}), 413)
+    answers: list[bytes] = []
+    slow = [threading.Thread(target=lambda: answers.append(trickle(server.port, 10)))
+            for _ in range(20)]
+    start = time.monotonic()
+    for t in slow:
+        t.start()
+    for t in slow:
+        t.join(30)
+    assert time.monotonic() - start < 10  # each is answered, none waited out
+    assert len(answers) == 20 and all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers
+    assert b'"code":"request_timeout"' in answers[0]
+    assert httpx.get(f"{server.base}/health").status_code == 200
     bodies = [("completions", {"prompt": "go"}), ("completions", {"prompt": "again"}),
               ("chat/completions", {"messages": [{"role": "user", "content": "go"}]})]
     events: dict[int, list[str]] = {}

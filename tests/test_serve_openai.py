@@ -178,7 +178,12 @@ def test_penalties_min_p_and_logit_bias(client, http):
                             extra_body={"min_p": 1.0})
     assert sampled == plain
     assert generated_ids(client, prompt, temperature=1.0, seed=1) != plain
+    # keys are token ids in decimal digits; int() would also read these three as 12, 10, 12
     for extra, param in (({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"logit_bias": {" 12": 1}}, "logit_bias"),
+                         ({"logit_bias": {"1_0": 1}}, "logit_bias"),
+                         ({"logit_bias": {"\uff11\uff12": 1}}, "logit_bias"),
+                         ({"logit_bias": {"-1": 1}}, "logit_bias"),
                          ({"logit_bias": {"100000": 1}}, "logit_bias"),
                          ({"presence_penalty": 3}, "presence_penalty"),
                          ({"min_p": 2}, "min_p"),
@@ -211,6 +216,11 @@ def test_tokenize_detokenize_and_version(http, model_dir):
     response = http.post("/detokenize", json={"tokens": [10**6]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tokens.0"
     assert http.post("/tokenize", json={"model": MODEL}).status_code == 400
+    # both: refused rather than silently tokenizing the messages
+    response = http.post("/tokenize", json={"prompt": "hi", "messages": messages})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "not both" in error["message"]
 
 
 def scrape(http) -> dict[str, float]:

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve /metrics without the API key")
     g.add_argument("--max-request-bytes", default="16MiB", metavar="SIZE",
                    help="refuse request bodies larger than this with 413 (default: 16MiB)")
+    g.add_argument("--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="answer 408 to a request whose body has not arrived whole within "
+                        "this many seconds (default: 60)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
 
@@ -81,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise KvmemError(f"--port must be in 0..65535, got {args.port}")
     max_request_bytes = parse_size(args.max_request_bytes, "--max-request-bytes")
+    if not 0 < args.request_body_timeout <= 86400:  # nan and inf fail too
+        raise KvmemError(f"--request-body-timeout must be from 0 to 86400 seconds, got "
+                         f"{args.request_body_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_config = EngineConfig.from_args(args)
     parallel = None
@@ -94,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config, parallel=parallel)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, api_key=args.api_key, max_request_bytes=max_request_bytes,
+                     request_body_timeout_s=args.request_body_timeout,
                      public_metrics=args.public_metrics)
     config = uvicorn.Config(app, log_level=args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + _CANCEL_MARGIN_S)

@@ -36,6 +36,7 @@ from kvmem.errors import KvmemError
 from kvmem.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from kvmem.serve.metrics import make_registry
 from kvmem.serve.middleware import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BYTES,
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -74,11 +75,13 @@ class _HTTPError(Exception):
 def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
                model_name: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               request_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                public_metrics: bool = False) -> FastAPI:
     """An app serving ``engine``; the engine thread starts and stops with the app.
 
     With ``api_key``, every route but /health (and /metrics if ``public_metrics``)
-    requires it. Bodies over ``max_request_bytes`` are refused with 413."""
+    requires it. Bodies over ``max_request_bytes`` are refused with 413, bodies that have
+    not arrived within ``request_body_timeout_s`` with 408."""
     name = model_name or engine.engine.model_name
     tokenizer = engine.engine.tokenizer
     registry = make_registry(lambda: engine.snapshot, name)
@@ -109,7 +112,8 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
     app.openapi = openapi
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes,
+                       timeout_s=request_body_timeout_s)
     if api_key is not None:  # added last, so it runs first: before the body is read
         open_paths = {"/health", "/metrics"} if public_metrics else {"/health"}
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)

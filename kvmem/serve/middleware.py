@@ -1,12 +1,15 @@
 """ASGI middleware that answers before the app reads a request: the API key and the body limit.
 
 Both run ahead of routing and body parsing, so an unauthenticated request gets 401 whatever
-its body holds, and an oversized body gets 413 without being parsed or tokenized. They are
-plain ASGI callables (not BaseHTTPMiddleware), so streamed responses pass straight through.
+its body holds, and an oversized body gets 413 without being parsed or tokenized; a body
+that has not arrived whole within its time limit gets 408 (a client trickling bytes cannot
+hold a connection open for ever). They are plain ASGI callables (not BaseHTTPMiddleware),
+so streamed responses pass straight through.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -16,6 +19,8 @@ from kvmem.serve.protocol import error_response
 # The body limit unless the server is told otherwise: room for a 1M-token prompt as JSON
 # (token ids, or text with every character \u-escaped), far below what would hurt the server.
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# How long a request's body may take to arrive: 16 MiB at about 2 Mbit/s.
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -48,16 +53,19 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Reads a request's body up to ``max_bytes`` and answers 413 beyond that.
+    """Reads a request's body up to ``max_bytes`` and answers 413 beyond that, or 408 when
+    it has not all arrived ``timeout_s`` after the request began.
 
     A declared Content-Length over the limit is refused before any byte is read; a
     chunked body is counted as it arrives. A body within the limit is handed to the app
     as one message, and later ``receive`` calls (disconnect polling) go to the server.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,8 +76,14 @@ class BodyLimitMiddleware:
             await self._too_large(scope, receive, send)
             return
         chunks, size, more = [], 0, True
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(
+                    receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                await self._too_slow(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return  # nobody to answer
             chunk = message.get("body", b"")
@@ -89,6 +103,13 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, replay, send)
+
+    async def _too_slow(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            f"the request body did not arrive within {self.timeout_s:g} s",
+            408, code="request_timeout")
+        response.headers["Connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(

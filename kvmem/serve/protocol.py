@@ -85,11 +85,11 @@ class _SamplingFields(BaseModel):
     def _token_bias(self) -> dict[int, float]:
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
-                                          param="logit_bias") from None
+            # decimal digits only: int() also reads " 12", "1_0" and full-width digits
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError(f"logit_bias keys must be token ids in decimal "
+                                          f"digits, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
         return bias
 
     @property

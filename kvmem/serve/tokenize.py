@@ -1,7 +1,8 @@
 """/tokenize, /detokenize and /version with vLLM's request and response shapes.
 
 ``POST /tokenize`` takes a completions-style ``prompt`` (special tokens added by default)
-or chat ``messages`` (rendered with the chat template, which adds them); ``POST
+or chat ``messages`` (rendered with the chat template, which adds them), exactly one of
+them (both is a 400, not a silent choice); ``POST
 /detokenize`` turns token ids back into text, special tokens included, so that a client
 (``vllm bench serve`` among them) can cut prompts to an exact token count.
 """
@@ -16,25 +17,21 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 import kvmem
+from kvmem.engine.errors import InvalidRequestError
 from kvmem.serve.protocol import ChatMessage
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeRequest(BaseModel):
+    """vLLM's two /tokenize bodies in one: a ``prompt``, or chat ``messages``."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = False  # the chat template adds them
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True  # messages only
+    # default: true for a prompt; false for messages (the chat template adds them)
+    add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
 
@@ -64,18 +61,23 @@ def tokenize_router(tokenizer, *, max_model_len: int, vocab_size: int,
         model: str | None = None
         tokens: list[Annotated[int, Field(strict=True, ge=0, lt=vocab_size)]]
 
-    def tokenize_ids(body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
-        if isinstance(body, TokenizeChatRequest):
+    def tokenize_ids(body: TokenizeRequest) -> list[int]:
+        if body.messages is not None:
             text = tokenizer.apply_chat_template(
                 [m.as_template_message() for m in body.messages],
                 add_generation_prompt=body.add_generation_prompt)
         else:
             text = body.prompt
-        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        special = body.add_special_tokens
+        return tokenizer.encode(text, add_special_tokens=body.messages is None
+                                if special is None else special)
 
     @router.post("/tokenize", response_model=TokenizeResponse)
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest
-                       ) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give either prompt or messages" +
+                                      (", not both" if body.prompt is not None else ""),
+                                      param="messages" if body.prompt is not None else "prompt")
         if body.model is not None:
             check_model(body.model)
         ids = await asyncio.to_thread(tokenize_ids, body)  # long texts take a while
