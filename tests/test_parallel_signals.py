@@ -14,7 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
-from serve_process import free_port
+from serve_process import LISTENING
 from tiny_models import make_tiny_checkpoint
 
 TINY = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -29,8 +29,7 @@ class GroupServer:
     """``kvmem serve -tp 2`` as the leader of its own process group (a new session)."""
 
     def __init__(self, model_dir, start_s: float = 120) -> None:
-        port = free_port()
-        cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", str(port),
+        cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", "0",
                "--max-model-len", "128", "--kv-cache-memory-bytes", "1MiB", "-tp", "2",
                "--log-level", "info"]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -39,14 +38,21 @@ class GroupServer:
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + start_s
+        while time.monotonic() < deadline and self.proc.poll() is None and not self._base():
+            time.sleep(0.05)
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self._base()}/health", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 time.sleep(0.2)
         self.kill()
         raise AssertionError("no /health 200:\n" + "".join(self.lines))
+
+    def _base(self) -> str | None:
+        """The URL the server printed once it bound its port (``--port 0``)."""
+        line = next((x for x in list(self.lines) if x.startswith(LISTENING)), None)
+        return line.removeprefix(LISTENING).strip() if line else None
 
     def _read(self) -> None:
         for line in self.proc.stdout:

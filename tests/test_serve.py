@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,22 +18,24 @@ from tiny_models import make_tiny_checkpoint
 
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LISTENING = b"kvmem: listening on "
 
 
 def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", str(port),
+    """``kvmem serve`` on a port it binds itself (``--port 0``): a port picked here and
+    bound later by the server could be taken meanwhile by another process, whose server
+    the test would then talk to."""
+    cmd = [sys.executable, "-m", "kvmem", "serve", str(model_dir), "--port", "0",
            "--served-model-name", MODEL, "--max-model-len", "128",
            "--kv-cache-memory-bytes", "4MiB", "--log-level", "warning", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    early = []
+    while (line := proc.stdout.readline()) and not line.startswith(LISTENING):
+        early.append(line)  # warnings before the server binds its port
+    if not line:
+        raise RuntimeError(f"server exited early: {b''.join(early).decode()}")
+    base = line.decode().removeprefix(LISTENING.decode()).strip()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (0: one the system picks, printed as "
+                        "'kvmem: listening on URL')")
     g.add_argument("--api-key", default=os.environ.get("KVMEM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $KVMEM_API_KEY)")
@@ -97,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         if parallel is not None and parallel.rank != 0:
             return run_launched_worker(engine_config, parallel)  # rank 0 serves HTTP
     sock = _listen(args.host, args.port)  # fail before loading the model if the port is taken
+    host, port = sock.getsockname()[:2]
+    if args.port == 0:  # picked by the system: say which, whatever the log level
+        print(f"kvmem: listening on http://{host}:{port}", flush=True)
     engine = LLMEngine(engine_config, parallel=parallel)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, api_key=args.api_key, max_request_bytes=max_request_bytes,
@@ -104,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
                      public_metrics=args.public_metrics)
     config = uvicorn.Config(app, log_level=args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + _CANCEL_MARGIN_S)
-    host, port = sock.getsockname()[:2]
     logging.getLogger("kvmem.serve").info("serving %s on http://%s:%d", engine.model_name,
                                           host, port)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal to
