@@ -105,15 +105,18 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_slow(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(
-            f"the request body did not arrive within {self.timeout_s:g} s",
-            408, code="request_timeout")
-        response.headers["Connection"] = "close"  # the rest of the body is not read
-        await response(scope, receive, send)
+        await _refuse(scope, receive, send, 408, "request_timeout",
+                      f"the request body did not arrive within {self.timeout_s:g} s")
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(
-            f"the request body is larger than this server's limit of {self.max_bytes} bytes",
-            413, code="request_too_large")
-        response.headers["Connection"] = "close"  # the rest of the body is not read
-        await response(scope, receive, send)
+        await _refuse(scope, receive, send, 413, "request_too_large",
+                      f"the request body is larger than this server's limit of "
+                      f"{self.max_bytes} bytes")
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, code: str,
+                  message: str) -> None:
+    """Answer with an error and close the connection: the rest of the body is not read."""
+    response = error_response(message, status, code=code)
+    response.headers["Connection"] = "close"
+    await response(scope, receive, send)
