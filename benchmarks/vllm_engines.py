@@ -3,6 +3,8 @@ embedded model in fp32 (eager, 2,048-token context), with or without ``KvmemConn
 
 from __future__ import annotations
 
+from kvmem.integrations.vllm import kv_transfer_config
+
 
 def engine_kwargs(model: str, extra: dict | None, kv_cache_memory_bytes: int, *,
                   max_num_batched_tokens: int = 0) -> dict:
@@ -14,8 +16,5 @@ def engine_kwargs(model: str, extra: dict | None, kv_cache_memory_bytes: int, *,
         kwargs.update(max_num_batched_tokens=max_num_batched_tokens,
                       enable_chunked_prefill=True)
     if extra is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvmemConnector", "kv_connector_module_path": "kvmem.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
+        kwargs["kv_transfer_config"] = kv_transfer_config(**extra)
     return kwargs

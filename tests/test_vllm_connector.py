@@ -44,11 +44,8 @@ if __name__ == "__main__":
         "disk": {"disk_offload_dir": disk_dir, "disk_offload_gib": 0.5},
     }[mode]
     if extra is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvmemConnector",
-            "kv_connector_module_path": "kvmem.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
+        from kvmem.integrations.vllm import kv_transfer_config
+        kwargs["kv_transfer_config"] = kv_transfer_config(**extra)
     llm = LLM(**kwargs)
     rng = random.Random(1)  # four prompts whose greedy answers all differ
     prompts = {name: [rng.randrange(10, 49000) for _ in range(2000)] for name in "ABCD"}

@@ -53,11 +53,8 @@ if __name__ == "__main__":
         "disk": {"disk_offload_dir": disk_dir, "disk_offload_gib": 0.25},
     }[mode]
     if extra is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvmemConnector",
-            "kv_connector_module_path": "kvmem.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
+        from kvmem.integrations.vllm import kv_transfer_config
+        kwargs["kv_transfer_config"] = kv_transfer_config(**extra)
     llm = LLM(**kwargs)
     checks = {"allocations": 0, "handed_out_while_held": 0, "unref_held": 0,
               "most_held_while_waiting": 0}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvmem.errors import ConfigError
+from kvmem.integrations.vllm import kv_transfer_config
 from kvmem.integrations.vllm.connector_config import parse_extra_config
 from kvmem.memory.storage import SlotShape, TensorKVStorage
 from kvmem.tiers import Faults, OffloadConfig, OffloadManager
@@ -71,6 +72,17 @@ def test_bad_extra_config_is_one_line_error(extra, message, a_file) -> None:
     text = str(info.value)
     assert message in text and "\n" not in text
     assert text.startswith("KvmemConnector: kv_connector_extra_config")
+
+
+def test_kv_transfer_config_turns_the_connector_on_with_its_settings(tmp_path) -> None:
+    config = kv_transfer_config(cpu_offload_gib=0.5, disk_offload_dir=str(tmp_path),
+                                disk_offload_gib=2)
+    assert config["kv_connector"] == "KvmemConnector"
+    assert config["kv_connector_module_path"] == "kvmem.integrations.vllm"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert parse_extra_config(config["kv_connector_extra_config"])[0].disk_bytes == 2 * GiB
+    with pytest.raises(ConfigError, match="unknown key 'cpu_gib'; known keys: cpu_offload_gib"):
+        kv_transfer_config(cpu_gib=1)
 
 
 class Holder:

@@ -32,6 +32,8 @@ import pytest
 import vllm_cpu
 from tiny_models import make_tiny_checkpoint
 
+from kvmem.integrations.vllm import kv_transfer_config
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 GIB = 1 << 30
@@ -340,11 +342,7 @@ def two_engines(model, tmp_path_factory):
         # no prefix caching: every pass computes its prompts the same way
         engine = {**ENGINE, "enable_prefix_caching": False}
         if role == "b":  # with kvmem's CPU tier as well: MultiConnector, elastic first
-            engine["kv_transfer_config"] = {
-                "kv_connector": "KvmemConnector",
-                "kv_connector_module_path": "kvmem.integrations.vllm",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"cpu_offload_gib": 0.25}}
+            engine["kv_transfer_config"] = kv_transfer_config(cpu_offload_gib=0.25)
         cfg = {"model": str(model), "engine": engine, "prompts": shared, "role": role,
                "other": other, "sync": str(sync), "total": str(TOTAL), "lowered": str(LOWERED)}
         env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),

@@ -35,6 +35,7 @@ import vllm_cpu
 from tiny_models import make_tiny_checkpoint
 
 from kvmem.cache.hashing import hash_request_tokens
+from kvmem.integrations.vllm import kv_transfer_config
 from kvmem.tiers.blocks import key_name
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -73,10 +74,7 @@ def engine(model: Path, *, tp: int = 1, pp: int = 1, kv_bytes: int, order: str, 
     kwargs = {**vllm_cpu.FAST_ENGINE, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
               "kv_cache_memory_bytes": kv_bytes, "max_model_len": 2048, "block_size": BLOCK}
     if extra is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvmemConnector", "kv_connector_module_path": "kvmem.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
+        kwargs["kv_transfer_config"] = kv_transfer_config(**extra)
     cfg = {"model": str(model), "engine": kwargs, "order": list(order),
            "prompts": prompts(vocab)}
     run = vllm_cpu.run_script(SCRIPT, json.dumps(cfg), env=env, timeout=900,

@@ -198,10 +198,8 @@ class Deployment:
         # block 16; rank 0 holds 20 layers, rank 1 10: a rank-0 block is twice the bytes,
         # so the same CPU budget holds 7 blocks on rank 0 and 14 on rank 1
         rank0_block = 20 * 16 * 3 * 64 * 2 * 4
-        transfer = KVTransferConfig(
-            kv_connector="KvmemConnector", kv_connector_module_path="kvmem.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"cpu_offload_gib": 7 * rank0_block / (1 << 30)})
+        transfer = KVTransferConfig(**integration.kv_transfer_config(
+            cpu_offload_gib=7 * rank0_block / (1 << 30)))
         self.config = engine_config(model, 2, 32 * rank0_block, 256, 16,
                                     kv_transfer_config=transfer)
         configs, scheduler_config = initialize_kv_caches(

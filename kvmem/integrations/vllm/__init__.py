@@ -4,7 +4,8 @@
   sizes every rank's KV cache with :func:`kvmem.plan.plan` when ``KVMEM_VLLM_KV_BUDGET`` is
   set (inert otherwise);
 - ``KvmemConnector`` (``kvmem.integrations.vllm.connector``): kvmem's CPU and disk tiers
-  as a vLLM KV connector (``kv_connector_module_path`` ``"kvmem.integrations.vllm"``);
+  as a vLLM KV connector (``kv_connector_module_path`` ``"kvmem.integrations.vllm"``;
+  ``kv_transfer_config(cpu_offload_gib=...)`` builds vLLM's setting for it);
 - elastic KV memory (``KVMEM_VLLM_KV_MEMORY=elastic``; the plugin adds
   ``KvmemElasticConnector`` from ``elastic_connector``): each worker's KV cache over a
   reservation, pages mapped as vLLM's block pool hands out blocks, under a limit shared
@@ -24,6 +25,7 @@ from typing import Any
 _LAZY = {
     "register": "kvmem.integrations.vllm.plugin",
     "KvmemConnector": "kvmem.integrations.vllm.connector",
+    "kv_transfer_config": "kvmem.integrations.vllm.connector_config",
 }
 
 __all__ = sorted(_LAZY)

@@ -91,14 +91,18 @@ def _check_dir(path: str) -> None:
         raise ConfigError(f"{key} {path!r}: {str(target)!r} is not writable by this process")
 
 
+def _check_keys(extra: Mapping[str, Any]) -> None:
+    unknown = sorted(set(extra) - set(KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"{PREFIX}: unknown key {unknown[0]!r}; known keys: {', '.join(KEYS)}")
+
+
 def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[OffloadConfig, Faults]:
     """The offload settings and injected faults of a ``kv_connector_extra_config``."""
     if extra is not None and not isinstance(extra, Mapping):
         raise ConfigError(f"{PREFIX} must be an object, got {extra!r}")
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(KEYS), key=str)
-    if unknown:
-        raise ConfigError(f"{PREFIX}: unknown key {unknown[0]!r}; known keys: {', '.join(KEYS)}")
+    _check_keys(extra)
     cpu = _gib(extra, "cpu_offload_gib")
     disk = _gib(extra, "disk_offload_gib")
     disk_dir = extra.get("disk_offload_dir") or None
@@ -122,3 +126,19 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[OffloadConfig, 
     config = OffloadConfig(cpu_bytes=int(cpu * GiB), disk_dir=disk_dir,
                            disk_bytes=int(disk * GiB), policy=policy, names=NAMES)
     return config, _faults(extra.get("faults", {}))
+
+
+def kv_transfer_config(**settings: Any) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` that turns ``KvmemConnector`` on with ``settings`` (the
+    keys of the table above): ``vllm.LLM(..., kv_transfer_config=kv_transfer_config(
+    cpu_offload_gib=4))``, or ``json.dumps`` of it for ``--kv-transfer-config``.
+
+    Unknown keys are refused here; the values are checked when vLLM starts the engine
+    (before it loads the model), where the directory and memory they name are.
+    """
+    _check_keys(settings)
+    return {"kv_connector": "KvmemConnector",
+            "kv_connector_module_path": "kvmem.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",  # a block a tier lost is recomputed
+            "kv_connector_extra_config": settings}
