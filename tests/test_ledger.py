@@ -191,6 +191,17 @@ def test_limit_refuses_a_device_this_machine_does_not_have(tmp_path, capsys, mon
     assert Ledger.for_device("cuda:0", ledgers).total_limit() == 1 << 30
 
 
+def test_an_engine_on_a_bare_cuda_device_registers_where_limit_looks(monkeypatch):
+    import torch
+
+    from kvmem.engine.elastic_setup import ledger_device_name
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert ledger_device_name(torch.device("cuda")) == "cuda:0"  # what limit's "cuda" names
+    assert ledger_device_name(torch.device("cuda", 3)) == "cuda:3"
+    assert ledger_device_name(torch.device("cpu")) == "cpu"
+
+
 def test_a_ledger_name_never_leaves_the_ledger_folder(tmp_path):
     for device in ("../../etc", "cuda:0/../../x", "ｃｐｕ／..", "a\x00b"):
         assert Ledger.for_device(device, tmp_path).path.parent == tmp_path
@@ -215,6 +226,17 @@ def test_a_ledger_that_is_not_a_regular_file_or_too_large_is_refused(tmp_path):
         f.truncate(1 << 30)  # sparse: no disk used
     with pytest.raises(LedgerError, match="larger than a KV memory ledger"):
         Ledger.for_device("cpu", big).total_limit()
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe not utf-8", b"[]", b'{"engines": []}',
+                                     b'{"total_limit": 5, "engines": 7}', b"{torn"])
+def test_a_foreign_or_torn_ledger_starts_a_fresh_table(tmp_path, content):
+    path = tmp_path / "kvmem-ledger-cpu.json"
+    path.write_bytes(content)
+    ledger = Ledger.for_device("cpu", tmp_path)
+    assert ledger.entries() == [] and ledger.total_limit() is None
+    ledger.register("a")
+    assert [e.name for e in ledger.entries()] == ["a"]
 
 
 @pytest.mark.parametrize("lose", ["delete", "reset"])

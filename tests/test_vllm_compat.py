@@ -28,6 +28,9 @@ class Base:
     def hook(self, request, num_computed_tokens):
         pass
 
+    def step(self):
+        self.hook(None, 0)
+
     def grown(self, request, num_computed_tokens, num_lookahead):
         pass
 
@@ -74,6 +77,17 @@ def test_a_hook_must_take_exactly_what_kvmem_implements(fake):
     check_need(Need(f"{fake}:Base.start_load_kv", ("forward_context", "**"), exact=True))
     assert "kvmem needs (request, num_computed_tokens)" in missing(
         Need(f"{fake}:Base.grown", ("request", "num_computed_tokens"), exact=True))
+
+
+def test_a_call_site_elastic_memory_hooks_into_is_checked(fake):
+    assert compat.missing_calls(((f"{fake}:Base.step", "self.hook("),)) == []
+    assert compat.missing_calls((
+        (f"{fake}:Base.step", ".has_pending_push_work()"),
+        (f"{fake}:Base.gone", ".x()"),
+        ("builtins:len", ".x()"),
+    )) == ["fakevllm_core.Base.step no longer calls .has_pending_push_work()",
+           "fakevllm_core.Base.gone is missing",
+           "builtins.len has no source to check for .x()"]
 
 
 def test_every_connector_hook_is_checked():

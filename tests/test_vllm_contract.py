@@ -124,7 +124,7 @@ def test_connector_refuses_sleep_mode(contract):
 def test_vllm_check_reports_both_parts_working(contract):
     """``kvmem vllm-check`` in that venv: the plugin and the connector work with it. The
     0.33 overlay has no usable platform (a CUDA build without a GPU), so there it also says
-    that the connector's workers would not find vLLM CPU's KV layout."""
+    that the connector's workers have no CPU or CUDA KV tensors to copy."""
     check = contract["vllm_check"]
     report = check["report"]
     assert report["vllm"] == contract["vllm"]

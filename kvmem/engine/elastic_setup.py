@@ -105,7 +105,7 @@ class ElasticSetup:
         """The rank's storage; rank 0 registers with its device's ledger first."""
         budget = None
         if self.rank == 0:
-            budget = Ledger.for_device(str(device)).register(
+            budget = Ledger.for_device(ledger_device_name(device)).register(
                 self.name, limit_bytes=self.sizing.limit_bytes)
         try:
             self.storage = ElasticKVStorage(
@@ -172,3 +172,12 @@ class ElasticSetup:
         if self.storage is None:
             raise ConfigError("the elastic KV storage is not built (or already closed)")
         return self.storage
+
+
+def ledger_device_name(device: torch.device) -> str:
+    """The device as the ledger and ``kvmem limit --device`` name it: ``cpu`` or ``cuda:N``
+    (a bare ``cuda`` is the current CUDA device)."""
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return f"cuda:{index}"
+    return str(device)

@@ -111,8 +111,10 @@ class Ledger:
                                   f"({LEDGER_LIMIT} bytes); not touching it")
             try:
                 table = json.loads(raw) if raw else {}
-            except json.JSONDecodeError:
+            except ValueError:  # JSON or UTF-8 errors
                 table = {}  # a torn or foreign file: start a fresh table
+            if not isinstance(table, dict) or not isinstance(table.get("engines", {}), dict):
+                table = {}
             table.setdefault("total_limit", None)
             table.setdefault("engines", {})
             yield table

@@ -81,7 +81,7 @@ class BodyLimitMiddleware:
             try:
                 message = await asyncio.wait_for(
                     receive(), deadline - asyncio.get_running_loop().time())
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
                 await self._too_slow(scope, receive, send)
                 return
             if message["type"] == "http.disconnect":

@@ -93,6 +93,8 @@ CONNECTOR_NEEDS = (
     Need(f"{BASE}:KVConnectorMetadata"),
     Need(f"{BASE}:KVConnectorWorkerMetadata.aggregate", ("other",)),
     Need(f"{BASE}:KVConnectorRole.SCHEDULER"),
+    Need(f"{BASE}:SupportsHMA.request_finished_all_groups", ("request", "block_ids"),
+         exact=True),
     Need("vllm.v1.metrics.cache_hit_source:CacheHitSource.HOST"),
     Need("vllm.v1.metrics.cache_hit_source:CacheHitSource.DISK"),
     Need("vllm.logger:init_logger"),
@@ -212,7 +214,8 @@ def _unimplemented_hooks() -> list[str]:
 
 @functools.cache
 def problems(feature: str) -> tuple[str, ...]:
-    """Why ``feature`` ("plugin" or "connector") cannot run on the installed vLLM."""
+    """Why ``feature`` ("plugin", "connector" or "elastic") cannot run on the installed
+    vLLM."""
     found = []
     for need in FEATURES[feature][1]:
         try:
@@ -230,19 +233,39 @@ def problems(feature: str) -> tuple[str, ...]:
 def _elastic_call_sites() -> list[str]:
     """What elastic KV memory relies on inside vLLM's functions: the calls it hooks into,
     and a block pool that uses no free-block queue method kvmem's queue lacks."""
-    found = []
-    for path, call in ELASTIC_CALLS:
-        if call not in inspect.getsource(_resolve(path)):
-            found.append(f"{path.replace(':', '.')} no longer calls {call}")
-    tensor = _resolve("vllm.v1.kv_cache_interface:KVCacheTensor")
+    found = missing_calls(ELASTIC_CALLS)
+    try:
+        tensor = _resolve("vllm.v1.kv_cache_interface:KVCacheTensor")
+        pool = inspect.getsource(_resolve("vllm.v1.core.block_pool:BlockPool"))
+    except Missing as exc:
+        return [*found, str(exc)]
+    except (OSError, TypeError):
+        return [*found, "vllm.v1.core.block_pool.BlockPool has no source to check"]
     fields = {f.name for f in dataclass_fields(tensor)}
     if missing := {"size", "layers", "layer_stride", "block_stride"} - fields:
         found.append(f"vllm.v1.kv_cache_interface.KVCacheTensor has no {sorted(missing)[0]}")
-    pool = inspect.getsource(_resolve("vllm.v1.core.block_pool:BlockPool"))
     used = set(re.findall(r"free_block_queue\.(\w+)", pool))
     if unknown := sorted(used - set(QUEUE_METHODS)):
         found.append(f"vllm.v1.core.block_pool.BlockPool calls free_block_queue.{unknown[0]}, "
                      "which kvmem's page-aware queue does not have")
+    return found
+
+
+def missing_calls(calls: tuple[tuple[str, str], ...]) -> list[str]:
+    """For each (function, call): one line when the function is gone, has no Python source,
+    or no longer contains the call."""
+    found = []
+    for path, call in calls:
+        dotted = path.replace(":", ".")
+        try:
+            source = inspect.getsource(_resolve(path))
+        except Missing as exc:
+            found.append(str(exc))
+        except (OSError, TypeError):  # compiled, or not a function
+            found.append(f"{dotted} has no source to check for {call}")
+        else:
+            if call not in source:
+                found.append(f"{dotted} no longer calls {call}")
     return found
 
 
@@ -312,13 +335,12 @@ def report() -> tuple[str | None, list[FeatureStatus]]:
         found = problems(name)
         statuses.append(FeatureStatus(name, desc, not found, found))
     device = device_type()
-    layout_ok = device == "cpu"
+    layout_ok = device in ("cpu", "cuda")
     statuses.append(FeatureStatus(
         "connector-kv-layout", "KvmemConnector's workers on this platform's KV tensors",
         layout_ok, () if layout_ok else (
-            f"vLLM's platform here is {device or 'none (no device found)'}; the workers "
-            "take vLLM CPU's KV layout [num_blocks, kv_heads, block_size, 2*head_size] only "
-            "and refuse others at start-up",)))
+            f"vLLM's platform here is {device or 'none (no device found)'}; the workers copy "
+            "KV blocks between host memory and CPU or CUDA KV tensors only",)))
     return version, statuses
 
 
