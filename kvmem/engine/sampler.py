@@ -116,11 +116,11 @@ class Sampler:
         """``logits`` float32 ``[N, vocab]`` (left unchanged); ``generators[i]`` is row i's own
         generator or None; ``histories[i]`` row i's (prompt, output) token ids, which
         penalties need."""
-        if histories is None and any(p.has_penalties for p in params):
-            raise ValueError("penalties need the token histories")
         token_ids = logits.argmax(dim=-1)
         if all(p.greedy and not p.processes_logits for p in params):  # the common fast path
             return Samples(token_ids.tolist())
+        if histories is None and any(p.has_penalties for p in params):
+            raise ValueError("penalties need the token histories")
         failures = {}
         for i, p in enumerate(params):
             if p.greedy and not p.processes_logits:
@@ -135,7 +135,8 @@ class Sampler:
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams,
                     generator: torch.Generator | None,
-                    history: tuple[Sequence[int], Sequence[int]]) -> int:
+                    history: tuple[Sequence[int], Sequence[int]]) -> torch.Tensor:
+        """Row's token id as a 0-d tensor: read back with the batch's, one device sync."""
         row = logits.float().clone()
         if p.logit_bias:
             with request_stage("logit_bias"):
@@ -146,7 +147,7 @@ class Sampler:
         if p.processes_logits:
             _finite_(row)
         if p.greedy:
-            return int(row.argmax())
+            return row.argmax()
         with request_stage("sampling"):
             row /= p.temperature
             _finite_(row)
@@ -156,4 +157,4 @@ class Sampler:
             probs = sorted_logits.softmax(-1)
             gen = generator or self.shared_generator(logits.device)
             choice = torch.multinomial(probs, 1, generator=gen)
-            return int(sorted_ids[choice[0]])
+            return sorted_ids[choice[0]]
