@@ -4,9 +4,8 @@ that request (``RequestFailed``: its stage, counted per stage in ``/metrics``)."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 
 from kvmem.errors import KvmemError
 
@@ -53,16 +52,26 @@ class RequestFailed(KvmemError):
         self.failure = failure
 
 
-@contextmanager
-def request_stage(stage: str) -> Iterator[None]:
+class request_stage:  # noqa: N801 - used as a context manager, like contextlib's
     """Turn any error raised inside into ``RequestFailed`` for ``stage``: the code inside
-    works on one request's data, so its failure is that request's alone."""
-    try:
-        yield
-    except RequestFailed:
-        raise
-    except Exception as exc:
+    works on one request's data, so its failure is that request's alone.
+
+    A class, not a generator-based context manager: it is entered several times per request
+    in every step, and costs a third as much."""
+
+    __slots__ = ("stage",)
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if exc is None or isinstance(exc, RequestFailed) or not isinstance(exc, Exception):
+            return False
         detail = (str(exc).strip().splitlines() or [""])[0]
-        message = f"the request failed in {stage}: {type(exc).__name__}" + \
+        message = f"the request failed in {self.stage}: {type(exc).__name__}" + \
             (f": {detail}" if detail else "")
-        raise RequestFailed(RequestFailure(stage, message)) from exc
+        raise RequestFailed(RequestFailure(self.stage, message)) from exc
