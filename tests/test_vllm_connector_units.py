@@ -85,6 +85,29 @@ def test_kv_transfer_config_turns_the_connector_on_with_its_settings(tmp_path) -
         kv_transfer_config(cpu_gib=1)
 
 
+def test_settings_are_checked_alone_and_inside_a_multi_connector() -> None:
+    """As vLLM's configuration holds them: KvmemConnector alone, or one of MultiConnector's
+    connectors (elastic KV memory puts it there)."""
+    from types import SimpleNamespace
+
+    from kvmem.integrations.vllm.config_check import exit_on_bad_settings
+
+    bad = {"cpu_offload_gib": "4"}
+    alone = SimpleNamespace(kv_connector="KvmemConnector", kv_connector_extra_config=bad)
+    multi = SimpleNamespace(kv_connector="MultiConnector", kv_connector_extra_config={
+        "connectors": [{"kv_connector": "KvmemElasticConnector"},
+                       {"kv_connector": "KvmemConnector", "kv_connector_extra_config": bad}]})
+    for config in (alone, multi):
+        with pytest.raises(SystemExit, match=r"\['cpu_offload_gib'\] must be a number"):
+            exit_on_bad_settings(config)
+    multi.kv_connector_extra_config["connectors"][1]["kv_connector_extra_config"] = {
+        "cpu_offload_gib": 0.25}
+    exit_on_bad_settings(multi)
+    exit_on_bad_settings(SimpleNamespace(kv_connector="OtherConnector",
+                                         kv_connector_extra_config=bad))
+    exit_on_bad_settings(None)
+
+
 class Holder:
     def hold(self, block_ids) -> None:
         pass

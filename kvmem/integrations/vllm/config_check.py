@@ -49,12 +49,26 @@ def checked(create_engine_config: Any) -> Any:
 
 def exit_on_bad_settings(kv_transfer_config: Any) -> None:
     """``SystemExit`` with one line naming the key when a ``KvmemConnector`` configuration
-    holds a bad value; nothing for other connectors."""
-    if kv_transfer_config is None or kv_transfer_config.kv_connector != CONNECTOR:
+    holds a bad value, alone or inside vLLM's ``MultiConnector`` (as elastic KV memory
+    runs it); nothing for other connectors."""
+    if kv_transfer_config is None:
         return
     from kvmem.integrations.vllm.connector_config import parse_extra_config
 
     try:
-        parse_extra_config(kv_transfer_config.kv_connector_extra_config)
+        for extra in _kvmem_extra_configs(kv_transfer_config.kv_connector,
+                                          kv_transfer_config.kv_connector_extra_config):
+            parse_extra_config(extra)
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
+
+
+def _kvmem_extra_configs(connector: str | None, extra: Any) -> list[Any]:
+    """The ``kv_connector_extra_config`` of every ``KvmemConnector`` in a configuration."""
+    if connector == CONNECTOR:
+        return [extra]
+    if connector == "MultiConnector" and isinstance(extra, dict):
+        return [child.get("kv_connector_extra_config")
+                for child in extra.get("connectors") or ()
+                if isinstance(child, dict) and child.get("kv_connector") == CONNECTOR]
+    return []
