@@ -169,8 +169,8 @@ class OffloadConnector:
                 done.append((rid, self.kv.num_computed_tokens(rid)))
             except Exception as exc:  # noqa: BLE001 - this request's alone
                 log.exception("offload: finishing the load of request %s failed", rid)
-                self._loads.pop(rid, None)
-                self.kv.free(rid)
+                if not self.cancel(rid):  # waits for a retried load before freeing its blocks
+                    self.kv.free(rid)
                 done.append((rid, f"{type(exc).__name__}: {exc}"))
         return done
 

@@ -173,10 +173,6 @@ class ElasticPool:
     def page_bytes(self) -> int:
         return self.table.page_bytes
 
-    @property
-    def usable_blocks(self) -> int:
-        return self.table.geo.num_blocks
-
     def queue(self, blocks: Sequence[Any],
               evict: Callable[[set[int]], None]) -> ElasticBlockQueue:
         """The free-block queue for vLLM's pool over ``blocks`` (its ``KVCacheBlock``s);
