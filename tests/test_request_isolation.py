@@ -219,6 +219,13 @@ def test_top_p_that_is_zero_as_a_float32_is_a_400(served, top_p):
     assert response.json()["error"]["param"] == "top_p"
 
 
+def test_a_top_p_too_large_for_a_float32_is_refused_like_any_other():
+    from kvmem.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="top_p must be a number in"):
+        SamplingParams(top_p=10**400)  # once a struct.error from the float32 conversion
+
+
 def test_the_sampler_keeps_the_most_likely_token_whatever_top_p_rounds_to():
     """Past validation (a caller that builds SamplingParams and changes them), a top_p
     that is 0 in float32 keeps the most likely token instead of emptying the row."""

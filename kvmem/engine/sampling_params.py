@@ -82,7 +82,8 @@ class SamplingParams:
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be a number in [0, 100]")
         # checked as the sampler computes with it: 1e-46 is positive, its float32 is 0
-        if not _is_number(self.top_p) or not 0.0 < _float32(self.top_p) <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0 \
+                or not _float32(self.top_p) > 0.0:
             raise bad("top_p", "must be a number in (0, 1] (and above 0 as a float32)")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise bad("top_k", "must be -1 or 0 (disabled) or an integer >= 1")
