@@ -203,8 +203,9 @@ class ModelRunner:
         params = [s.sampling_params for s in states]
         generators = [self._generator(rid, p.seed)
                       for rid, p in zip(request_ids, params, strict=True)]
+        # only penalties read the histories: no per-step copy of every context otherwise
         histories = [(s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
-                     for s in states]
+                     if s.sampling_params.has_penalties else ((), ()) for s in states]
         samples = self.sampler(logits, params, generators, histories)
         for row, exc in samples.failures.items():
             failures[request_ids[row]] = _logged(request_ids[row], exc)
