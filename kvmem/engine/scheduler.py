@@ -157,20 +157,25 @@ class Scheduler:
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Mark ``request`` finished, take it out of its queue and free its blocks."""
-        rid = request.request_id
         if request.is_finished:
             request.status = status  # e.g. a stop string in the token that hit max_tokens
             return
+        self._release(request, offer=True)
+        request.status = status
+
+    def _release(self, request: Request, *, offer: bool) -> None:
+        """Take an unfinished ``request`` out of its queue and free what it holds.
+        ``offer``: a running request's cached blocks go to the tiers first."""
+        rid = request.request_id
         if request in self.running:
             self.running.remove(request)
-            if self.offload is not None:
+            if offer and self.offload is not None:
                 self.offload.offer(request)  # holds its cached blocks until copied out
-            self.kv_cache_manager.free(request)
         elif self._loading.pop(rid, None) is not None:
             self.offload.cancel(rid)  # waits for the load, frees its blocks
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.status = status
+        self.kv_cache_manager.free(request)  # nothing when it holds no blocks
         self._forget(rid)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -407,15 +412,7 @@ class Scheduler:
         holds (its blocks are not offered to the tiers). ``report``: its last update comes
         with the next ``update_from_output`` (else the caller reports it)."""
         if not request.is_finished:
-            rid = request.request_id
-            if request in self.running:
-                self.running.remove(request)
-            elif self._loading.pop(rid, None) is not None:
-                self.offload.cancel(rid)  # waits for the load, frees its blocks
-            elif request in self.waiting:
-                self.waiting.remove(request)
-            self.kv_cache_manager.free(request)
-            self._forget(rid)
+            self._release(request, offer=False)
             if report:
                 self._failed.append(request)
         request.status = RequestStatus.FINISHED_ERROR
