@@ -115,6 +115,12 @@ def test_what_is_read_from_a_model_directory_is_bounded(tmp_path):
     (path / "tokenizer_config.json").symlink_to("/dev/zero")
     with pytest.raises(KvmemError, match="tokenizer_config.json: not a regular file"):
         Tokenizer.from_dir(path)
+    (path / "tokenizer_config.json").unlink()
+    (path / "tokenizer.json").unlink()
+    with open(path / "tokenizer.json", "wb") as f:
+        f.truncate(300 << 20)  # sparse
+    with pytest.raises(KvmemError, match="tokenizer.json: larger than 256.00 MiB"):
+        Tokenizer.from_dir(path)
 
 
 def test_bad_sources_are_clear_errors(tmp_path, monkeypatch):

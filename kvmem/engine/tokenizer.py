@@ -18,7 +18,8 @@ from typing import Any
 
 from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.errors import KvmemError
-from kvmem.files import check_regular, read_bounded
+from kvmem.files import read_bounded
+from kvmem.units import MiB
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -35,6 +36,10 @@ def check_unicode(text: str, param: str | None = "prompt") -> None:
         raise InvalidRequestError(
             f"{param or 'text'} is not valid Unicode: a lone surrogate "
             f"{text[e.start]!r} at character {e.start}", param=param) from None
+
+
+# far above a real tokenizer.json (Gemma 3's, 262k tokens, is about 33 MB)
+TOKENIZER_LIMIT = 256 * MiB
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -64,8 +69,8 @@ class Tokenizer:
                  extra_eos_ids: set[int] | None = None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        check_regular(tokenizer_json, "tokenizer")
-        self._tok = HFTokenizer.from_file(str(tokenizer_json))
+        self._tok = HFTokenizer.from_buffer(
+            read_bounded(tokenizer_json, "tokenizer", TOKENIZER_LIMIT))
         cfg = tokenizer_config or {}
         self.bos_token = _token_content(cfg.get("bos_token"))
         self.eos_token = _token_content(cfg.get("eos_token"))
