@@ -393,9 +393,15 @@ def test_two_engines_share_one_ledger(two_engines):
     for side in (a, b):
         assert max(s["held"] for s in side["alone"]["steps"]) > TOTAL / 2
     # together they kept to it: what both held after each step of either, give or take
-    # the blocks two engines counted in the same instant (an overdraft of a few pages)
+    # an overdraft. Both engines may read the same room R at a step's start and take a and
+    # b blocks within it, a, b <= min(R, one step's blocks S): over = a + b - R <= S, and
+    # the next step of each reads a negative room and takes nothing until it is repaid.
+    # S here: 512 scheduled tokens in 128-token blocks, over up to three requests' chunks
+    # (the prompts' decode stays in their third block). How far the two overlap depends
+    # on how the machine interleaves the processes.
+    step_blocks = ENGINE["max_num_batched_tokens"] // BLOCK + 2
     both = [s["all"] for side in (a, b) for s in side["shared"]["steps"]]
-    assert max(both) <= TOTAL + 4 * BLOCK_BYTES
+    assert max(both) <= TOTAL + step_blocks * BLOCK_BYTES
     assert max(both) >= TOTAL - 8 * BLOCK_BYTES  # and used it
     waited = sum(s["waiting"] > 0 for side in (a, b) for s in side["shared"]["steps"])
     assert waited > 0 or a["shared"]["preempted"] + b["shared"]["preempted"] > 0
