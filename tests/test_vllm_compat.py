@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -100,6 +101,10 @@ def test_every_connector_hook_is_checked():
     text = (Path(compat.__file__).parent / "connector.py").read_text()
     for hook in CONNECTOR_HOOKS:
         assert f"    def {hook}(self" in text, hook
+    # every vLLM class it derives from is checked before its module is imported
+    bases = re.search(r"^class KvmemConnector\((.*)\):", text, re.M).group(1)
+    for base in (b.strip() for b in bases.split(",")):
+        assert any(f":{base}." in n.path for n in CONNECTOR_NEEDS), base
 
 
 def test_require_without_vllm_is_one_line(monkeypatch):
