@@ -85,7 +85,7 @@ def main() -> None:
                       VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc(worker_stats)
     from vllm import LLM, SamplingParams
 
-    from kvmem.integrations.vllm.elastic_connector import worker_stats
+    from kvmem.integrations.vllm.elastic.connector import worker_stats
 
     kwargs = dict(model=args.model, dtype="float32", kv_cache_memory_bytes=KV_BYTES,
                   max_model_len=2048, seed=0, enforce_eager=True,

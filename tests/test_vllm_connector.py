@@ -67,9 +67,9 @@ from types import SimpleNamespace as NS
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import KvmemConnector
 from kvmem.integrations.vllm.connector import _check_deployment
-from kvmem.integrations.vllm.connector_meta import TierReport
-from kvmem.integrations.vllm.connector_layout import GroupRule
-from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
+from kvmem.integrations.vllm.connector.meta import TierReport
+from kvmem.integrations.vllm.connector.layout import GroupRule
+from kvmem.integrations.vllm.connector.scheduler import SchedulerSide
 from kvmem.cache.hashing import hash_request_tokens
 from kvmem.tiers.blocks import key_name
 import torch
@@ -169,8 +169,8 @@ WORKER_SCRIPT = r"""
 import time
 import torch
 from kvmem.errors import ConfigError
-from kvmem.integrations.vllm.connector_meta import BlockTransfer, KvmemConnectorMetadata
-from kvmem.integrations.vllm.connector_worker import RankPlace, WorkerSide
+from kvmem.integrations.vllm.connector.meta import BlockTransfer, KvmemConnectorMetadata
+from kvmem.integrations.vllm.connector.worker import RankPlace, WorkerSide
 from kvmem.tiers import Faults, OffloadConfig
 from kvmem.tiers.blocks import key_name
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec

@@ -168,9 +168,9 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
                                         SlidingWindowSpec)
 
 from kvmem.cache.hashing import hash_request_tokens
-from kvmem.integrations.vllm.connector_layout import GroupRule, group_rule
-from kvmem.integrations.vllm.connector_meta import TierReport
-from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
+from kvmem.integrations.vllm.connector.layout import GroupRule, group_rule
+from kvmem.integrations.vllm.connector.meta import TierReport
+from kvmem.integrations.vllm.connector.scheduler import SchedulerSide
 from kvmem.tiers.blocks import key_name
 
 # -- the rules are vLLM's ------------------------------------------------------------------

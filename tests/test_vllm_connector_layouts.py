@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MLA
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvmem.integrations.vllm.connector_layout import WorkerKVLayout
+from kvmem.integrations.vllm.connector.layout import WorkerKVLayout
 from kvmem.tiers import OffloadConfig, OffloadManager
 from tests.kv_layouts import ORDERS, Holder, build_views, round_trip
 
@@ -117,7 +117,7 @@ def test_every_layout_round_trips_byte_for_byte_on_vllms_allocation() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_layout_round_trips_on_cuda(order, dtype) -> None:
     """The copies on a side CUDA stream into pinned host rows, and back."""
-    from kvmem.integrations.vllm.connector_layout import WorkerKVLayout
+    from kvmem.integrations.vllm.connector.layout import WorkerKVLayout
     from kvmem.tiers import OffloadConfig, OffloadManager
 
     class FullAttentionSpec:  # vLLM's spec classes, as the layout reads them

@@ -8,7 +8,7 @@ import torch
 
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import kv_transfer_config
-from kvmem.integrations.vllm.connector_config import parse_extra_config
+from kvmem.integrations.vllm.connector.config import parse_extra_config
 from kvmem.memory.storage import SlotShape, TensorKVStorage
 from kvmem.tiers import Faults, OffloadConfig, OffloadManager
 from kvmem.tiers.blocks import key_name
@@ -90,7 +90,7 @@ def test_settings_are_checked_alone_and_inside_a_multi_connector() -> None:
     connectors (elastic KV memory puts it there)."""
     from types import SimpleNamespace
 
-    from kvmem.integrations.vllm.config_check import exit_on_bad_settings
+    from kvmem.integrations.vllm.plugin.config_check import exit_on_bad_settings
 
     bad = {"cpu_offload_gib": "4"}
     alone = SimpleNamespace(kv_connector="KvmemConnector", kv_connector_extra_config=bad)

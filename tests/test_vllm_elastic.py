@@ -102,7 +102,7 @@ import json, os, random, subprocess, sys, time
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
-    from kvmem.integrations.vllm.elastic_connector import worker_stats
+    from kvmem.integrations.vllm.elastic.connector import worker_stats
 
     llm = LLM(model=cfg["model"], **cfg["engine"])
     engine = llm.llm_engine
@@ -222,7 +222,7 @@ import json, sys
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
-    from kvmem.integrations.vllm.elastic_connector import worker_stats
+    from kvmem.integrations.vllm.elastic.connector import worker_stats
     llm = LLM(model=cfg["model"], **cfg["engine"])
     outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]],
                         SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)

@@ -44,7 +44,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from vllm.v1.worker.utils import allocate_kv_cache
 from kvmem.integrations.vllm import compat, plugin
-from kvmem.integrations.vllm.elastic_connector import KvmemElasticConnector
+from kvmem.integrations.vllm.elastic.connector import KvmemElasticConnector
 from kvmem.memory.ledger import Ledger
 
 os.environ.update(KVMEM_VLLM_KV_MEMORY="elastic", KVMEM_VLLM_ENGINE_NAME="a",

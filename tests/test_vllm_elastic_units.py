@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from kvmem.errors import ConfigError
-from kvmem.integrations.vllm.elastic_config import (
+from kvmem.integrations.vllm.elastic.config import (
     CONNECTOR,
     ElasticSettings,
     elastic_from_env,
     settings_from_extra,
     with_elastic,
 )
-from kvmem.integrations.vllm.elastic_layout import GranuleMap, KVLayout, TensorPlacement
-from kvmem.integrations.vllm.elastic_worker import ElasticMapError, ElasticWorker
+from kvmem.integrations.vllm.elastic.layout import GranuleMap, KVLayout, TensorPlacement
+from kvmem.integrations.vllm.elastic.worker import ElasticMapError, ElasticWorker
 from kvmem.memory.backends import MmapBackend
 
 PAGE = 4096
@@ -202,11 +202,11 @@ def test_every_elastic_hook_and_queue_method_is_checked_and_implemented() -> Non
     from pathlib import Path
 
     from kvmem.integrations.vllm import compat
-    from kvmem.integrations.vllm.elastic_pool import ElasticBlockQueue
+    from kvmem.integrations.vllm.elastic.pool import ElasticBlockQueue
 
     checked = {n.path.rsplit(".", 1)[1] for n in compat.ELASTIC_NEEDS if n.exact}
     assert set(compat.ELASTIC_HOOKS) <= checked
-    text = (Path(compat.__file__).parent / "elastic_connector.py").read_text()
+    text = (Path(compat.__file__).parent / "elastic" / "connector.py").read_text()
     for hook in compat.ELASTIC_HOOKS:
         assert f"    def {hook}(self" in text, hook
     assert all(hasattr(ElasticBlockQueue, m) for m in compat.QUEUE_METHODS)

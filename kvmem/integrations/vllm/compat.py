@@ -9,7 +9,7 @@ before it touches anything, instead of matching a version string:
   vLLM 0.33 added — the worker's ``initialize_from_config``, and the helpers it calls;
 - ``KvmemConnector``: the connector base class and every hook it implements, with the
   parameters vLLM passes them, and no abstract hook of the base class left unimplemented;
-- elastic KV memory (``elastic_*.py``): the function the plugin wraps
+- elastic KV memory (``elastic``): the function the plugin wraps
   (``EngineArgs.create_engine_config``), ``KvmemElasticConnector``'s hooks, and inside
   vLLM the calls it relies on (the KV allocation's ``torch.zeros`` inside the connector's
   memory-pool context, ``handle_preemptions`` before the forward, ``has_pending_push_work``

@@ -11,7 +11,7 @@
 - **Each step** (``apply``, from the connector's ``handle_preemptions``, which vLLM calls
   first thing in ``execute_model``, before it zeroes, copies or writes any block of the
   step) the step's mapping decisions are applied in order: block ranges mapped or
-  unmapped (``elastic_layout`` turns them into granules). Messages are numbered; a
+  unmapped (``layout`` turns them into granules). Messages are numbered; a
   missing one is an error.
 - **A page that cannot be mapped** stops the engine at once with one line naming the
   rank and the blocks. With other ranks the worker's process exits (vLLM's executor sees
@@ -37,12 +37,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvmem.errors import ConfigError, KvmemError
-from kvmem.integrations.vllm.elastic_config import ElasticSettings
-from kvmem.integrations.vllm.elastic_layout import GranuleMap, KVLayout
+from kvmem.integrations.vllm.elastic.config import ElasticSettings
+from kvmem.integrations.vllm.elastic.layout import GranuleMap, KVLayout
 from kvmem.memory.backends import BackendError, PageBackend, make_backend
 
 if TYPE_CHECKING:
-    from kvmem.integrations.vllm.elastic_pool import BlockRange
+    from kvmem.integrations.vllm.elastic.pool import BlockRange
 
 log = logging.getLogger("vllm.kvmem.elastic")
 

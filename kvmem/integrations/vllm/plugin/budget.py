@@ -1,7 +1,8 @@
-"""vLLM plugin: every rank's KV budget from :func:`kvmem.plan.plan`, and kvmem's fit check.
+"""The plugin's budget part: every rank's KV budget from :func:`kvmem.plan.plan`, and
+kvmem's fit check.
 
-Registered under vLLM's ``vllm.general_plugins`` entry point, so vLLM calls :func:`register`
-once in every process it starts. Inert unless ``KVMEM_VLLM_KV_BUDGET`` names a budget policy
+:func:`install_budgets` (called by the plugin's ``register`` in every vLLM process) is
+inert unless ``KVMEM_VLLM_KV_BUDGET`` names a budget policy
 (``uniform``, ``proportional`` or ``optimal``); then it checks that vLLM has what it wraps
 (``compat.require``: one line naming anything missing) and wraps two vLLM functions:
 
@@ -14,10 +15,6 @@ once in every process it starts. Inert unless ``KVMEM_VLLM_KV_BUDGET`` names a b
   on as it came. vLLM then sizes blocks as it always does;
 - the worker's ``initialize_from_config``: each rank logs one line with the KV bytes,
   blocks and tokens it allocated.
-
-Whatever the variable says, ``register`` has ``KvmemConnector``'s settings checked where
-vLLM builds its config (``config_check``; nothing for other connectors). A bad policy name
-or connector setting ends vLLM with one line (``SystemExit``) before anything starts.
 """
 
 from __future__ import annotations
@@ -56,25 +53,9 @@ def policy_from_env() -> str | None:
     return value
 
 
-def register() -> None:
-    """vLLM's entry point; safe to call any number of times in any vLLM process. It has
-    ``KvmemConnector``'s settings checked as soon as vLLM builds its config
-    (``config_check``); the rest is inert unless ``KVMEM_VLLM_KV_MEMORY`` or
-    ``KVMEM_VLLM_KV_BUDGET`` is set. A bad setting ends vLLM with its one line (no
-    traceback), before anything starts."""
-    from kvmem.integrations.vllm import config_check
-
-    config_check.install()
-    try:
-        _register()
-    except ConfigError as exc:
-        raise SystemExit(str(exc)) from None
-
-
-def _register() -> None:
-    from kvmem.integrations.vllm.elastic_plugin import register_elastic
-
-    register_elastic()  # KVMEM_VLLM_KV_MEMORY
+def install_budgets() -> None:
+    """Wrap vLLM's ``get_kv_cache_configs`` and the worker's ``initialize_from_config``
+    when ``KVMEM_VLLM_KV_BUDGET`` names a policy; nothing otherwise. Idempotent."""
     policy = policy_from_env()
     if policy is None:
         return

@@ -3,7 +3,7 @@
 vLLM calls the plugin (``plugin.register``) in every process it starts; this part wraps
 one function, ``EngineArgs.create_engine_config``, where vLLM turns its arguments into its
 configuration: with elastic KV memory on, the KV transfer config it reads gets
-``KvmemElasticConnector`` (``elastic_config.with_elastic``), and vLLM then starts the
+``KvmemElasticConnector`` (``config.with_elastic``), and vLLM then starts the
 connector in the engine core and in every worker as it would any connector. The
 arguments themselves are left as they were. Before wrapping, ``compat.require("elastic")``
 checks everything elastic KV memory uses in vLLM (one line naming what is missing).
@@ -17,7 +17,7 @@ import json
 from functools import wraps
 from typing import Any
 
-from kvmem.integrations.vllm.elastic_config import elastic_from_env, with_elastic
+from kvmem.integrations.vllm.elastic.config import elastic_from_env, with_elastic
 
 _MARK = "_kvmem_elastic"
 

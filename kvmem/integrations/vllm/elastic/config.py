@@ -37,7 +37,7 @@ FAULTS_ENV = "KVMEM_VLLM_KV_MEMORY_FAULTS"
 LEDGER_ENV = "KVMEM_LEDGER_DIR"
 
 CONNECTOR = "KvmemElasticConnector"
-CONNECTOR_MODULE = "kvmem.integrations.vllm.elastic_connector"
+CONNECTOR_MODULE = "kvmem.integrations.vllm.elastic.connector"
 PREFIX = "KvmemElasticConnector: kv_connector_extra_config"
 
 

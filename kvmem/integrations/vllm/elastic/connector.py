@@ -1,15 +1,15 @@
 """``KvmemElasticConnector``: kvmem's elastic KV memory inside vLLM, as a KV connector (V1).
 
 The plugin adds it to vLLM's KV transfer config when ``KVMEM_VLLM_KV_MEMORY=elastic``
-(``elastic_config``; beside any connector already configured, through vLLM's
+(``config``; beside any connector already configured, through vLLM's
 ``MultiConnector``). vLLM builds one instance per process:
 
 - in the engine core (scheduler role): ``ElasticScheduler`` registers the engine in the
-  ledger, and in ``bind_gpu_block_pool`` puts ``elastic_pool.ElasticBlockQueue`` in place
+  ledger, and in ``bind_gpu_block_pool`` puts ``pool.ElasticBlockQueue`` in place
   of vLLM's free-block queue; each ``build_connector_meta`` ends the step and sends its
   mapping decisions (``ElasticStepMeta``) to every worker; ``has_pending_push_work``
   keeps vLLM stepping until pages freed by the last step are given back;
-- in every worker: ``elastic_worker.ElasticWorker`` places vLLM's KV buffer over the
+- in every worker: ``worker.ElasticWorker`` places vLLM's KV buffer over the
   reservation (``get_mem_pool_context``) and applies each step's message before vLLM
   touches the step's blocks (``handle_preemptions``, called first in ``execute_model``).
 
@@ -33,10 +33,10 @@ from vllm.logger import init_logger
 
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import compat
-from kvmem.integrations.vllm.elastic_config import LIMIT_ENV, ElasticSettings, settings_from_extra
-from kvmem.integrations.vllm.elastic_layout import KVLayout, TensorPlacement
-from kvmem.integrations.vllm.elastic_pool import BlockRange, ElasticPool
-from kvmem.integrations.vllm.elastic_worker import ElasticWorker
+from kvmem.integrations.vllm.elastic.config import LIMIT_ENV, ElasticSettings, settings_from_extra
+from kvmem.integrations.vllm.elastic.layout import KVLayout, TensorPlacement
+from kvmem.integrations.vllm.elastic.pool import BlockRange, ElasticPool
+from kvmem.integrations.vllm.elastic.worker import ElasticWorker
 from kvmem.memory.ledger import Ledger
 from kvmem.memory.pages import blocks_per_page_for
 from kvmem.memory.sizing import CUDA_GRANULARITY

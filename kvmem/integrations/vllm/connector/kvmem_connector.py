@@ -12,7 +12,7 @@ Turn it on with::
 vLLM builds one instance per role: in the scheduler process (``SchedulerSide``: lookups
 and the plan of each step's loads and stores) and in every worker (``WorkerSide``: the
 tiers over that worker's KV tensors). They talk only through the step's metadata and the
-workers' reports (``connector_meta``). Settings: ``connector_config``.
+workers' reports (``meta``). Settings: ``config``.
 
 Tensor and pipeline parallelism: every worker (rank) keeps its own shard in its own tiers
 (its stage's layers, its tensor-parallel KV heads; the disk namespace names the rank and
@@ -23,8 +23,8 @@ vLLM joins the ranks' reports, and the request recomputes from there on every ra
 
 Hybrid models (sliding-window or chunked local layers beside full attention) keep vLLM's
 hybrid KV cache manager: the connector declares ``SupportsHMA`` and stores and loads each
-KV cache group by its own rules (``connector_scheduler``). Every KV cache layout vLLM
-resolves is read through the tensors it registers (``connector_layout``).
+KV cache group by its own rules (``scheduler``). Every KV cache layout vLLM
+resolves is read through the tensors it registers (``layout``).
 
 Not supported, refused at start-up with one line: KV cache specs that are not attention
 (Mamba and other per-request state), groups of different block sizes, and sleep mode
@@ -49,11 +49,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import compat
-from kvmem.integrations.vllm.connector_config import parse_extra_config
-from kvmem.integrations.vllm.connector_layout import GroupRule, group_rules
-from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata
-from kvmem.integrations.vllm.connector_scheduler import SchedulerSide
-from kvmem.integrations.vllm.connector_worker import RankPlace, WorkerSide, worker_identity
+from kvmem.integrations.vllm.connector.config import parse_extra_config
+from kvmem.integrations.vllm.connector.layout import GroupRule, group_rules
+from kvmem.integrations.vllm.connector.meta import KvmemConnectorMetadata
+from kvmem.integrations.vllm.connector.scheduler import SchedulerSide
+from kvmem.integrations.vllm.connector.worker import RankPlace, WorkerSide, worker_identity
 
 log = init_logger("vllm.kvmem.connector")
 

@@ -2,7 +2,7 @@
 
 Each worker (rank) owns an ``OffloadManager`` (CPU arena, namespaced and checksummed disk
 tier, transfer threads) over its own share of the KV cache: vLLM's per-layer KV tensors,
-in whatever layout vLLM resolved, are kvmem's slot tensors (``connector_layout``: a block
+in whatever layout vLLM resolved, are kvmem's slot tensors (``layout``: a block
 id is row ``b`` of each distinct view), so a block of any KV cache group is copied whole,
 as in kvmem's own engine.
 
@@ -32,8 +32,8 @@ import torch
 from vllm.logger import init_logger
 
 from kvmem.errors import ConfigError
-from kvmem.integrations.vllm.connector_layout import WorkerKVLayout
-from kvmem.integrations.vllm.connector_meta import KvmemConnectorMetadata, TierReport
+from kvmem.integrations.vllm.connector.layout import WorkerKVLayout
+from kvmem.integrations.vllm.connector.meta import KvmemConnectorMetadata, TierReport
 from kvmem.plan.types import rank_label
 from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.faults import Faults

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmem.cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
-from kvmem.integrations.vllm.connector_layout import GroupRule, block_ids_per_group
-from kvmem.integrations.vllm.connector_meta import (
+from kvmem.integrations.vllm.connector.layout import GroupRule, block_ids_per_group
+from kvmem.integrations.vllm.connector.meta import (
     BlockTransfer,
     KvmemConnectorMetadata,
     TierReport,

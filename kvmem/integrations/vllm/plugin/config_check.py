@@ -53,7 +53,7 @@ def exit_on_bad_settings(kv_transfer_config: Any) -> None:
     runs it); nothing for other connectors."""
     if kv_transfer_config is None:
         return
-    from kvmem.integrations.vllm.connector_config import parse_extra_config
+    from kvmem.integrations.vllm.connector.config import parse_extra_config
 
     try:
         for extra in _kvmem_extra_configs(kv_transfer_config.kv_connector,
