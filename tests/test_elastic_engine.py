@@ -82,7 +82,7 @@ def test_tokens_match_plain_and_shutdown_leaves_the_ledger(tiny, reference):
         stats = storage.stats()
         assert 0 < stats.mapped_bytes < stats.reserved_bytes
         [entry] = Ledger.for_device("cpu").entries()
-        assert (entry.name, entry.pid, entry.limit_bytes) == ("tiny-a", os.getpid(), 4 << 20)
+        assert (entry.name, entry.pid, entry.ceiling_bytes) == ("tiny-a", os.getpid(), 4 << 20)
         # Cached prefixes keep their pages; dropping them gives the pages back.
         assert stats.live_blocks > 1
         assert engine.kv_cache_manager.reset_prefix_cache()
@@ -203,7 +203,7 @@ def test_a_request_refused_by_the_shared_budget_waits_then_runs(tiny, reference)
     request waits (no error) and runs once that memory is given back."""
     ledger = Ledger.for_device("cpu")
     ledger.set_total_limit(2 << 20)
-    other = ledger.register("other", limit_bytes=None)
+    other = ledger.register("other", ceiling_bytes=None)
     page = 4 * 16 * 2 * 2 * 16 * 4  # one block in 4 layers, K and V, 2 heads x 16, fp32
     assert other.try_acquire((2 << 20) - page)
     llm = LLM(str(tiny), kv_memory="elastic", **OPTIONS)
@@ -467,17 +467,41 @@ def test_engine_goes_on_when_its_ledger_entry_is_lost(tiny, reference, ledger_di
         engine.shutdown()
 
 
-def test_request_refused_under_a_lowered_limit_names_the_elastic_limit(tiny):
+def test_a_lowered_ceiling_shrinks_the_engine_and_no_request_fails(tiny):
+    """A ceiling below one request of max_model_len is refused in one line. Lowered to one
+    request while four long ones run: cached blocks go first, then running requests are
+    preempted (recomputed later) until the engine is under it, within a step and a
+    heartbeat; every request finishes with its tokens."""
+    prompts = [[(i * 37 + j) % 250 + 1 for j in range(100)] for i in range(4)]
+    reference = [o.outputs[0].token_ids for o in LLM(str(tiny), **OPTIONS).generate(
+        prompts, GREEDY)]
     llm = LLM(str(tiny), kv_memory="elastic", engine_name="tiny-low", **OPTIONS)
     engine = llm.engine
+    ledger = Ledger.for_device("cpu")
+    one_request = engine.elastic.request_bytes
     try:
-        Ledger.for_device("cpu").set_limit("tiny-low", engine.elastic.sizing.page_bytes)
+        with pytest.raises(ConfigError, match="below one request of its max_model_len"):
+            ledger.set_limits("tiny-low", ceiling_bytes=one_request - 1)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, GREEDY)
+        outs = {}
+        for _ in range(14):  # all four prefilled (32 tokens a step) and decoding
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert not outs and engine.scheduler.num_running == 4
+        ledger.set_limits("tiny-low", ceiling_bytes=one_request)
+        engine.kv_storage._heartbeat()  # as the pre-mapping thread does within 50 ms
+        preempted = engine.num_preemptions
+        for _ in range(2):  # one step preempts, the next runs under the ceiling
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
         engine.kv_storage._heartbeat()
-        # The lowered limit is in force once the pre-mapping thread has trimmed the pages
-        # mapped before it (free blocks on mapped pages need no new budget).
         engine.kv_storage.settle()
-        engine.add_request("big", list(range(100)), GREEDY)
-        errors = [o.error for o in engine.step() if o.finished]
-        assert len(errors) == 1 and "raise the elastic KV memory limit" in errors[0]
+        assert engine.num_preemptions > preempted
+        assert engine.kv_storage.stats().held_bytes <= one_request
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+            assert engine.kv_storage.stats().held_bytes <= one_request + \
+                engine.kv_storage.geometry.page_bytes  # one page in flight at most
+        assert all(o.error is None for o in outs.values())
+        assert [outs[str(i)].outputs[0].token_ids for i in range(4)] == reference
     finally:
         engine.shutdown()

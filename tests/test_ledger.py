@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -50,7 +51,7 @@ ENGINE = textwrap.dedent("""
 
 def test_register_acquire_release_and_limits(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
-    a = ledger.register("a", limit_bytes=1000)
+    a = ledger.register("a", ceiling_bytes=1000)
     b = ledger.register("b", total_limit=1500)
     assert a.try_acquire(800)
     assert not a.try_acquire(300)  # own limit
@@ -70,10 +71,11 @@ def test_register_acquire_release_and_limits(tmp_path):
         other.kill()
         other.wait()
     with pytest.raises(UnknownEngineError):
-        ledger.set_limit("nope", 10)
-    held, allowed = a.report(123)
-    assert (held, allowed) == (300, 1000)
-    assert {e.name: e.used_bytes for e in ledger.entries()} == {"a": 123, "b": 0}  # c reaped
+        ledger.set_limits("nope", ceiling_bytes=10)
+    state = a.report(123)
+    # a may hold what the device total leaves it (1500 - b's 1100), within its ceiling
+    assert (state.held_bytes, state.allowed_bytes) == (300, 400)
+    assert {e.name: e.live_bytes for e in ledger.entries()} == {"a": 123, "b": 0}  # c reaped
 
 
 def test_dead_engines_are_reaped(tmp_path):
@@ -137,18 +139,21 @@ def test_two_engines_share_one_budget(tmp_path):
 
 def test_top_and_limit_commands(tmp_path, capsys):
     ledger = Ledger.for_device("cuda:0", tmp_path)  # an engine on cuda:0 made it
-    budget = ledger.register("llama", limit_bytes=4 << 30)
+    budget = ledger.register("llama", ceiling_bytes=4 << 30)
     budget.try_acquire(3 << 30)
-    budget.report(1 << 30)
+    budget.report(1 << 30, 1 << 29)
     assert main(["top", "--json", "--ledger-dir", str(tmp_path)]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [(r["name"], r["mapped_bytes"], r["used_bytes"], r["limit_bytes"]) for r in rows] == \
-        [("llama", 3 << 30, 1 << 30, 4 << 30)]
+    doc = json.loads(capsys.readouterr().out)
+    [device] = doc["devices"]
+    assert device["device"] == "cuda:0" and device["total_bytes"] is None
+    assert [(e["name"], e["mapped_bytes"], e["live_bytes"], e["cached_bytes"],
+             e["ceiling_bytes"], e["floor_bytes"]) for e in device["engines"]] == \
+        [("llama", 3 << 30, 1 << 30, 1 << 29, 4 << 30, 0)]
     assert main(["top", "--ledger-dir", str(tmp_path)]) == 0
     assert "llama" in capsys.readouterr().out
 
     assert main(["limit", "llama", "2GiB", "--ledger-dir", str(tmp_path)]) == 0
-    assert ledger.entries()[0].limit_bytes == 2 << 30
+    assert ledger.entries()[0].ceiling_bytes == 2 << 30
     assert not budget.try_acquire(1)  # 3 GiB held is now above the limit
     assert main(["limit", "--total", "8GiB", "--device", "cuda:0",
                  "--ledger-dir", str(tmp_path)]) == 0
@@ -218,8 +223,13 @@ def test_top_refuses_watch_intervals_it_cannot_sleep(capsys):
 
 def test_a_ledger_that_is_not_a_regular_file_or_too_large_is_refused(tmp_path):
     os.symlink("/dev/zero", tmp_path / "kvmem-ledger-cpu.json")
-    with pytest.raises(LedgerError, match="not a regular file"):
+    with pytest.raises(LedgerError, match="a link, refused"):
         Ledger.for_device("cpu", tmp_path).entries()
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "kvmem-ledger-cpu.json")  # opened without blocking, then refused
+    with pytest.raises(LedgerError, match="not a regular file"):
+        Ledger.for_device("cpu", fifo).entries()
     big = tmp_path / "big"
     big.mkdir()
     with open(big / "kvmem-ledger-cpu.json", "wb") as f:
@@ -234,9 +244,10 @@ def test_a_foreign_or_torn_ledger_starts_a_fresh_table(tmp_path, content):
     path = tmp_path / "kvmem-ledger-cpu.json"
     path.write_bytes(content)
     ledger = Ledger.for_device("cpu", tmp_path)
-    assert ledger.entries() == [] and ledger.total_limit() is None
+    assert ledger.entries() == [] and ledger.read().damage  # described, not fixed
     ledger.register("a")
     assert [e.name for e in ledger.entries()] == ["a"]
+    assert ledger.read().damage == []  # the next write repaired it
 
 
 @pytest.mark.parametrize("lose", ["delete", "reset"])
@@ -244,7 +255,7 @@ def test_an_engine_whose_entry_is_lost_registers_again(tmp_path, lose):
     """A ledger file deleted or reset under a running engine: its next call registers it
     again with what it holds and its limit, instead of raising UnknownEngineError."""
     path = tmp_path / "l.json"
-    a = Ledger(path).register("a", limit_bytes=1000)
+    a = Ledger(path).register("a", ceiling_bytes=1000)
     assert a.try_acquire(600)
     if lose == "delete":
         path.unlink()
@@ -252,11 +263,12 @@ def test_an_engine_whose_entry_is_lost_registers_again(tmp_path, lose):
         path.write_text("{}")
     assert not a.try_acquire(500)  # 600 still held: the limit still applies
     assert a.try_acquire(300)
-    assert [(e.name, e.mapped_bytes, e.limit_bytes) for e in Ledger(path).entries()] == \
+    assert [(e.name, e.mapped_bytes, e.ceiling_bytes) for e in Ledger(path).entries()] == \
         [("a", 900, 1000)]
     path.unlink()
     a.release(400)
-    assert a.report(7) == (500, 1000)
+    state = a.report(7)
+    assert (state.held_bytes, state.allowed_bytes) == (500, 1000)
 
 
 def test_an_unopenable_ledger_directory_is_a_one_line_error(tmp_path, capsys):
@@ -271,3 +283,148 @@ def test_an_unopenable_ledger_directory_is_a_one_line_error(tmp_path, capsys):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot open the KV memory ledger" in lines[0], done.stderr
+
+
+# -- a ledger damaged or attacked while engines run -------------------------------------
+@pytest.mark.parametrize("content", [
+    b'{"engines": {"x": 5}}',
+    b'{"total_limit": "abc", "engines": {}}',
+    b'{"engines": {"a": {"pid": 99999999999999999999}}}',
+    b'{"engines": {"a": {"pid": 4000000, "heartbeat": "now"}}}',
+    b'{"engines": {"a": {"pid": 4000000, "mapped_bytes": -4}}}',
+    b'{"engines": {"a": {"name": "a"}}}',
+    b'{"engines": {"\\u0000bad": {"pid": 1}}}',
+])
+def test_a_ledger_of_the_wrong_shape_never_stops_an_engine(tmp_path, content, capsys):
+    """Every entry and field is validated: a bad one is dropped (and described for
+    `kvmem top`); the engine's own entry is put right at its next write."""
+    path = tmp_path / "kvmem-ledger-cpu.json"
+    budget = Ledger.for_device("cpu", tmp_path).register("a", ceiling_bytes=1000)
+    assert budget.try_acquire(300)
+    path.write_bytes(content)
+    ledger = Ledger.for_device("cpu", tmp_path)
+    assert ledger.read().damage
+    assert main(["top", "--ledger-dir", str(tmp_path)]) == 0
+    assert "is damaged" in capsys.readouterr().out
+    assert main(["top", "--json", "--ledger-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"][0]["damage"]
+    assert budget.try_acquire(600)  # goes on, its 300 still counted
+    assert not budget.try_acquire(200)
+    [entry] = ledger.entries()
+    assert (entry.name, entry.mapped_bytes, entry.pid) == ("a", 900, os.getpid())
+    assert ledger.read().damage == []
+
+
+def test_a_ledger_replaced_by_a_directory_leaves_the_engine_its_own_accounting(tmp_path, caplog):
+    path = tmp_path / "kvmem-ledger-cpu.json"
+    budget = Ledger.for_device("cpu", tmp_path).register("a", ceiling_bytes=1000)
+    assert budget.try_acquire(300)
+    budget.report(100)
+    path.unlink()
+    path.mkdir()
+    with caplog.at_level("WARNING", logger="kvmem.memory"):
+        assert budget.try_acquire(600)  # within the 1000 it was last allowed
+        assert not budget.try_acquire(200)
+        budget.report(500)
+        budget.release(100)
+    problems = [r for r in caplog.records if "own accounting" in r.getMessage()]
+    assert len(problems) == 1  # logged once, not per call
+    path.rmdir()
+    with caplog.at_level("WARNING", logger="kvmem.memory"):
+        assert budget.try_acquire(100)
+    assert any("usable again" in r.getMessage() for r in caplog.records)
+    assert [(e.name, e.mapped_bytes) for e in Ledger.for_device("cpu", tmp_path).entries()] == \
+        [("a", 900)]
+
+
+def test_the_ledger_never_follows_a_link(tmp_path):
+    """In a world-writable folder another user could plant a link named like the ledger:
+    neither an engine nor `kvmem limit` may rewrite its target."""
+    target = tmp_path / "victim"
+    target.write_text("precious")
+    folder = tmp_path / "ledgers"
+    folder.mkdir()
+    os.symlink(target, folder / "kvmem-ledger-cpu.json")
+    with pytest.raises(LedgerError, match="a link, refused"):
+        Ledger.for_device("cpu", folder).register("a")
+    assert main(["limit", "--total", "1GiB", "--device", "cpu", "--ledger-dir",
+                 str(folder)]) == 2
+    assert target.read_text() == "precious"
+
+
+def test_ledger_files_are_private_unless_the_folder_is_a_group_folder(tmp_path):
+    private = tmp_path / "private"
+    Ledger.for_device("cpu", private).register("a")
+    assert (private / "kvmem-ledger-cpu.json").stat().st_mode & 0o777 == 0o600
+    group = tmp_path / "group"
+    group.mkdir()
+    group.chmod(0o2770)  # set-group-ID: engines of one group share its ledgers
+    Ledger.for_device("cpu", group).register("a")
+    assert (group / "kvmem-ledger-cpu.json").stat().st_mode & 0o777 == 0o660
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_a_ledger_of_another_user_is_not_touched(tmp_path):
+    path = tmp_path / "kvmem-ledger-cpu.json"
+    path.write_text('{"total_limit": 5}')
+    os.chown(path, 65534, 65534)
+    with pytest.raises(LedgerError, match="belongs to user 65534"):
+        Ledger.for_device("cpu", tmp_path).register("a")
+    assert path.read_text() == '{"total_limit": 5}'
+
+
+def test_top_and_limit_refuse_a_ledger_folder_that_is_a_file(tmp_path, capsys):
+    folder = tmp_path / "file"
+    folder.write_text("x")
+    for args in (["top"], ["top", "--json"], ["limit", "a", "1GiB"]):
+        assert main([*args, "--ledger-dir", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvmem: error:") and "not a directory" in err
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB tmpfs (needs the right to mount; skipped without it)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_tmpfs_under_the_ledger_leaves_it_intact(tiny_tmpfs):
+    """A write that finds no room fails before touching the table (an engine then goes on
+    with its own accounting); the ledger as it was stays readable."""
+    ledger = Ledger.for_device("cpu", tiny_tmpfs)
+    budget = ledger.register("a", ceiling_bytes=1 << 20)
+    assert budget.try_acquire(4096)
+    path = tiny_tmpfs / "kvmem-ledger-cpu.json"
+    while path.stat().st_size < 3600:  # the next entry needs a second 4 KiB page
+        ledger.register(f"b{path.stat().st_size}")
+    filler = tiny_tmpfs / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    before = path.read_bytes()
+    with pytest.raises(LedgerError, match="left as it was"):
+        ledger.register("c" * 128)
+    assert path.read_bytes() == before
+    assert budget.try_acquire(4096)  # the engine goes on with its own accounting
+    filler.unlink()
+    assert budget.try_acquire(4096)  # and back in the ledger with all it holds
+    assert ledger.read().engines["a"].mapped_bytes == 3 * 4096
+
+
+def test_engine_names_are_printable_and_shown_as_text(tmp_path, capsys):
+    ledger = Ledger.for_device("cpu", tmp_path)
+    for bad in ("", "a\nb", "x" * 129, "\x1b[31mred"):
+        with pytest.raises(ConfigError, match="printable characters"):
+            ledger.register(bad)
+    ledger.register("[/x]")
+    ledger.register("[bold red]y[/]")
+    assert main(["top", "--ledger-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[/x]" in out and "[bold red]y[/]" in out

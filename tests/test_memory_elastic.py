@@ -140,7 +140,7 @@ def test_pages_are_released_when_blocks_free_keeping_the_reserve():
 def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
     page = 3 * 4 * 8192  # 3 slots x 4 blocks x 8 KiB
-    budget = ledger.register("a", limit_bytes=5 * page)
+    budget = ledger.register("a", ceiling_bytes=5 * page)
     storage = fake_storage(budget=budget, reserve_pages=0)
     assert storage.stats().page_bytes == page
     q = storage.free_queue()
@@ -210,7 +210,7 @@ def test_lowered_limit_trims_free_pages(tmp_path):
     try:
         storage.settle()
         assert storage.stats().mapped_pages == 7
-        ledger.set_limit("eng", 3 * page)
+        ledger.set_limits("eng", ceiling_bytes=3 * page)
         storage._heartbeat()
         storage.settle()
         assert storage.stats().held_bytes <= 3 * page
@@ -317,3 +317,80 @@ def test_premap_thread_logs_an_error_and_keeps_going(caplog):
     finally:
         thread.stop()
         storage.close()
+
+
+def test_an_idle_storage_gives_back_what_it_caches_when_another_engine_asks(tmp_path):
+    """Engine a holds pages of live, cached and free blocks and is idle; engine b needs
+    room under the shared total: a's pre-mapping thread sees the ask (it looks every
+    50 ms), gives back its free pages and then its cached-only pages, least recently used
+    first, through the pool (which drops their hashes), never its live blocks nor below its
+    floor; b then takes the room."""
+    import time
+
+    from kvmem.cache import BlockPool
+
+    ledger = Ledger(tmp_path / "l.json")
+    storage = fake_storage(max_blocks=64, reserve_pages=1,
+                           budget=ledger.register("a", floor_bytes=0))
+    page = storage.geometry.page_bytes
+    ledger.set_total_limit(12 * page)
+    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+    evicted = []
+    pool.evict_listener = lambda block, h: evicted.append(block)  # a tier's copy
+    storage.start(reclaim=lambda n: storage.give_back(n, evict=pool.evict_cached))
+    try:
+        assert pool.can_take(40)
+        blocks = pool.take_new_blocks(40, 0)  # 10 pages
+        for i, b in enumerate(blocks):
+            pool.cache_block(0, b, bytes([i]) * 16, None)
+        live, first_cached, last_cached = blocks[:8], blocks[8:24], blocks[24:]
+        pool.free_blocks(first_cached)  # cached first: least recently used
+        pool.free_blocks(last_cached)
+        storage.settle()
+        held = storage.stats().held_bytes
+        assert held >= 10 * page
+        b = ledger.register("b")
+        asked_at = time.monotonic()
+        assert not b.try_acquire(6 * page)
+        while not b.try_acquire(6 * page):
+            assert time.monotonic() - asked_at < 5, "a never gave back"
+            time.sleep(0.01)
+        stats = storage.stats()
+        assert stats.held_bytes <= held - 4 * page
+        assert stats.live_blocks - stats.cached_blocks == 9  # 8 live and the null: untouched
+        # least recently used first: the older cached pages all went, the newest stayed
+        # (page 2 is kept whole: block 8 on it is live)
+        eligible_old = [b for b in first_cached if b // 4 != live[-1] // 4]
+        assert set(eligible_old) <= set(evicted)
+        assert not set(evicted) & set(last_cached[-8:])
+        assert all(pool.get_cached_block(0, bytes([i]) * 16) is None
+                   for i, blk in enumerate(blocks) if blk in evicted)
+        assert stats.reclaims >= 1 and stats.reclaimed_bytes >= 4 * page
+        entry = ledger.read().engines["a"]
+        assert entry.reclaim_bytes == 0 and entry.reclaimed_bytes == stats.reclaimed_bytes
+        assert sum(e.mapped_bytes for e in ledger.entries()) <= 12 * page
+        assert storage.stats().mapped_pages * page <= stats.held_bytes  # nothing mapped back
+    finally:
+        storage.close()
+
+
+def test_giving_back_stops_at_the_floor(tmp_path):
+    from kvmem.cache import BlockPool
+
+    ledger = Ledger(tmp_path / "l.json")
+    storage = fake_storage(max_blocks=64, reserve_pages=0,
+                           budget=ledger.register("a", floor_bytes=0))
+    page = storage.geometry.page_bytes
+    ledger.set_limits("a", floor_bytes=6 * page)
+    storage.budget.report(0)  # reads its floor
+    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+    assert pool.can_take(32)
+    blocks = pool.take_new_blocks(32, 0)
+    for i, b in enumerate(blocks):
+        pool.cache_block(0, b, bytes([i]) * 16, None)
+    pool.free_blocks(blocks)
+    storage.settle()
+    given = storage.give_back(100 * page, evict=pool.evict_cached)
+    assert given > 0
+    assert storage.stats().held_bytes >= 6 * page
+    storage.close()

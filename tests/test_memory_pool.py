@@ -14,7 +14,7 @@ PAGE = 2 * 4 * 8192  # 2 slots x 4 blocks x 8 KiB
 
 
 def make(tmp_path, limit_pages: int):
-    budget = Ledger(tmp_path / "l.json").register("e", limit_bytes=limit_pages * PAGE)
+    budget = Ledger(tmp_path / "l.json").register("e", ceiling_bytes=limit_pages * PAGE)
     storage = ElasticKVStorage(2, SlotShape(2, 16, 2, 32), torch.float32, max_blocks=256,
                                backend=FakeBackend(4096), blocks_per_page=4, reserve_pages=0,
                                budget=budget, start=False)

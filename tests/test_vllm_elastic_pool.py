@@ -127,7 +127,7 @@ out["refill_block"] = again[0].block_id
 step(); check()
 
 # the limit: 6 pages; vLLM sees only what fits, and may take exactly that
-ledger.set_limit("a", 6 * page)
+ledger.set_limits("a", ceiling_bytes=6 * page)
 step()
 out["free_under_limit"] = pool.get_num_free_blocks()
 grown = pool.get_new_blocks(pool.get_num_free_blocks())
@@ -146,7 +146,7 @@ hit = grown[0]
 pool.touch([hit])  # a prefix-cache hit on a cached-free block
 step(); check()
 pool.free_blocks([hit])
-ledger.set_limit("a", 3 * page)  # below what the cache holds: its pages are reclaimed
+ledger.set_limits("a", ceiling_bytes=3 * page)  # below what the cache holds: reclaimed
 step(); check()
 out["held_after_lower"] = entry("a").mapped_bytes
 out["hashes_left"] = sum(b.block_hash is not None for b in grown)
@@ -177,7 +177,7 @@ for i in range(400):
             pool.touch([hit])
             held.append([hit])
     else:
-        ledger.set_limit("a", rng.randrange(4, 60) * page)
+        ledger.set_limits("a", ceiling_bytes=rng.randrange(4, 60) * page)
     step(); check()
     e = entry("a")
     live = sum(b.ref_cnt > 0 for b in pool.blocks) + 1  # and the null block
@@ -185,16 +185,16 @@ for i in range(400):
 out["random_peak_over_live_or_limit"] = peak_over
 for blocks in held + [first[:1], first[2:], again]:
     pool.free_blocks(blocks)
-ledger.set_limit("a", None)
+ledger.set_limits("a", ceiling_bytes=None)
 step(); check()
 out["held_after_random"] = entry("a").mapped_bytes
 out["cached_after_random"] = sched.pool.stats().cached_blocks
 
 # an overdraft: engine "b" takes the shared room after a counted, and a has no
 # prefix cache to evict instead (a low limit reclaims it first)
-ledger.set_limit("a", page)
+ledger.set_limits("a", ceiling_bytes=page)
 step(); check()
-ledger.set_limit("a", None)
+ledger.set_limits("a", ceiling_bytes=None)
 warnings = []  # (vLLM configures its loggers when it builds its config: listen now)
 logging.getLogger("vllm.kvmem.elastic").addHandler(
     type("H", (logging.Handler,), {"emit": lambda self, r: warnings.append(r.getMessage())})())

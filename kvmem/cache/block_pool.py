@@ -239,6 +239,33 @@ class BlockPool:
             listener.on_blocks_released(dropped)
         return True
 
+    def evict_cached(self, block_ids: Iterable[int]) -> int:
+        """Drop the cached data of cached-free blocks (others are skipped), leaving them
+        free: elastic memory gives such pages back to other engines. The evict listener
+        sees each first (a tier keeps a copy). Returns how many were evicted."""
+        victims = [b for b in block_ids if 0 < b < self.num_blocks and self.ref_cnt[b] == 0
+                   and not self.hold_cnt[b] and self.block_hash[b] is not None]
+        if not victims:
+            return 0
+        for block_id in victims:
+            block_hash = self.block_hash[block_id]
+            assert block_hash is not None
+            group_id = self.block_group[block_id]
+            if self.evict_listener is not None:
+                self.evict_listener(block_id, block_hash)
+            del self.cached[group_id][block_hash]
+            self.block_hash[block_id] = None
+            if self.events is not None:
+                self.events.append(KVCacheEvent("evicted", block_hash, block_id, group_id))
+        self.epoch += 1
+        self.free_queue.remove_cached(victims)
+        self.free_queue.push_free(victims)
+        for listener in self.listeners:
+            listener.on_blocks_released(victims)
+        if self.events is not None and len(self.events) > self.max_events:
+            self._bound_events()
+        return len(victims)
+
     # -- transfer holds --------------------------------------------------------------------
 
     def hold(self, block_ids: Iterable[int]) -> None:

@@ -58,7 +58,8 @@ class EngineConfig:
     # where KV bytes live (kvmem.memory): plain preallocated tensors, or elastic pages mapped
     # on demand under a limit shared with other engines on the device (ledger)
     kv_memory: str = "plain"  # plain | elastic
-    kv_memory_limit_bytes: int | None = None  # elastic: default the planned KV budget
+    kv_memory_limit_bytes: int | None = None  # elastic ceiling: default the planned budget
+    kv_memory_floor_bytes: int | None = None  # elastic floor: reserved for this engine
     engine_name: str | None = None  # the engine's name in the ledger (default: model-pid)
 
     def __post_init__(self) -> None:
@@ -91,14 +92,21 @@ class EngineConfig:
         if self.kv_memory not in KV_MEMORY_BACKENDS:
             raise ConfigError(f"unknown kv_memory {self.kv_memory!r} "
                               f"(choose from {', '.join(KV_MEMORY_BACKENDS)})")
-        if self.kv_memory_limit_bytes is not None:
+        for field_name, flag in (("kv_memory_limit_bytes", "--kv-memory-limit"),
+                                 ("kv_memory_floor_bytes", "--kv-memory-min")):
+            value = getattr(self, field_name)
+            if value is None:
+                continue
             if self.kv_memory != "elastic":
-                raise ConfigError("--kv-memory-limit (kv_memory_limit_bytes) needs "
-                                  "--kv-memory elastic")
-            self.kv_memory_limit_bytes = parse_size(self.kv_memory_limit_bytes,
-                                                    "kv_memory_limit_bytes")
-        if self.engine_name is not None and not self.engine_name.strip():
-            raise ConfigError("engine_name must not be empty")
+                raise ConfigError(f"{flag} ({field_name}) needs --kv-memory elastic")
+            setattr(self, field_name, parse_size(value, field_name))
+        floor, ceiling = self.kv_memory_floor_bytes, self.kv_memory_limit_bytes
+        if floor is not None and ceiling is not None and floor > ceiling:
+            raise ConfigError(f"--kv-memory-min {floor} is above --kv-memory-limit {ceiling}")
+        if self.engine_name is not None:
+            from kvmem.memory.ledger import check_engine_name
+
+            check_engine_name(self.engine_name)
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -204,9 +212,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     mem.add_argument("--kv-memory", default=d.kv_memory, choices=KV_MEMORY_BACKENDS,
                      help="plain: preallocated KV tensors; elastic: pages mapped on demand "
                           "under a limit shared with other engines on the device")
-    mem.add_argument("--kv-memory-limit", dest="kv_memory_limit_bytes", default=None,
-                     metavar="SIZE", help="elastic: most KV memory mapped at once, e.g. 4GiB "
-                                          "(default: the planned KV budget)")
+    mem.add_argument("--kv-memory-limit", "--kv-memory-max", dest="kv_memory_limit_bytes",
+                     default=None, metavar="SIZE",
+                     help="elastic: this engine's ceiling, the most KV memory it maps at "
+                          "once, e.g. 4GiB (default: the planned KV budget)")
+    mem.add_argument("--kv-memory-min", dest="kv_memory_floor_bytes", default=None,
+                     metavar="SIZE", help="elastic: this engine's floor, reserved for it "
+                                          "whatever other engines on the device do")
     mem.add_argument("--engine-name", default=None,
                      help="this engine's name in `kvmem top` / `kvmem limit` "
                           "(default: served model name + pid)")

@@ -13,15 +13,25 @@ they agree on the page layout without talking); a parallel engine's ranks then r
 ``start(store, timeout)``, ``PageMapCoordinator.startup``, so that every rank maps the
 same pages in the same order before serving. Rank and world size are
 arguments from the engine's ParallelConfig; only rank 0 takes bytes from the ledger.
+
+Sharing the device: the engine registers its floor (``--kv-memory-min``), ceiling
+(``--kv-memory-limit``) and one request's bytes. When other engines ask it to give memory
+back, or its ceiling is lowered, its pre-mapping thread calls ``reclaim``: under ``lock``
+(which the engine holds around each step, so an idle engine answers at once and a busy one
+after its step) free pages go back, then pages holding only cached blocks, least
+recently used first, evicted from the pool (demoted to a tier first, when the engine has
+one). If it is still over a lowered ceiling, the scheduler preempts running requests
+(``excess_blocks``) until it is under.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,8 +75,13 @@ class ElasticSetup:
     world_size: int
     device: torch.device
     need_blocks: Callable[[int], int]  # blocks one request of n tokens holds (+ the null)
+    max_model_len: int
     wait_timeout: float = 60.0
+    floor_bytes: int = 0
     storage: ElasticKVStorage | None = None
+    pool: Any = None  # the block pool make_pool built (its cached blocks can be evicted)
+    # held by the engine around each step: reclaim runs between steps
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     @classmethod
     def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan: Plan, *,
@@ -96,8 +111,15 @@ class ElasticSetup:
                 f"one request of max_model_len {max_model_len:,} needs {need} (incl. the null "
                 "block); raise --kv-memory-limit or lower --max-model-len")
         name = config.engine_name or default_engine_name(config)
-        return cls(sizing, name, rank, world_size, device, need_blocks,
-                   wait_timeout=config.distributed_timeout_s)
+        return cls(sizing, name, rank, world_size, device, need_blocks, max_model_len,
+                   wait_timeout=config.distributed_timeout_s,
+                   floor_bytes=config.kv_memory_floor_bytes or 0)
+
+    @property
+    def request_bytes(self) -> int:
+        """Whole pages one request of max_model_len needs (the null block's included)."""
+        s = self.sizing
+        return -(-self.need_blocks(self.max_model_len) // s.blocks_per_page) * s.page_bytes
 
     # -- storage -------------------------------------------------------------------------
     def build_storage(self, num_slots: int, shape: SlotShape, dtype: torch.dtype,
@@ -106,7 +128,8 @@ class ElasticSetup:
         budget = None
         if self.rank == 0:
             budget = Ledger.for_device(ledger_device_name(device)).register(
-                self.name, limit_bytes=self.sizing.limit_bytes)
+                self.name, floor_bytes=self.floor_bytes, ceiling_bytes=self.sizing.limit_bytes,
+                request_bytes=self.request_bytes)
         try:
             self.storage = ElasticKVStorage(
                 num_slots, shape, dtype, max_blocks=self.sizing.max_blocks, device=str(device),
@@ -129,27 +152,54 @@ class ElasticSetup:
         from kvmem.cache import BlockPool
 
         storage = self._storage()
-        return BlockPool(storage.num_blocks, num_groups, enable_events=enable_events,
-                         **storage.pool_wiring())
+        self.pool = BlockPool(storage.num_blocks, num_groups, enable_events=enable_events,
+                              **storage.pool_wiring())
+        return self.pool
 
     def start(self, store: Any = None, timeout: float | None = None) -> None:
         """Start background pre-mapping; with ranks, first bring them to one page map."""
         storage = self._storage()
         if self.world_size == 1:
-            storage.start()
+            storage.start(reclaim=self.reclaim)
             return
         coordinator = PageMapCoordinator(store, rank=self.rank, world_size=self.world_size,
                                          timeout=timeout or self.wait_timeout)
-        coordinator.startup(storage)
+        coordinator.startup(storage, reclaim=self.reclaim)
+
+    # -- giving memory back ----------------------------------------------------------------
+    def reclaim(self, nbytes: int) -> int:
+        """Give about ``nbytes`` back (other engines asked, or the ceiling was lowered):
+        between steps, free pages and then pages of cached blocks only, least recently
+        used first; returns the bytes given."""
+        with self.lock:
+            return self._storage().give_back(nbytes, evict=self._evict)
+
+    def _evict(self, block_ids: list[int]) -> None:
+        if self.pool is None:
+            return
+        self.pool.evict_cached(block_ids)  # a tier copies each out first
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # those copies read pages about to go
+
+    def excess_pages(self) -> int:
+        """Pages of running requests' KV above what the engine may hold now (a lowered
+        ceiling): the scheduler preempts running requests until this is 0; the pages they
+        free go back at the next heartbeat."""
+        table = self._storage().table
+        allowed = table.allowed_bytes
+        if allowed is None or table.held_bytes <= allowed:
+            return 0
+        return max(0, table.pages_in_use() - allowed // table.page_bytes)
 
     # -- the scheduler's view ------------------------------------------------------------
     def fits_limit(self, num_tokens: int) -> bool:
-        """Whether a request of ``num_tokens`` fits under this engine's limit when no other
-        engine holds memory: if so, a refusal only means waiting for them to free some."""
+        """Whether a request of ``num_tokens`` fits under this engine's ceiling once other
+        engines gave back what they hold above their floors: if so, a refusal only means
+        waiting for them to free some."""
         storage = self._storage()
-        allowed = storage.table.allowed_bytes
-        limit_blocks = self.sizing.limit_blocks if allowed is None else \
-            allowed // self.sizing.page_bytes * self.sizing.blocks_per_page
+        cap = storage.table.attainable_bytes
+        limit_blocks = self.sizing.limit_blocks if cap is None else \
+            cap // self.sizing.page_bytes * self.sizing.blocks_per_page
         return self.need_blocks(num_tokens) <= limit_blocks
 
     def backoff(self, seconds: float = 0.01) -> None:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -112,6 +113,9 @@ class LLMEngine:
         self.rank_state = state
         self.model, self.kv_plan = state.model, state.kv_plan
         self.elastic = state.elastic  # rank 0's; every rank has mapped the same pages
+        # Held around everything that changes request or block state: elastic memory gives
+        # pages back to other engines between steps, from its own thread.
+        self._lock = self.elastic.lock if self.elastic is not None else threading.RLock()
         self.memory_profile = state.memory_profile
         self.kv_storage = state.kv.storage
         self.num_blocks = state.kv.num_blocks
@@ -218,6 +222,10 @@ class LLMEngine:
                     cache_salt: str | None = None) -> Request:
         request = request_id if isinstance(request_id, Request) else \
             self.make_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
+        with self._lock:
+            return self._add(request)
+
+    def _add(self, request: Request) -> Request:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.output_processor.add_request(request)
@@ -298,6 +306,10 @@ class LLMEngine:
         return self.scheduler.requests
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        with self._lock:
+            return self._abort(request_ids)
+
+    def _abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         ids += [m.request_id for rid in ids if rid in self.groups
                 for m in self.groups[rid].members[1:]]
@@ -318,6 +330,10 @@ class LLMEngine:
         """Schedule, run the model once, and return outputs of requests that advanced."""
         if self._closed:
             raise KvmemError("the engine is shut down")
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         start = time.monotonic()
         for rid in scheduled.num_scheduled_tokens:

@@ -60,9 +60,11 @@ class OffloadHooks(Protocol):
 
 class KVMemory(Protocol):
     """KV memory whose limit other engines share (``ElasticSetup``): a refusal that fits the
-    engine's own limit means "wait", not "fail"."""
+    engine's own limit means "wait", not "fail"; a lowered limit means preempting."""
 
     def fits_limit(self, num_tokens: int) -> bool: ...
+
+    def excess_pages(self) -> int: ...
 
     def backoff(self) -> None: ...
 
@@ -194,8 +196,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.offload is not None:
             self._admit_loaded()
-        scheduled: list[tuple[Request, int, Allocation]] = []
         preemptions = self.stats.num_preemptions
+        if self.kv_memory is not None:
+            self._shrink_to_limit()
+        scheduled: list[tuple[Request, int, Allocation]] = []
         budget = self._schedule_running(scheduled, self.max_num_batched_tokens)
         if self.stats.num_preemptions == preemptions:  # else memory is short: admit nobody
             self._schedule_waiting(scheduled, budget)
@@ -279,6 +283,13 @@ class Scheduler:
             self.kv_memory.backoff()  # waiting for memory other engines hold
         elif self.offload is not None and self._loading:
             self.offload.wait(0.05)  # nothing to run until a tier load lands
+
+    def _shrink_to_limit(self) -> None:
+        """Under a lowered KV memory limit, preempt running requests (the newest first,
+        recomputed later) until what runs fits; they wait, none fails."""
+        assert self.kv_memory is not None
+        while self.running and self.kv_memory.excess_pages() > 0:
+            self._preempt(self.running[-1])
 
     def _schedule_running(self, scheduled: list, budget: int) -> int:
         i = 0

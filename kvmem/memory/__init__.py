@@ -3,9 +3,10 @@
 Imports no torch at package import time; backends import it when constructed.
 """
 
+from kvmem.memory.budget import EngineBudget
 from kvmem.memory.coordinator import PageMapCoordinator
 from kvmem.memory.elastic import ElasticKVStorage, ElasticStats
-from kvmem.memory.ledger import EngineBudget, Ledger
+from kvmem.memory.ledger import Ledger
 from kvmem.memory.storage import KVStorage, SlotShape
 from kvmem.memory.wait import WaitTimeout, wait_for
 

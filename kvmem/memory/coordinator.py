@@ -15,6 +15,7 @@ without a broadcast of their own.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from kvmem.errors import ConfigError, KvmemError
@@ -52,7 +53,8 @@ class PageMapCoordinator:
         wait_for(lambda: self.store.check([key]), timeout=self.timeout, what=what)
         return self.store.get(key)
 
-    def startup(self, storage: ElasticKVStorage) -> None:
+    def startup(self, storage: ElasticKVStorage,
+                reclaim: Callable[[int], int] | None = None) -> None:
         """Bring every rank to the same page map, then start rank 0's pre-mapping thread."""
         if (storage.rank, storage.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"storage is rank {storage.rank}/{storage.world_size}, coordinator "
@@ -78,7 +80,7 @@ class PageMapCoordinator:
                     f"rank 0 has {plan['layout']}")
             storage.apply_ops(_decode(plan["ops"]))
             self.store.set(self._key("ready", self.rank), "1")
-        storage.start()
+        storage.start(reclaim=reclaim)
 
     def publish(self, step: int, ops: list[PageOp]) -> None:
         self.store.set(self._key("step", step), json.dumps(_encode(ops)))

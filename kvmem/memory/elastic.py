@@ -10,20 +10,29 @@ be live at once (``capacity_guard``). A block pool takes it all at construction:
     pool = BlockPool(storage.num_blocks, num_groups, **storage.pool_wiring())
 
 Startup order: the null block's page is mapped in the constructor, synchronously; the
-pre-mapping thread starts only in ``start()``. With tensor parallelism, rank 0 decides
+pre-mapping thread starts only in ``start()``.
+
+Sharing the device: the pre-mapping thread's heartbeat reads what the engine may hold and
+what other engines ask it to give back (``kvmem.memory.sharing``); ``give_back`` then
+unmaps its free pages and, through the ``reclaim`` callable ``start`` was given (the
+engine's, which evicts cached blocks from its prefix cache, demoting them to a tier
+first, under its step lock), pages that hold only cached blocks, least recently used
+first, never below the engine's floor. With tensor parallelism, rank 0 decides
 every mapping and the other ranks replay its decisions (``drain_ops`` / ``apply_ops``,
 or ``PageMapCoordinator`` at startup); rank and world size are constructor arguments.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from math import ceil
 from typing import TYPE_CHECKING, Any
 
 from kvmem.errors import ConfigError
 from kvmem.memory.backends import PageBackend, make_backend
+from kvmem.memory.budget import EngineBudget
 from kvmem.memory.free_queue import PageAwareFreeQueue
-from kvmem.memory.ledger import EngineBudget
 from kvmem.memory.page_table import PageOp, PageTable
 from kvmem.memory.pages import PageGeometry
 from kvmem.memory.premap import PremapThread
@@ -47,7 +56,13 @@ class ElasticStats:
     free_blocks: int
     maps: int
     unmaps: int
-    limit_bytes: int | None
+    limit_bytes: int | None  # the most it may hold now (ceiling and device total)
+    cached_blocks: int = 0
+    cached_bytes: int = 0
+    floor_bytes: int = 0
+    ceiling_bytes: int | None = None
+    reclaimed_bytes: int = 0  # given back to other engines
+    reclaims: int = 0
 
 
 class ElasticKVStorage:
@@ -84,6 +99,7 @@ class ElasticKVStorage:
             self.table.remove_free(NULL_BLOCK)  # the pool keeps the null block out of its queue
         self._slots: list[torch.Tensor] | None = None
         self._premap: PremapThread | None = None
+        self._reclaim: Callable[[int], int] = self.give_back
         if start and world_size == 1:
             self.start()
 
@@ -120,11 +136,15 @@ class ElasticKVStorage:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the pre-mapping thread (rank 0 only; other ranks replay rank 0's ops)."""
+    def start(self, reclaim: Callable[[int], int] | None = None) -> None:
+        """Start the pre-mapping thread (rank 0 only; other ranks replay rank 0's ops).
+        ``reclaim(nbytes) -> bytes given``: how the engine gives memory back (default
+        ``give_back`` without evicting anything)."""
         if self.rank != 0 or self._premap is not None:
             return
-        self._premap = PremapThread(self.table, heartbeat=self._heartbeat)
+        self._reclaim = reclaim or self.give_back
+        self._premap = PremapThread(self.table, heartbeat=self._heartbeat,
+                                    watch=self._watch if self.budget is not None else None)
         self._premap.start()
 
     def settle(self, timeout: float = 10.0) -> None:
@@ -140,10 +160,45 @@ class ElasticKVStorage:
     def _heartbeat(self) -> None:
         if self.budget is None:
             return
-        _, allowed = self.budget.report(self.stats().used_bytes)
-        with self.table.cond:
-            self.table.allowed_bytes = allowed
-            self.table.cond.notify_all()
+        t = self.table
+        state = self.budget.report(t.live_kv_blocks * t.block_bytes,
+                                   len(t.cached) * t.block_bytes)
+        with t.cond:
+            t.allowed_bytes, t.attainable_bytes = state.allowed_bytes, state.attainable_bytes
+            t.cond.notify_all()
+        over = 0 if state.allowed_bytes is None else t.held_bytes - state.allowed_bytes
+        want = max(over, state.reclaim_bytes)
+        given = self._reclaim(want) if want > 0 else 0
+        if state.reclaim_bytes:
+            self.budget.gave_back(given)
+
+    def _watch(self) -> bool:
+        """Whether an ask to give back, or a lowered limit, waits in the ledger."""
+        assert self.budget is not None
+        state = self.budget.peek()
+        return state.reclaim_bytes > 0 or (state.allowed_bytes is not None
+                                           and self.table.held_bytes > state.allowed_bytes)
+
+    def give_back(self, nbytes: int, evict: Callable[[list[int]], None] | None = None) -> int:
+        """Give about ``nbytes`` back: every wholly free page (mapping ahead stops until
+        the engine allocates again) and, with ``evict`` (which takes cached-free blocks
+        out of the prefix cache, leaving them free), pages holding only cached blocks,
+        least recently used first, never going below the engine's floor. Returns the
+        bytes released to the ledger."""
+        t = self.table
+        floor = self.budget.floor_bytes if self.budget is not None else 0
+        before = t.held_bytes
+        with t.cond:
+            t.reserve_suspended = True
+            pages = min(ceil(nbytes / t.page_bytes), max(0, before - floor) // t.page_bytes)
+        short = pages - t.idle_pages()
+        if evict is not None and short > 0:
+            victims = t.cached_victims(short)
+            if victims:
+                evict(victims)
+        while t.maintain_once():
+            pass
+        return max(0, before - t.held_bytes)
 
     def drain_ops(self) -> list[PageOp]:
         return self.table.drain_ops()
@@ -157,14 +212,19 @@ class ElasticKVStorage:
         return self.table.mapped_pages * self.geometry.page_bytes
 
     def stats(self) -> ElasticStats:
-        t, geo = self.table, self.geometry
+        t, geo, b = self.table, self.geometry, self.budget
         with t.cond:
             return ElasticStats(
                 reserved_bytes=geo.reserved_bytes, mapped_bytes=t.mapped_pages * geo.page_bytes,
                 held_bytes=t.held_bytes, used_bytes=t.live_blocks * geo.block_slot_bytes
                 * geo.num_slots, page_bytes=geo.page_bytes, mapped_pages=t.mapped_pages,
                 live_blocks=t.live_blocks, free_blocks=t.num_free, maps=t.maps,
-                unmaps=t.unmaps, limit_bytes=t.allowed_bytes)
+                unmaps=t.unmaps, limit_bytes=t.allowed_bytes, cached_blocks=len(t.cached),
+                cached_bytes=len(t.cached) * t.block_bytes,
+                floor_bytes=b.floor_bytes if b is not None else 0,
+                ceiling_bytes=b.ceiling_bytes if b is not None else None,
+                reclaimed_bytes=b.reclaimed_bytes if b is not None else 0,
+                reclaims=b.reclaims if b is not None else 0)
 
     def close(self) -> None:
         if self._premap is not None:

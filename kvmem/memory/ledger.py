@@ -1,34 +1,46 @@
-"""The shared budget: a small file-backed table, locked with ``fcntl``, that lets engine
-processes on one device share a memory limit.
+"""The ledger: one small file-backed table per device that engine processes share, under
+``fcntl.flock``, to divide the device's KV memory.
 
-Each engine has an entry (pid, held bytes, used bytes, own limit, heartbeat); the table
-may also carry a ``total_limit`` for all engines together. An engine asks for bytes
-before it maps pages (``EngineBudget.try_acquire``) and gives them back after it unmaps
-them. Entries of processes that no longer exist are reaped on every update; an engine
-whose own entry is gone (the file deleted or reset) registers again on its next update.
+The table holds an optional ``total_limit`` for all engines on the device and one entry
+per engine (``LedgerEntry``): its floor and ceiling, what it maps, what of that holds
+live and cached KV, what others asked it to give back and what it gave. The rules that
+read the table (how much an engine may take, who gives back what) are in
+``kvmem.memory.sharing``; an engine's handle on its entry is ``kvmem.memory.budget``.
 
 The file lives in ``$KVMEM_LEDGER_DIR`` (default ``/dev/shm``, else the temp directory)
-as ``kvmem-ledger-<device>.json``.
+as ``kvmem-ledger-<device>.json``. It is treated as hostile input:
+
+- it is opened without following links, created ``0600`` (``0660`` in a set-group-ID
+  folder, for engines of one group), and only a regular file owned by this user (or, in
+  such a folder, by its group) is read or written;
+- the read is bounded, every entry is validated field by field; a bad entry or field is
+  dropped, the table is used without it, and what was wrong is kept in ``damage`` (shown
+  by ``kvmem top``) until the next clean write;
+- the lock wait is bounded, and a write reserves its space first, so a full file system
+  leaves the old table intact (a ``LedgerError``, which engines survive).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
-import logging
+import math
 import os
 import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from kvmem.errors import ConfigError, KvmemError
 
-log = logging.getLogger("kvmem.memory")
-LEDGER_LIMIT = 1 << 20  # bytes; an engine's entry is about 200
+LEDGER_LIMIT = 1 << 20  # bytes; an engine's entry is about 400
+LOCK_TIMEOUT_S = 2.0  # a lock held longer belongs to a stuck process
+MAX_NAME = 128
+MAX_PID = (1 << 22)  # Linux's pid_max ceiling
 
 
 class UnknownEngineError(KvmemError):
@@ -36,18 +48,44 @@ class UnknownEngineError(KvmemError):
 
 
 class LedgerError(ConfigError):
-    """The ledger file cannot be created or opened."""
+    """The ledger file cannot be used: not creatable, not a regular file of this user,
+    too large, locked too long, or no room to write it."""
 
 
 @dataclass
 class LedgerEntry:
+    """One engine's row. Sizes are bytes of the ledger's device."""
+
     name: str
     pid: int
     device: str
-    mapped_bytes: int  # bytes held from the budget (mapped pages plus any being mapped)
-    used_bytes: int  # bytes of blocks holding live KV
-    limit_bytes: int | None  # None: only the device total applies
-    heartbeat: float
+    floor_bytes: int = 0  # reserved for it: others never grow into it
+    ceiling_bytes: int | None = None  # most it may hold (None: only the total applies)
+    mapped_bytes: int = 0  # held: mapped pages plus budget taken for pages about to be
+    live_bytes: int = 0  # of which blocks hold live KV (running requests)
+    cached_bytes: int = 0  # of which cached-free blocks (prefix cache, evictable)
+    request_bytes: int | None = None  # one request of max_model_len: the least ceiling
+    reclaim_bytes: int = 0  # what other engines asked it to give back, not yet given
+    wanted_bytes: int = 0  # what it waits for under the total
+    reclaimed_bytes: int = 0  # given back to others, in all
+    reclaims: int = 0  # times it gave back
+    active_at: float = 0.0  # when it last took memory (least recently active give first)
+    heartbeat: float = 0.0
+
+    @property
+    def givable_bytes(self) -> int:
+        """What it could give back now: all it holds above its floor but live KV."""
+        return max(0, self.mapped_bytes - max(self.floor_bytes, self.live_bytes))
+
+
+@dataclass
+class LedgerTable:
+    total_limit: int | None = None
+    engines: dict[str, LedgerEntry] = field(default_factory=dict)
+    damage: list[str] = field(default_factory=list)  # what validation dropped
+
+    def others(self, name: str) -> list[LedgerEntry]:
+        return [e for n, e in self.engines.items() if n != name]
 
 
 def ledger_dir() -> Path:
@@ -64,16 +102,98 @@ def _device_key(device: str) -> str:
     return "".join(c if c.isascii() and c.isalnum() else "-" for c in str(device))
 
 
-def _alive(pid: int) -> bool:
+def _device_name(key: str) -> str:
+    """The device a ledger file's name part stands for (``cuda-0`` -> ``cuda:0``)."""
+    kind, _, index = key.partition("-")
+    return f"{kind}:{index}" if kind == "cuda" and index.isdecimal() else key
+
+
+def check_engine_name(name: str) -> str:
+    """An engine name as the ledger keeps it: 1-128 printable characters."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable():
+        raise ConfigError(f"engine name {name!r}: use 1-{MAX_NAME} printable characters")
+    return name
+
+
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process
         return True
     return True
 
 
+# -- validation ------------------------------------------------------------------------
+def _is_size(v: object, *, optional: bool = False) -> bool:
+    if v is None:
+        return optional
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
+
+
+def _is_time(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_SIZES = ("floor_bytes", "mapped_bytes", "live_bytes", "cached_bytes", "reclaim_bytes",
+          "wanted_bytes", "reclaimed_bytes", "reclaims")
+_DEFAULTS = {f.name: f.default for f in fields(LedgerEntry) if f.name not in ("name", "pid",
+                                                                                "device")}
+
+
+def _entry(key: object, raw: object, device: str) -> tuple[LedgerEntry | None, list[str]]:
+    """A validated entry (None when it cannot be one) and what was wrong in it."""
+    if not isinstance(key, str) or not key.isprintable() or not 0 < len(key) <= MAX_NAME:
+        return None, [f"an entry named {key!r}: not a printable name"]
+    if not isinstance(raw, dict):
+        return None, [f"entry {key!r}: not an object"]
+    pid = raw.get("pid")
+    if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < MAX_PID):
+        return None, [f"entry {key!r}: pid {pid!r} is not a process id"]
+    values: dict[str, object] = {}
+    problems = []
+    for name, default in _DEFAULTS.items():
+        v = raw.get(name, default)
+        ok = (_is_time(v) if name in ("active_at", "heartbeat") else
+              _is_size(v, optional=name in ("ceiling_bytes", "request_bytes")))
+        if not ok:
+            problems.append(f"entry {key!r}: {name} {v!r} is not valid")
+            v = default
+        values[name] = v
+    return LedgerEntry(name=key, pid=pid, device=device, **values), problems
+
+
+def parse_table(raw: bytes, device: str) -> LedgerTable:
+    """The table in ``raw``, validated; what could not be used is dropped and described
+    in ``damage``. An empty file is an empty table."""
+    if not raw:
+        return LedgerTable()
+    try:
+        doc = json.loads(raw)
+    except ValueError:  # JSON or UTF-8 errors
+        return LedgerTable(damage=["not a JSON document"])
+    if not isinstance(doc, dict):
+        return LedgerTable(damage=["not a JSON object"])
+    table = LedgerTable()
+    total = doc.get("total_limit")
+    if _is_size(total, optional=True):
+        table.total_limit = total
+    else:
+        table.damage.append(f"total_limit {total!r} is not a size")
+    engines = doc.get("engines", {})
+    if not isinstance(engines, dict):
+        table.damage.append("engines is not an object")
+        engines = {}
+    for key, value in engines.items():
+        entry, problems = _entry(key, value, device)
+        table.damage.extend(problems)
+        if entry is not None:
+            table.engines[key] = entry
+    return table
+
+
+# -- the file --------------------------------------------------------------------------
 class Ledger:
     """One device's table. Every read-modify-write holds an exclusive ``flock``."""
 
@@ -89,186 +209,157 @@ class Ledger:
     @classmethod
     def all(cls, directory: str | Path | None = None) -> list[Ledger]:
         root = Path(directory) if directory else ledger_dir()
-        return [cls(p, p.stem.removeprefix("kvmem-ledger-"))
+        if root.exists() and not root.is_dir():
+            raise LedgerError(f"the ledger folder {root} is not a directory")
+        return [cls(p, _device_name(p.stem.removeprefix("kvmem-ledger-")))
                 for p in sorted(root.glob("kvmem-ledger-*.json"))]
 
-    @contextmanager
-    def _locked(self, write: bool) -> Iterator[dict]:
+    def _open(self) -> int:
+        folder = self.path.parent
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            folder.mkdir(parents=True, exist_ok=True)
+            shared = bool(os.stat(folder).st_mode & stat.S_ISGID)
+            mode = 0o660 if shared else 0o600
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, mode)
         except OSError as e:
-            raise LedgerError(f"cannot open the KV memory ledger {self.path} "
-                              f"({e.strerror or e}); set KVMEM_LEDGER_DIR to a writable "
-                              "directory") from None
+            why = "a link, refused" if e.errno == errno.ELOOP else (e.strerror or str(e))
+            raise LedgerError(f"cannot open the KV memory ledger {self.path} ({why}); set "
+                              "KVMEM_LEDGER_DIR to a writable directory") from None
+        st = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "is not a regular file"
+        elif st.st_uid != os.geteuid() and not (shared and st.st_gid == os.stat(folder).st_gid):
+            problem = f"belongs to user {st.st_uid}, not to this user"
+        if problem:
+            os.close(fd)
+            raise LedgerError(f"the KV memory ledger {self.path} {problem}; not touching it")
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)  # past the umask; an older ledger's 0644 too
+        return fd
+
+    def _lock(self, fd: int, write: bool) -> None:
+        mode = (fcntl.LOCK_EX if write else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, mode)
+                return
+            except OSError as e:
+                if not isinstance(e, BlockingIOError):
+                    raise LedgerError(f"cannot lock the KV memory ledger {self.path} "
+                                      f"({e.strerror or e})") from None
+                if time.monotonic() > deadline:
+                    raise LedgerError(f"the KV memory ledger {self.path} stayed locked for "
+                                      f"{LOCK_TIMEOUT_S:g} s (a stuck process holds it)"
+                                      ) from None
+                time.sleep(0.001)
+
+    @contextmanager
+    def _locked(self, write: bool) -> Iterator[LedgerTable]:
+        fd = self._open()
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise LedgerError(f"the KV memory ledger {self.path} is not a regular file")
-            fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
-            raw = os.read(fd, LEDGER_LIMIT + 1)
+            self._lock(fd, write)
+            try:
+                raw = os.read(fd, LEDGER_LIMIT + 1)
+            except OSError as e:
+                raise LedgerError(f"cannot read the KV memory ledger {self.path} "
+                                  f"({e.strerror or e})") from None
             if len(raw) > LEDGER_LIMIT:  # far more engines than a machine runs
                 raise LedgerError(f"{self.path} is larger than a KV memory ledger can be "
                                   f"({LEDGER_LIMIT} bytes); not touching it")
-            try:
-                table = json.loads(raw) if raw else {}
-            except ValueError:  # JSON or UTF-8 errors
-                table = {}  # a torn or foreign file: start a fresh table
-            if not isinstance(table, dict) or not isinstance(table.get("engines", {}), dict):
-                table = {}
-            table.setdefault("total_limit", None)
-            table.setdefault("engines", {})
+            table = parse_table(raw, self.device)
             yield table
             if write:
-                table["engines"] = {n: e for n, e in table["engines"].items() if _alive(e["pid"])}
-                data = json.dumps(table).encode()
-                os.lseek(fd, 0, os.SEEK_SET)
-                os.ftruncate(fd, 0)
-                os.write(fd, data)
+                self._write(fd, table, len(raw))
         finally:
             os.close(fd)  # closing the descriptor drops the lock
 
-    def entries(self) -> list[LedgerEntry]:
+    def _write(self, fd: int, table: LedgerTable, old_size: int) -> None:
+        live = {n: asdict(e) for n, e in table.engines.items() if alive(e.pid)}
+        for entry in live.values():
+            del entry["name"], entry["device"]
+        data = json.dumps({"total_limit": table.total_limit, "engines": live,
+                           **({"damage": table.damage[:8]} if table.damage else {})}).encode()
+        try:
+            if len(data) > old_size:  # the space first: a full file system fails here
+                os.posix_fallocate(fd, 0, len(data))
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+        except OSError as e:
+            raise LedgerError(f"cannot write the KV memory ledger {self.path} "
+                              f"({e.strerror or e}); it is left as it was") from None
+
+    # -- reads and writes --------------------------------------------------------------
+    def read(self) -> LedgerTable:
+        """The table as it is (dead engines left out); damage is described, not fixed."""
         with self._locked(write=False) as table:
-            return [LedgerEntry(**e) for e in table["engines"].values() if _alive(e["pid"])]
+            table.engines = {n: e for n, e in table.engines.items() if alive(e.pid)}
+            return table
+
+    def entries(self) -> list[LedgerEntry]:
+        return list(self.read().engines.values())
 
     def total_limit(self) -> int | None:
-        with self._locked(write=False) as table:
-            return table["total_limit"]
+        return self.read().total_limit
+
+    def change(self, fn: Callable[[LedgerTable], object]) -> object:
+        """``fn(table)`` under the exclusive lock, then the table written back (dead
+        engines reaped, damage cleared)."""
+        with self._locked(write=True) as table:
+            table.engines = {n: e for n, e in table.engines.items() if alive(e.pid)}
+            result = fn(table)
+            table.damage = []
+            return result
+
+    def update(self, name: str, fn: Callable[[LedgerEntry, LedgerTable], object]) -> object:
+        """``fn(entry, table)`` for engine ``name`` (its heartbeat refreshed)."""
+        def change(table: LedgerTable) -> object:
+            entry = table.engines.get(name)
+            if entry is None:
+                raise UnknownEngineError(f"engine {name!r} is no longer in the ledger "
+                                         f"{self.path}")
+            entry.heartbeat = time.time()
+            return fn(entry, table)
+
+        return self.change(change)
 
     def set_total_limit(self, nbytes: int | None) -> None:
-        with self._locked(write=True) as table:
-            table["total_limit"] = nbytes
+        from kvmem.memory.sharing import check_total
 
-    def set_limit(self, name: str, nbytes: int | None) -> None:
-        with self._locked(write=True) as table:
-            entry = table["engines"].get(name)
-            if entry is None or not _alive(entry["pid"]):
-                raise UnknownEngineError(f"no running engine named {name!r} on {self.device}")
-            entry["limit_bytes"] = nbytes
+        def change(table: LedgerTable) -> None:
+            check_total(table, nbytes)
+            table.total_limit = nbytes
 
-    def register(self, name: str, *, limit_bytes: int | None = None,
-                 total_limit: int | None = None) -> EngineBudget:
-        """Add this process as engine ``name``; a live engine of that name is an error."""
-        with self._locked(write=True) as table:
-            old = table["engines"].get(name)
-            if old is not None and _alive(old["pid"]) and old["pid"] != os.getpid():
-                raise ConfigError(f"an engine named {name!r} (pid {old['pid']}) already uses "
-                                  f"{self.device}; pick another name")
-            if total_limit is not None and table["total_limit"] is None:
-                table["total_limit"] = total_limit
-            table["engines"][name] = asdict(LedgerEntry(
-                name, os.getpid(), self.device, 0, 0, limit_bytes, time.time()))
-        return EngineBudget(self, name, limit_bytes=limit_bytes)
+        self.change(change)
 
-    def update(self, name: str, change: Callable[[dict, dict], object]) -> object:
-        """Apply ``change(entry, table)`` to engine ``name`` under the lock; returns its result."""
-        with self._locked(write=True) as table:
-            entry = table["engines"].get(name)
+    def set_limits(self, name: str, *, floor_bytes: int | None = None,
+                   ceiling_bytes: int | None | str = "keep") -> LedgerEntry:
+        """Change engine ``name``'s floor and/or ceiling (``None`` ceiling: none);
+        refused in one line when the floors would not fit the total, the floor would be
+        above the ceiling, or the ceiling below one of its requests."""
+        from kvmem.memory.sharing import check_limits
+
+        def change(table: LedgerTable) -> LedgerEntry:
+            entry = table.engines.get(name)
             if entry is None:
-                raise UnknownEngineError(f"engine {name!r} is no longer in the ledger {self.path}")
-            entry["heartbeat"] = time.time()
-            return change(entry, table)
+                raise UnknownEngineError(f"no running engine named {name!r} on {self.device}")
+            floor = entry.floor_bytes if floor_bytes is None else floor_bytes
+            ceiling = entry.ceiling_bytes if ceiling_bytes == "keep" else ceiling_bytes
+            check_limits(table, name, floor, ceiling, entry.request_bytes)  # type: ignore[arg-type]
+            entry.floor_bytes, entry.ceiling_bytes = floor, ceiling  # type: ignore[assignment]
+            return entry
 
+        return self.change(change)  # type: ignore[return-value]
 
-class EngineBudget:
-    """One engine's handle on the ledger: ask for bytes before mapping, give them back after.
+    def register(self, name: str, *, floor_bytes: int = 0, ceiling_bytes: int | None = None,
+                 request_bytes: int | None = None, total_limit: int | None = None):
+        """Add this process as engine ``name`` (a live engine of that name is an error;
+        so are floors the total cannot hold) and return its ``EngineBudget``."""
+        from kvmem.memory.budget import EngineBudget
 
-    It remembers what it holds and its limit, so that when its entry is gone (the ledger
-    file was deleted or reset while the engine ran) it registers again with them instead
-    of failing.
-    """
-
-    def __init__(self, ledger: Ledger, name: str, *, limit_bytes: int | None = None) -> None:
-        self.ledger = ledger
-        self.name = name
-        self.held_bytes = 0  # what this engine holds by its own count
-        self.limit_bytes = limit_bytes  # its own limit, as last seen in the ledger
-
-    def _update(self, change: Callable[[dict, dict], object]) -> object:
-        """``ledger.update`` of this engine's entry, registering it again if it is gone."""
-        try:
-            return self.ledger.update(self.name, change)
-        except UnknownEngineError:
-            log.warning("KV memory ledger %s lost engine %r; registering it again "
-                        "(holding %d bytes)", self.ledger.path, self.name, self.held_bytes)
-
-        def restore(entry: dict, table: dict) -> object:
-            entry["mapped_bytes"] = self.held_bytes
-            return change(entry, table)
-
-        self.ledger.register(self.name, limit_bytes=self.limit_bytes)
-        return self.ledger.update(self.name, restore)
-
-    def try_acquire(self, nbytes: int) -> bool:
-        """Take ``nbytes`` if both this engine's limit and the device total allow it."""
-        def change(entry: dict, table: dict) -> bool:
-            self.limit_bytes = entry["limit_bytes"]
-            held = entry["mapped_bytes"] + nbytes
-            if entry["limit_bytes"] is not None and held > entry["limit_bytes"]:
-                return False
-            total = table["total_limit"]
-            if total is not None:
-                others = sum(e["mapped_bytes"] for n, e in table["engines"].items()
-                             if n != self.name and _alive(e["pid"]))
-                if others + held > total:
-                    return False
-            entry["mapped_bytes"] = held
-            return True
-
-        taken = bool(self._update(change))
-        if taken:
-            self.held_bytes += nbytes
-        return taken
-
-    def take(self, nbytes: int) -> None:
-        """Take ``nbytes`` whatever the limits say: bytes an allocation already promised
-        (the engine then trims back under its limit as blocks are freed)."""
-        def change(entry: dict, table: dict) -> None:
-            self.limit_bytes = entry["limit_bytes"]
-            entry["mapped_bytes"] += nbytes
-
-        self._update(change)
-        self.held_bytes += nbytes
-
-    def room(self, used_bytes: int) -> int | None:
-        """Record used bytes and a heartbeat; returns how many more bytes this engine may
-        take now under its own limit and the device total (negative: it is over; None: no
-        limit applies)."""
-        def change(entry: dict, table: dict) -> int | None:
-            entry["used_bytes"] = used_bytes
-            self.limit_bytes = entry["limit_bytes"]
-            rooms = []
-            if entry["limit_bytes"] is not None:
-                rooms.append(entry["limit_bytes"] - entry["mapped_bytes"])
-            if table["total_limit"] is not None:
-                held = sum(e["mapped_bytes"] for e in table["engines"].values()
-                           if _alive(e["pid"]))
-                rooms.append(table["total_limit"] - held)
-            return min(rooms) if rooms else None
-
-        return self._update(change)  # type: ignore[return-value]
-
-    def release(self, nbytes: int) -> None:
-        def change(entry: dict, table: dict) -> None:
-            entry["mapped_bytes"] = max(0, entry["mapped_bytes"] - nbytes)
-
-        self._update(change)
-        self.held_bytes = max(0, self.held_bytes - nbytes)
-
-    def report(self, used_bytes: int) -> tuple[int, int | None]:
-        """Record used bytes and a heartbeat; returns (held bytes, bytes allowed to hold)."""
-        def change(entry: dict, table: dict) -> tuple[int, int | None]:
-            entry["used_bytes"] = used_bytes
-            self.limit_bytes = entry["limit_bytes"]
-            caps = [c for c in (entry["limit_bytes"], table["total_limit"]) if c is not None]
-            return entry["mapped_bytes"], (min(caps) if caps else None)
-
-        held, allowed = self._update(change)  # type: ignore[misc]
-        return held, allowed
-
-    def close(self) -> None:
-        def change(entry: dict, table: dict) -> None:
-            table["engines"].pop(self.name, None)
-
-        with suppress(UnknownEngineError):
-            self.ledger.update(self.name, change)
+        budget = EngineBudget(self, check_engine_name(name), floor_bytes=floor_bytes,
+                              ceiling_bytes=ceiling_bytes, request_bytes=request_bytes)
+        budget.register(total_limit=total_limit)
+        return budget

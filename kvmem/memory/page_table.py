@@ -29,7 +29,7 @@ from math import ceil
 
 from kvmem.errors import KvmemError
 from kvmem.memory.backends import PageBackend
-from kvmem.memory.ledger import EngineBudget
+from kvmem.memory.budget import EngineBudget
 from kvmem.memory.pages import PageGeometry
 from kvmem.memory.wait import wait_for
 
@@ -73,8 +73,11 @@ class PageTable:
             OrderedDict.fromkeys(geometry.blocks_of(p)) for p in range(n_pages)]
         self.num_free = geometry.num_blocks
         self.free_on_mapped = 0  # free blocks on MAPPED or MAPPING pages
-        # Cached-free blocks (evictable prefix-cache data): their pages stay mapped.
+        # Cached-free blocks (evictable prefix-cache data): their pages stay mapped. A
+        # pool may keep them live (kvmem's) or release them (vLLM's): ``cached_live``
+        # counts those it keeps live, so that live KV = live_blocks - cached_live.
         self.cached: OrderedDict[int, None] = OrderedDict()
+        self.cached_live = 0
         self._taken_unmapped = 0  # blocks handed out from pages not yet being mapped
         # Unmapped (or unmapping) pages some of whose blocks were handed out: each will need
         # one page of budget when its blocks are allocated, so credit is kept for them.
@@ -87,6 +90,10 @@ class PageTable:
         self.credit_pages = 0  # budget taken for pages not mapped yet
         self.promised_blocks = 0  # blocks can_allocate said yes to, not yet allocated
         self.allowed_bytes: int | None = None  # latest cap read from the ledger
+        self.attainable_bytes: int | None = None  # the most others' giving back would allow
+        # Memory was given back to other engines: no pages are mapped ahead of need (they
+        # would take it straight back) until this engine allocates again.
+        self.reserve_suspended = False
         self.maps = 0
         self.unmaps = 0
         self._ops: list[PageOp] | None = [] if record_ops else None
@@ -118,14 +125,16 @@ class PageTable:
         """Whether ``n`` more blocks may be taken; the pages they need are paid for now.
 
         When the budget cannot pay for new pages, evicting cached-free blocks (which sit on
-        mapped pages) may still cover the request.
+        mapped pages) may still cover the request. Over its limit (lowered, or others' share
+        grew back), free blocks on pages it must give back do not count.
         """
         k = self.geo.blocks_per_page
         with self.cond:
-            covered = self._covered_blocks()
+            covered = self._covered_blocks() - self._over_blocks()
             if n > covered:
-                need = ceil((n - covered) / k)
-                if self.budget is None or self.budget.try_acquire(need * self.page_bytes):
+                need = ceil((n - max(0, covered)) / k)
+                if self._over_blocks() == 0 and (
+                        self.budget is None or self.budget.try_acquire(need * self.page_bytes)):
                     self.credit_pages += need
                 elif n > covered + len(self.cached):
                     return False
@@ -133,14 +142,27 @@ class PageTable:
             self.cond.notify_all()
             return True
 
+    def _over_blocks(self) -> int:
+        """Blocks' worth of whole pages held above the latest cap (0 when under it)."""
+        cap = self.allowed_bytes
+        if cap is None or self.held_bytes <= cap:
+            return 0
+        return ceil((self.held_bytes - cap) / self.page_bytes) * self.geo.blocks_per_page
+
     def free_within(self, room_bytes: int | None) -> int:
         """Blocks an allocation could take now: free blocks on mapped pages or on pages
         credit pays for, cached-free blocks, and free blocks of unmapped pages that
-        ``room_bytes`` more budget would pay for (None: no limit)."""
+        ``room_bytes`` more budget would pay for (None: no limit); over the limit
+        (``room_bytes`` negative), less the blocks of the pages it must give back."""
+        k = self.geo.blocks_per_page
         with self.cond:
-            extra = (self.num_free if room_bytes is None
-                     else max(0, room_bytes) // self.page_bytes * self.geo.blocks_per_page)
-            return min(self.num_free, self._covered_blocks() + extra) + len(self.cached)
+            if room_bytes is None:
+                extra = self.num_free
+            elif room_bytes < 0:
+                extra = -ceil(-room_bytes / self.page_bytes) * k
+            else:
+                extra = room_bytes // self.page_bytes * k
+            return max(0, min(self.num_free, self._covered_blocks() + extra) + len(self.cached))
 
     # ---- free-block queue -----------------------------------------------------------------
 
@@ -187,7 +209,9 @@ class PageTable:
             for _ in range(n):
                 page = self._pick_page()
                 if page is None:
-                    taken.append(self.cached.popitem(last=False)[0])
+                    block = self.cached.popitem(last=False)[0]
+                    self.cached_live -= self._block_live[block]
+                    taken.append(block)
                     continue
                 block, _ = self._free[page].popitem(last=False)
                 self._on_free_count_change(page, -1)
@@ -208,11 +232,13 @@ class PageTable:
         with self.cond:
             for block in blocks:
                 self.cached[block] = None
+                self.cached_live += self._block_live[block]
 
     def remove_cached(self, blocks: Iterable[int]) -> None:
         with self.cond:
             for block in blocks:
                 del self.cached[block]
+                self.cached_live -= self._block_live[block]
 
     def remove_free(self, block: int) -> None:
         """Take one uncached free block out of the queue (the null block at startup)."""
@@ -249,6 +275,7 @@ class PageTable:
     def on_blocks_allocated(self, block_ids: Iterable[int]) -> None:
         """Mark blocks live and map their pages before the caller writes to them."""
         to_map: list[int] = []
+        block_ids = list(block_ids)
         with self.cond:
             pages: set[int] = set()
             fresh = 0
@@ -259,8 +286,12 @@ class PageTable:
                     self._block_live[b] = 1
                     self.live[page] += 1
                     fresh += 1
+                    self.cached_live += b in self.cached
             self.live_blocks += fresh
-            self.promised_blocks = max(0, self.promised_blocks - fresh)
+            # every block handed out (new, or a cached one revived by a prefix hit) was in
+            # what can_allocate promised
+            self.promised_blocks = max(0, self.promised_blocks - len(block_ids))
+            self.reserve_suspended = False
             for page in sorted(pages):
                 self._wait_settled(page)
                 if self.state[page] is PageState.UNMAPPED:
@@ -283,6 +314,7 @@ class PageTable:
                     self._block_live[b] = 0
                     self.live[self.geo.page_of(b)] -= 1
                     gone += 1
+                    self.cached_live -= b in self.cached
             self.live_blocks -= gone
             self.cond.notify_all()
 
@@ -354,7 +386,8 @@ class PageTable:
     # ---- background maintenance -------------------------------------------------------------
 
     def _spare_pages_target(self) -> int:
-        return self.reserve_pages * self.geo.blocks_per_page + self.promised_blocks
+        reserve = 0 if self.reserve_suspended else self.reserve_pages
+        return reserve * self.geo.blocks_per_page + self.promised_blocks
 
     def _over_cap(self, extra_pages: int = 0) -> bool:
         cap = self.allowed_bytes
@@ -398,6 +431,47 @@ class PageTable:
         k = self.geo.blocks_per_page
         promise = self.promised_blocks - self.free_on_mapped + self._taken_unmapped
         return self.credit_pages - max(self._owed_pages, ceil(max(0, promise) / k))
+
+    # ---- giving back to other engines ----------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """One block's bytes in every slot."""
+        return self.geo.block_slot_bytes * self.geo.num_slots
+
+    def idle_pages(self) -> int:
+        """Mapped pages whose blocks are all free (they can be unmapped now)."""
+        with self.cond:
+            k = self.geo.blocks_per_page
+            return sum(1 for p in self._buckets[k]
+                       if self.state[p] is PageState.MAPPED and self.live[p] == 0)
+
+    def cached_victims(self, pages: int) -> list[int]:
+        """The cached-free blocks of up to ``pages`` mapped pages that hold no live block,
+        pages taken in the order their blocks were cached (least recently used first):
+        evicted from the prefix cache, those pages can be given back."""
+        with self.cond:
+            by_page: dict[int, list[int]] = {}  # in LRU order of each page's first block
+            for block in self.cached:
+                by_page.setdefault(self.geo.page_of(block), []).append(block)
+            chosen = [blocks for page, blocks in by_page.items()
+                      if self.state[page] is PageState.MAPPED
+                      and self.live[page] == sum(self._block_live[b] for b in blocks)]
+        return [b for blocks in chosen[:pages] for b in blocks]
+
+    @property
+    def live_kv_blocks(self) -> int:
+        """Blocks running requests hold (cached-free ones excluded)."""
+        return self.live_blocks - self.cached_live
+
+    def pages_in_use(self) -> int:
+        """Pages holding at least one block of a running request (the null block's
+        included); pages of cached-free blocks only do not count."""
+        with self.cond:
+            counts = list(self.live)
+            for block in self.cached:
+                counts[self.geo.page_of(block)] -= self._block_live[block]
+            return sum(1 for n in counts if n > 0)
 
     def maintain_once(self) -> bool:
         """Do one step of background work (return spare credit, pre-map or trim one page).

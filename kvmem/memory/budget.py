@@ -1,0 +1,233 @@
+"""``EngineBudget``: one engine's handle on its ledger entry.
+
+An engine asks for bytes before it maps pages (``try_acquire``) and gives them back after
+it unmaps them (``release``); its heartbeat (``report``) records what of its memory holds
+live and cached KV and reads back what it may hold and what other engines asked it to
+give back (``kvmem.memory.sharing`` decides both). It is the authority on what it holds:
+every write puts its own count in its entry, so an entry edited, deleted or reset while
+it runs is put right (a lost entry is registered again, with a warning).
+
+Nothing in the ledger file can stop an engine: when the file cannot be used (replaced by
+a directory or a link, another user's, locked by a stuck process, no room on its file
+system), the engine logs it once and goes on with its own accounting, within what it was
+last allowed to hold, and goes back to the ledger, with a line in the log, once the file
+is usable again. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvmem.errors import ConfigError
+from kvmem.memory.ledger import (
+    Ledger,
+    LedgerEntry,
+    LedgerError,
+    LedgerTable,
+    alive,
+)
+from kvmem.memory.sharing import (
+    allowed,
+    ask_reclaim,
+    attainable,
+    check_limits,
+    check_total,
+    room,
+)
+
+log = logging.getLogger("kvmem.memory")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """What a heartbeat reads back."""
+
+    held_bytes: int
+    allowed_bytes: int | None  # the most it may hold now (None: no limit)
+    reclaim_bytes: int  # what other engines asked it to give back
+    attainable_bytes: int | None = None  # the most it could hold if others gave back
+
+
+class EngineBudget:
+    def __init__(self, ledger: Ledger, name: str, *, floor_bytes: int = 0,
+                 ceiling_bytes: int | None = None, request_bytes: int | None = None) -> None:
+        self.ledger = ledger
+        self.name = name
+        self.floor_bytes = floor_bytes
+        self.ceiling_bytes = ceiling_bytes  # as last seen in the ledger
+        self.request_bytes = request_bytes  # one request of max_model_len
+        self.held_bytes = 0  # by its own count
+        self.allowed_bytes: int | None = ceiling_bytes  # as last read back
+        self.attainable_bytes: int | None = ceiling_bytes
+        self.reclaimed_bytes = 0  # given back to other engines, in all
+        self.reclaims = 0
+        self.problem: str | None = None  # why the ledger is not used now, if it is not
+        self._lock = threading.RLock()
+
+    # -- the entry ---------------------------------------------------------------------
+    def _entry(self) -> LedgerEntry:
+        now = time.time()
+        return LedgerEntry(self.name, os.getpid(), self.ledger.device,
+                           floor_bytes=self.floor_bytes, ceiling_bytes=self.ceiling_bytes,
+                           mapped_bytes=self.held_bytes, request_bytes=self.request_bytes,
+                           reclaimed_bytes=self.reclaimed_bytes, reclaims=self.reclaims,
+                           active_at=now, heartbeat=now)
+
+    def register(self, total_limit: int | None = None) -> None:
+        """Add the entry; refused in one line when a live engine of another process has
+        the name or the floors would not fit the total (start-up errors, not degraded)."""
+        def change(table: LedgerTable) -> None:
+            old = table.engines.get(self.name)
+            if old is not None and alive(old.pid) and old.pid != os.getpid():
+                raise ConfigError(f"an engine named {self.name!r} (pid {old.pid}) already "
+                                  f"uses {self.ledger.device}; pick another name")
+            if total_limit is not None and table.total_limit is None:
+                check_total(table, total_limit)
+                table.total_limit = total_limit
+            check_limits(table, self.name, self.floor_bytes, self.ceiling_bytes,
+                         self.request_bytes)
+            table.engines[self.name] = self._entry()
+
+        with self._lock:
+            self.ledger.change(change)
+
+    def _update(self, fn: Callable[[LedgerEntry, LedgerTable], T],
+                fallback: Callable[[], T]) -> T:
+        """``fn`` on this engine's entry, with its own held count written in; the entry
+        registered again if it is gone; ``fallback()`` when the ledger cannot be used."""
+        def change(table: LedgerTable) -> T:
+            entry = table.engines.get(self.name)
+            if entry is not None and entry.pid != os.getpid() and alive(entry.pid):
+                raise LedgerError(f"engine name {self.name!r} in the KV memory ledger "
+                                  f"{self.ledger.path} was taken by pid {entry.pid}")
+            if entry is None or entry.pid != os.getpid():
+                log.warning("KV memory ledger %s lost engine %r; registering it again "
+                            "(holding %d bytes)", self.ledger.path, self.name, self.held_bytes)
+                entry = table.engines[self.name] = self._entry()
+            entry.heartbeat = time.time()
+            entry.mapped_bytes = self.held_bytes
+            self.floor_bytes, self.ceiling_bytes = entry.floor_bytes, entry.ceiling_bytes
+            return fn(entry, table)
+
+        try:
+            result = self.ledger.change(change)
+        except LedgerError as e:
+            if str(e) != self.problem:
+                log.warning("%s; engine %r goes on with its own accounting (at most %s bytes)",
+                            e, self.name, self.allowed_bytes)
+                self.problem = str(e)
+            return fallback()
+        if self.problem is not None:
+            log.warning("KV memory ledger %s is usable again; engine %r is back in it",
+                        self.ledger.path, self.name)
+            self.problem = None
+        return result  # type: ignore[return-value]
+
+    # -- taking and giving back --------------------------------------------------------
+    def try_acquire(self, nbytes: int) -> bool:
+        """Take ``nbytes`` if this engine's ceiling and the device total allow it; if the
+        total refuses, other engines are asked to give back what they only cache."""
+        def change(entry: LedgerEntry, table: LedgerTable) -> bool:
+            r = room(table, entry)
+            if r is not None and nbytes > r:
+                ask_reclaim(table, entry, nbytes)
+                return False
+            entry.mapped_bytes += nbytes
+            entry.active_at = time.time()
+            entry.wanted_bytes = 0
+            return True
+
+        def own() -> bool:
+            return self.allowed_bytes is None or self.held_bytes + nbytes <= self.allowed_bytes
+
+        with self._lock:
+            taken = self._update(change, own)
+            if taken:
+                self.held_bytes += nbytes
+            return taken
+
+    def take(self, nbytes: int) -> None:
+        """Take ``nbytes`` whatever the limits say: bytes an allocation already promised
+        (the engine then gives back as blocks are freed)."""
+        def change(entry: LedgerEntry, table: LedgerTable) -> None:
+            entry.mapped_bytes += nbytes
+            entry.active_at = time.time()
+
+        with self._lock:
+            self._update(change, lambda: None)
+            self.held_bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        def change(entry: LedgerEntry, table: LedgerTable) -> None:
+            entry.mapped_bytes = max(0, entry.mapped_bytes - nbytes)
+
+        with self._lock:
+            self._update(change, lambda: None)
+            self.held_bytes = max(0, self.held_bytes - nbytes)
+
+    # -- heartbeat ---------------------------------------------------------------------
+    def report(self, live_bytes: int, cached_bytes: int = 0) -> BudgetState:
+        """Record what of its memory holds live and cached KV (and a heartbeat); read back
+        what it may hold and what it is asked to give back."""
+        def change(entry: LedgerEntry, table: LedgerTable) -> BudgetState:
+            entry.live_bytes, entry.cached_bytes = live_bytes, cached_bytes
+            self.allowed_bytes = allowed(table, entry)
+            self.attainable_bytes = attainable(table, entry)
+            return self._state(entry.reclaim_bytes)
+
+        with self._lock:
+            return self._update(change, lambda: self._state(0))
+
+    def _state(self, reclaim_bytes: int) -> BudgetState:
+        return BudgetState(self.held_bytes, self.allowed_bytes, reclaim_bytes,
+                           self.attainable_bytes)
+
+    def room(self, live_bytes: int, cached_bytes: int = 0) -> int | None:
+        """``report``, as the bytes it may still take (negative: over; None: no limit)."""
+        state = self.report(live_bytes, cached_bytes)
+        return None if state.allowed_bytes is None else state.allowed_bytes - state.held_bytes
+
+    def peek(self) -> BudgetState:
+        """What it may hold and is asked to give back, read without writing (cheap enough
+        to poll often); its last known state when the ledger cannot be read."""
+        fallback = self._state(0)
+        try:
+            table = self.ledger.read()
+        except LedgerError:
+            return fallback
+        entry = table.engines.get(self.name)
+        if entry is None or entry.pid != os.getpid():
+            return fallback
+        entry.mapped_bytes = self.held_bytes
+        return BudgetState(self.held_bytes, allowed(table, entry), entry.reclaim_bytes,
+                           attainable(table, entry))
+
+    def gave_back(self, nbytes: int) -> None:
+        """It answered the ask: ``nbytes`` went back (already ``release``d). Whatever it
+        could not give is asked again by the engine still short."""
+        def change(entry: LedgerEntry, table: LedgerTable) -> None:
+            entry.reclaim_bytes = 0
+            entry.reclaimed_bytes, entry.reclaims = self.reclaimed_bytes, self.reclaims
+
+        with self._lock:
+            if nbytes > 0:
+                self.reclaimed_bytes += nbytes
+                self.reclaims += 1
+            self._update(change, lambda: None)
+
+    def close(self) -> None:
+        def change(table: LedgerTable) -> None:
+            entry = table.engines.get(self.name)
+            if entry is not None and entry.pid == os.getpid():
+                del table.engines[self.name]
+
+        with self._lock, contextlib.suppress(LedgerError):  # nothing to leave
+            self.ledger.change(change)
