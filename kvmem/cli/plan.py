@@ -138,6 +138,7 @@ def _gib_list(text: str, what: str) -> list[int]:
 def _inputs(args: argparse.Namespace, measured=None, spec=None):
     from kvmem.plan import EngineSettings, Layout
     from kvmem.plan.partition import parse_partition
+    from kvmem.plan.validate import check_layout
     from kvmem.units import gib_bytes, parse_size
 
     gpus = [g.strip() for item in args.gpu for g in item.split(",") if g.strip()] \
@@ -155,6 +156,7 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
                  if args.layer_partition is not None else None)
     layout = Layout(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                     layer_partition=partition, gpus=gpus, gpu_memory_bytes=memory)
+    check_layout(spec, layout)  # as the planner does, before anything is sized per rank
     cpu = args.device == "cpu"
     if cpu and kv_bytes is None:
         raise ConfigError("--device cpu needs --kv-cache-memory-bytes: vLLM's CPU build takes "
