@@ -106,6 +106,11 @@ BAD = [
     ("model=qwen3-32b&pp=0", ["qwen3-32b", "--pp", "0"], "pp"),
     ("model=qwen3-32b&tp=x", ["qwen3-32b", "--tp", "x"], "tp"),
     ("model=qwen3-32b&tp=3&gpu=H100", ["qwen3-32b", "--tp", "3", "--gpu", "H100"], "tp"),
+    # a layout is checked before anything is sized per rank (not a list of 10^12 GPUs)
+    ("model=qwen3-32b&tp=999999999999&gpu=H100",
+     ["qwen3-32b", "--tp", "999999999999", "--gpu", "H100"], "tp"),
+    ("model=qwen3-32b&pp=999999999999&gpu=H100",
+     ["qwen3-32b", "--pp", "999999999999", "--gpu", "H100"], "pp"),
     ("model=qwen3-32b&pp=2&layer_partition=60,8&gpu=H100",
      ["qwen3-32b", "--pp", "2", "--layer-partition", "60,8", "--gpu", "H100"],
      "layer_partition"),
@@ -143,6 +148,18 @@ def test_a_bad_value_is_the_cli_line_with_its_field(server, query, argv, field):
     assert status == 400
     assert body == {"error": cli_error(argv), "field": field}
     assert api(server, "plan", query) == (400, body)
+
+
+def test_odd_values_in_every_field_are_planned_or_refused_never_a_crash(server):
+    odd = ["", "-1", "0", "1e400", "abc", "999999999999", "1.5", "nan", " 2", "1,2,3", "-"]
+    for group in form()["groups"]:
+        for field in group["fields"]:
+            for value in odd + (field["choices"] or []):
+                base = {"model": "qwen3-8b", "gpu": "H100", "engine": "vllm"}
+                status, body = api(server, "view", urlencode({**base, field["name"]: value}))
+                assert status in (200, 400), (field["name"], value, body)
+                if status == 400:
+                    assert body["error"] and "\n" not in body["error"]
 
 
 @pytest.mark.parametrize("key", ["profile", "plot", "json", "check"])
@@ -225,6 +242,15 @@ def test_the_page_and_its_files_come_from_the_package_only(server):
         assert status == 404 and json.loads(body)["error"].startswith("no such page")
 
 
+def test_other_methods_are_refused_in_one_line(server):
+    request = urllib.request.Request(server.url + "api/plan?" + README_QUERY, data=b"{}",
+                                     method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 405 and refused.value.headers["Allow"] == "GET"
+    assert json.loads(refused.value.read())["error"].startswith("POST is not answered here")
+
+
 def test_the_page_files_are_package_data():
     """A wheel carries exactly what pyproject names: every file the page needs matches."""
     line = re.search(r'^"kvmem\.ui" = (\[.*\])$', (ROOT / "pyproject.toml").read_text(), re.M)
@@ -261,7 +287,7 @@ def test_a_port_in_use_is_one_line(server):
     assert err.count("\n") == 1
 
 
-def test_the_ui_imports_no_torch():
+def test_the_ui_imports_no_torch_engine_or_server():
     code = ("import sys, threading, urllib.request\n"
             "from kvmem.ui.server import UIServer\n"
             "s = UIServer('127.0.0.1', 0)\n"
@@ -269,7 +295,8 @@ def test_the_ui_imports_no_torch():
             "for p in ('', 'api/form', 'api/view?model=qwen3-8b&gpu=H100&engine=vllm'\n"
             "          '&kv_memory=elastic&cpu_offload_gib=2'):\n"
             "    urllib.request.urlopen(s.url + p, timeout=60).read()\n"
-            "sys.exit(3 if 'torch' in sys.modules else 0)\n")
+            "above = [m for m in sys.modules if m.startswith(('kvmem.engine', 'kvmem.serve'))]\n"
+            "sys.exit(3 if 'torch' in sys.modules else 4 if above else 0)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr

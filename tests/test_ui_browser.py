@@ -96,6 +96,13 @@ def test_the_readme_example_holds_2560_blocks_on_both_stages(page, server):
     shot(page, "readme-example-phone")
 
 
+def test_a_page_without_a_query_shows_the_readme_example(page, server):
+    page.goto(server.url)
+    page.wait_for_selector("#plan:not([hidden])")
+    assert column(page, 5) == ["2,560", "2,560"]
+    assert parse_qs(urlsplit(page.url).query) == parse_qs(README_QUERY + "&engine=vllm")
+
+
 def test_changing_pp_redraws_without_a_reload(page, server):
     open_plan(page, server, "model=Qwen%2FQwen3-32B&gpu=H100&max_model_len=40960")
     assert column(page, 1) == ["0"]

@@ -68,6 +68,14 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no such page: {url.path}"})
 
+    def _get_only(self) -> None:
+        self.close_connection = True  # its body, if any, is not read
+        self._json(HTTPStatus.METHOD_NOT_ALLOWED,
+                   {"error": f"{self.command} is not answered here: the page and its API "
+                             "take GET", "field": None})
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = _get_only  # noqa: N815 (http.server's names)
+
     def _api(self, handler, query: str) -> None:
         try:
             self._json(HTTPStatus.OK, handler(query))
@@ -86,6 +94,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-cache")
+        if status == HTTPStatus.METHOD_NOT_ALLOWED:
+            self.send_header("Allow", "GET")
         for name, value in _SECURITY.items():
             self.send_header(name, value)
         self.end_headers()
