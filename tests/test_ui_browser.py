@@ -103,6 +103,18 @@ def test_a_page_without_a_query_shows_the_readme_example(page, server):
     assert parse_qs(urlsplit(page.url).query) == parse_qs(README_QUERY + "&engine=vllm")
 
 
+def test_the_inputs_suggest_the_catalogs(page, server):
+    from kvmem.plan.gpus import GPU_MEMORY_GIB
+    from kvmem.spec import KV_DTYPE_CHOICES, catalog
+
+    open_plan(page, server, "model=qwen3-8b&gpu=H100")
+    for field, expected in (("model", [e.hf_id for e in catalog()]),
+                            ("gpu", list(GPU_MEMORY_GIB)),
+                            ("kv_cache_dtype", list(KV_DTYPE_CHOICES))):
+        options = page.locator(f"#{page.get_attribute(f'#f-{field}', 'list')} option")
+        assert [o.get_attribute("value") for o in options.all()] == expected, field
+
+
 def test_changing_pp_redraws_without_a_reload(page, server):
     open_plan(page, server, "model=Qwen%2FQwen3-32B&gpu=H100&max_model_len=40960")
     assert column(page, 1) == ["0"]

@@ -192,9 +192,9 @@ def _field(action: argparse.Action) -> dict:
 
 def form() -> dict:
     """What the page builds its form from: `kvmem plan`'s flags by group (those the page
-    takes), the catalog's models and GPUs."""
+    takes), the catalog's models and GPUs, the KV dtypes."""
     from kvmem.plan.gpus import GPU_MEMORY_GIB
-    from kvmem.spec import catalog
+    from kvmem.spec import KV_DTYPE_CHOICES, catalog
 
     groups = []
     for group in plan_parser()._action_groups:
@@ -204,4 +204,5 @@ def form() -> dict:
                            "fields": fields})
     return {"groups": groups,
             "models": [{"id": e.hf_id, "aliases": list(e.aliases)} for e in catalog()],
-            "gpus": [{"name": name, "gib": gib} for name, gib in GPU_MEMORY_GIB.items()]}
+            "gpus": [{"name": name, "gib": gib} for name, gib in GPU_MEMORY_GIB.items()],
+            "kv_dtypes": list(KV_DTYPE_CHOICES)}

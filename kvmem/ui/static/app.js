@@ -88,8 +88,9 @@ function buildForm(spec) {
   form.replaceChildren();
   form.append(
     datalist("models", spec.models.map((m) => [m.id, m.aliases.join(", ")])),
-    datalist("gpus", spec.gpus.map((g) => [g.name, `${g.gib} GiB`])));
-  const lists = {model: "models", gpu: "gpus"};
+    datalist("gpus", spec.gpus.map((g) => [g.name, `${g.gib} GiB`])),
+    datalist("kv-dtypes", spec.kv_dtypes.map((d) => [d, d])));
+  const lists = {model: "models", gpu: "gpus", kv_cache_dtype: "kv-dtypes"};
   for (const group of spec.groups) {
     const box = el("details", {class: "group", open: OPEN_GROUPS.includes(group.title)});
     box.append(el("summary", {text: group.title}));
