@@ -197,6 +197,16 @@ def test_a_pasted_config_plans_like_its_file(server, tmp_path):
     assert doc == expected  # the command names the model as given with the config
 
 
+def test_a_pasted_config_without_a_name_is_model_in_the_command(server):
+    _, cfg = catalog_config("qwen3-8b")
+    cfg = {k: v for k, v in cfg.items() if k != "_name_or_path"}
+    status, doc = api(server, "plan", urlencode({"config": json.dumps(cfg), "gpu": "H100",
+                                                 "engine": "vllm"}))
+    assert status == 200
+    assert doc["model"] == "MODEL" and doc["engine_command"]["argv"][:3] == ["vllm", "serve",
+                                                                            "MODEL"]
+
+
 @pytest.mark.parametrize("config, match", [
     ("{", "config.json: not valid JSON"),
     ('{"hidden_size": 8}', "config.json is missing num_hidden_layers"),

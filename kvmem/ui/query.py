@@ -23,6 +23,7 @@ from urllib.parse import parse_qsl
 
 from kvmem.cli import plan as plan_cli
 from kvmem.errors import KvmemError
+from kvmem.spec import ModelSpec
 
 CONFIG = "config"  # the pasted config.json: the one key that is no flag
 _OUTPUT = frozenset({"json", "check", "help"})  # what the page itself shows
@@ -71,7 +72,7 @@ def _actions() -> dict[str, argparse.Action]:
 
 
 def is_switch(action: argparse.Action) -> bool:
-    return isinstance(action, argparse._StoreTrueAction)
+    return action.nargs == 0  # store_true: a flag without a value
 
 
 def repeats(action: argparse.Action) -> bool:
@@ -101,11 +102,13 @@ class Query:
     """A parsed query: the CLI's namespace and the model it plans."""
 
     args: argparse.Namespace
-    spec: object  # kvmem.spec.ModelSpec
+    spec: ModelSpec
 
 
-def _spec(model: str, config: str):
-    """The model from the catalog, or from the pasted config.json; never from a file."""
+def _spec(model: str, config: str) -> tuple[ModelSpec, str]:
+    """The model from the catalog, or from the pasted config.json (never from a file), and
+    its name in the engine commands: a catalog entry's hub id, as `kvmem plan` names it,
+    or the name given with the config (else its ``_name_or_path``, else ``MODEL``)."""
     from kvmem.spec import spec_from_config
     from kvmem.spec.catalog import catalog_config
 
@@ -117,7 +120,7 @@ def _spec(model: str, config: str):
                              CONFIG) from None
         label = model or (cfg.get("_name_or_path") if isinstance(cfg, dict) else None)
         try:
-            return spec_from_config(cfg, name=str(label or "config.json"))
+            return spec_from_config(cfg, name=str(label or "config.json")), str(label or "MODEL")
         except KvmemError as e:
             raise QueryError(str(e), CONFIG) from None
     if not model:
@@ -125,7 +128,7 @@ def _spec(model: str, config: str):
                          "config.json", "model")
     try:
         name, cfg = catalog_config(model)
-        return spec_from_config(cfg, name=name)
+        return spec_from_config(cfg, name=name), name
     except KvmemError as e:
         raise QueryError(str(e), "model") from None
 
@@ -162,10 +165,8 @@ def parse_query(query: str) -> Query:
             model = value.strip()
         elif value != "":
             argv += _flag_argv(action, key, value)
-    spec = _spec(model, config)
-    # the model as the engine command names it: a catalog entry by its hub id (as
-    # `kvmem plan` does), a pasted config by the name given with it
-    return Query(plan_parser().parse_args([*argv, "--", spec.name]), spec)
+    spec, served = _spec(model, config)
+    return Query(plan_parser().parse_args([*argv, "--", served]), spec)
 
 
 def run_query(query: str) -> tuple[argparse.Namespace, plan_cli.PlanRun]:
