@@ -13,6 +13,7 @@ from kvmem.errors import KvmemError
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvmem.cli.plan", "plan per-rank KV-cache memory for a deployment (no GPU needed)"),
     "models": ("kvmem.cli.models", "list the bundled model catalog"),
+    "ui": ("kvmem.cli.ui", "the planner as a web page and a JSON API (no GPU needed)"),
     "generate": ("kvmem.cli.generate", "generate text from a prompt with the kvmem engine"),
     "chat": ("kvmem.cli.chat", "interactive chat with the kvmem engine"),
     "serve": ("kvmem.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvmem.errors import ConfigError
-from kvmem.plan.types import FitError
+from kvmem.plan.flags import EngineCommand
+from kvmem.plan.types import FitError, Plan
 
 _EPILOG = """\
 examples:
@@ -136,6 +138,7 @@ def _gib_list(text: str, what: str) -> list[int]:
 def _inputs(args: argparse.Namespace, measured=None, spec=None):
     from kvmem.plan import EngineSettings, Layout
     from kvmem.plan.partition import parse_partition
+    from kvmem.plan.validate import check_layout
     from kvmem.units import gib_bytes, parse_size
 
     gpus = [g.strip() for item in args.gpu for g in item.split(",") if g.strip()] \
@@ -153,6 +156,7 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
                  if args.layer_partition is not None else None)
     layout = Layout(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                     layer_partition=partition, gpus=gpus, gpu_memory_bytes=memory)
+    check_layout(spec, layout)  # as the planner does, before anything is sized per rank
     cpu = args.device == "cpu"
     if cpu and kv_bytes is None:
         raise ConfigError("--device cpu needs --kv-cache-memory-bytes: vLLM's CPU build takes "
@@ -326,24 +330,55 @@ def _elastic_fit_error(result, spec, sizings) -> str | None:
             "block); raise --kv-memory-limit or lower --max-model-len")
 
 
-def _print_elastic(sizings) -> None:
+def elastic_lines(sizings) -> list[str]:
+    """The elastic reservation and limit, in words, one line per rank after the first."""
     from kvmem.units import format_bytes
 
     lead = sizings[0]
-    print(f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} on rank 0 "
-          f"({lead.limit_blocks:,} blocks mapped at most), reservation {lead.max_blocks:,} "
-          f"blocks in pages of {lead.blocks_per_page} (2 MiB granularity)")
-    for rank, s in enumerate(sizings):
-        print(f"  rank {rank}: {format_bytes(s.reserved_bytes)} virtual, "
-              f"{format_bytes(s.page_bytes)} per page")
+    return [f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} on rank 0 "
+            f"({lead.limit_blocks:,} blocks mapped at most), reservation {lead.max_blocks:,} "
+            f"blocks in pages of {lead.blocks_per_page} (2 MiB granularity)",
+            *(f"  rank {rank}: {format_bytes(s.reserved_bytes)} virtual, "
+              f"{format_bytes(s.page_bytes)} per page" for rank, s in enumerate(sizings))]
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass
+class PlanRun:
+    """What `kvmem plan` computes for one set of flags: the plan and what is shown with it."""
+
+    plan: Plan
+    command: EngineCommand | None  # with --engine
+    offload: dict | None  # the kv_offload section, with offload tiers
+    elastic: list | None  # each rank's elastic sizing, with --kv-memory elastic
+    elastic_error: str | None  # why one request cannot run under the elastic limit
+
+    def document(self) -> dict:
+        """The object `kvmem plan --json` prints."""
+        out = self.plan.to_dict()
+        if self.elastic is not None:
+            out["kv_memory"] = {"kind": "elastic", "ranks": [s.to_dict() for s in self.elastic]}
+        if self.offload is not None:
+            out["kv_offload"] = self.offload
+        if self.command is not None:
+            out["engine_command"] = self.command.to_dict()
+        return out
+
+    def offload_notes(self) -> list[str]:
+        """What the offload tiers hold, in words (notes of the table output)."""
+        return _offload_notes(self.offload) if self.offload is not None else []
+
+
+def build(args: argparse.Namespace, spec=None) -> PlanRun:
+    """The plan ``args`` (this module's flags) describe: the one function behind `kvmem plan`
+    and the `kvmem ui` page. ``spec`` is the model when the caller has read it (the page
+    takes a catalog name or a pasted config.json): then no file is read for it and the
+    engine command names the model ``args.model``."""
     from kvmem.plan import plan
     from kvmem.plan.flags import engine_command
     from kvmem.spec import load_spec
 
-    spec = load_spec(args.model)
+    local = spec is None
+    spec = load_spec(args.model) if local else spec
     measured = None
     if args.profile:
         from kvmem.engine.memory_profile import load_profiles  # imports no torch
@@ -355,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
         _check_profile_matches(measured, layout, settings, args.profile)
     result = plan(spec, layout, settings, policy=args.kv_budget,
                   profile=[p.to_rank_profile() for p in measured] if measured else None,
-                  checkpoint_dir=_checkpoint_dir(args.model))
+                  checkpoint_dir=_checkpoint_dir(args.model) if local else None)
     if measured is not None:
         _check_profile_layers(measured, result, args.profile)
         what = "every rank's" if len(measured) > 1 else "the"
@@ -366,7 +401,8 @@ def run(args: argparse.Namespace) -> int:
         result.notes = [n for n in result.notes if not n.startswith("GPU memory not given")]
         result.notes.append("a deployment on vLLM's CPU build: its block size and batch "
                             "defaults, no CUDA graphs; the KV size is the one stated")
-    result.model = served_model(args.model, spec)  # named as the user gave it, everywhere
+    # named as the user gave it, everywhere
+    result.model = served_model(args.model, spec) if local else args.model
     command = engine_command(result, args.engine, result.model) if args.engine else None
     offload_section = kv_offload(result, offload)
     if command is not None and offload_section is not None:
@@ -379,10 +415,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             command.notes.append("the KV offload tiers are kvmem's; configure this engine's "
                                  "own KV offloading separately")
-    if args.plot:
-        from kvmem.plan.plot import save_plot
-
-        save_plot(result, args.plot)
     elastic = _elastic(args, result, spec)
     elastic_error = _elastic_fit_error(result, spec, elastic) if elastic is not None else None
     if elastic_error is not None:
@@ -391,25 +423,26 @@ def run(args: argparse.Namespace) -> int:
         command.argv += ["--kv-memory", "elastic"]
         if args.kv_memory_limit is not None:
             command.argv += ["--kv-memory-limit", str(elastic[0].limit_bytes)]
+    return PlanRun(result, command, offload_section, elastic, elastic_error)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = build(args)
+    if args.plot:
+        from kvmem.plan.plot import save_plot
+
+        save_plot(result.plan, args.plot)
     if args.json:
-        out = result.to_dict()
-        if elastic is not None:
-            out["kv_memory"] = {"kind": "elastic", "ranks": [s.to_dict() for s in elastic]}
-        if offload_section is not None:
-            out["kv_offload"] = offload_section
-        if command is not None:
-            out["engine_command"] = command.to_dict()
-        print(json.dumps(out, indent=1))
+        print(json.dumps(result.document(), indent=1))
     else:
         from kvmem.plan.report import print_plan
 
-        if offload_section is not None:
-            result.notes.extend(_offload_notes(offload_section))
-        print_plan(result, command, plot=args.plot)
-        if elastic is not None:
-            _print_elastic(elastic)
+        result.plan.notes.extend(result.offload_notes())
+        print_plan(result.plan, result.command, plot=args.plot)
+        if result.elastic is not None:
+            print("\n".join(elastic_lines(result.elastic)))
     if args.check:
-        result.check_fit()
-        if elastic_error is not None:
-            raise FitError(elastic_error)
+        result.plan.check_fit()
+        if result.elastic_error is not None:
+            raise FitError(result.elastic_error)
     return 0

@@ -1,0 +1,312 @@
+"""`kvmem ui`'s server and API without a browser: the query string is `kvmem plan`'s flags,
+``/api/plan`` is `kvmem plan --json`'s document, a refusal is the CLI's line with its field,
+no file of the server is read, the page's files ship in the package, no torch."""
+
+import fnmatch
+import json
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import quote, urlencode
+
+import pytest
+
+from kvmem.spec.catalog import catalog_config
+from kvmem.ui.query import form, plan_parser
+from tests.ui_page import README_EXAMPLE, README_QUERY, cli, cli_error, serving
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving() as s:
+        yield s
+
+
+def get(server, path: str) -> tuple[int, dict, bytes]:
+    try:
+        with urllib.request.urlopen(server.url + path.lstrip("/"), timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def api(server, endpoint: str, query: str) -> tuple[int, dict]:
+    status, _, body = get(server, f"/api/{endpoint}?{query}")
+    return status, json.loads(body)
+
+
+def cli_json(argv: list[str]) -> dict:
+    code, out, err = cli(["plan", *argv, "--json"])
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("query, argv", [
+    (README_QUERY, README_EXAMPLE),
+    (README_QUERY + "&engine=vllm", README_EXAMPLE + ["--engine", "vllm"]),
+    ("model=qwen3-14b&pp=2&gpu=V100-16GB&gpu=V100-32GB&kv_budget=optimal&max_model_len=32768"
+     "&engine=sglang", ["qwen3-14b", "--pp", "2", "--gpu", "V100-16GB", "--gpu", "V100-32GB",
+                        "--kv-budget", "optimal", "--max-model-len", "32768", "--engine",
+                        "sglang"]),
+    ("model=qwen3-8b&gpu=H100&enforce_eager=true&cpu_offload_gib=4&engine=kvmem"
+     "&kv_memory=elastic&kv_memory_limit=8GiB",
+     ["qwen3-8b", "--gpu", "H100", "--enforce-eager", "--cpu-offload-gib", "4", "--engine",
+      "kvmem", "--kv-memory", "elastic", "--kv-memory-limit", "8GiB"]),
+    ("model=qwen3-8b&gpu=H100&enforce_eager=false&device=gpu", ["qwen3-8b", "--gpu", "H100"]),
+])
+def test_api_plan_is_the_cli_json_document(server, query, argv):
+    status, doc = api(server, "plan", query)
+    assert status == 200
+    assert doc == cli_json(argv)
+
+
+def test_the_readme_example_over_the_api(server):
+    status, doc = api(server, "plan", README_QUERY)
+    assert status == 200
+    assert [r["num_blocks"] for r in doc["ranks"]] == [2560, 2560]
+
+
+def test_the_view_is_the_document_and_what_the_cli_prints_around_it(server):
+    status, view = api(server, "view", README_QUERY + "&engine=vllm")
+    assert status == 200
+    assert view["plan"] == cli_json(README_EXAMPLE + ["--engine", "vllm"])
+    _, text, _ = cli(["plan", *README_EXAMPLE, "--engine", "vllm"])
+    lines = text.splitlines()
+    # the commands to paste, as the CLI prints them
+    assert view["commands"][0]["shell"] == lines[lines.index("vllm command:") + 1]
+    plugin = lines.index("vllm command with kvmem's plugin (per-rank budgets):")
+    assert view["commands"][1]["shell"] == lines[plugin + 1]
+    # every note and the fit error the CLI prints, in the same words
+    for warning in view["warnings"]:
+        assert warning.split(";")[0] in text
+    assert any("longest max_model_len that fits is 40,944" in w for w in view["warnings"])
+    for term, value in view["summary"]:
+        assert re.search(rf"^{re.escape(term)} +{re.escape(value)}$", text, re.M)
+    # each rank's bar: the --plot figures, stacking up to what the rank uses
+    ranks = view["plan"]["ranks"]
+    for bar, rank in zip(view["bars"]["ranks"], ranks, strict=True):
+        kv = bar["gib"][[p["label"] for p in view["bars"]["parts"]].index("KV cache")]
+        assert kv == pytest.approx(rank["kv_budget_bytes"] / (1 << 30), abs=1e-3)
+        assert bar["memory_gib"] is None  # no GPU given: the bar has no device line
+    _, crowded = api(server, "view", "model=meta-llama/Llama-3.1-70B-Instruct&gpu=L40S&tp=2")
+    bar, rank = crowded["bars"]["ranks"][0], crowded["plan"]["ranks"][0]
+    assert bar["memory_gib"] == pytest.approx(rank["memory_bytes"] / (1 << 30), abs=1e-3)
+    assert sum(bar["gib"]) > bar["memory_gib"]  # its weights alone exceed the device
+    assert view["vllm_log"] == ("GPU KV cache size: 40,960 tokens, Maximum concurrency for "
+                                "40,960 tokens per request: 1.00x")
+
+
+# (query, the same flags on the command line, the field the page shows the error beside)
+BAD = [
+    ("model=qwen3-32b&pp=0", ["qwen3-32b", "--pp", "0"], "pp"),
+    ("model=qwen3-32b&tp=x", ["qwen3-32b", "--tp", "x"], "tp"),
+    ("model=qwen3-32b&tp=3&gpu=H100", ["qwen3-32b", "--tp", "3", "--gpu", "H100"], "tp"),
+    # a layout is checked before anything is sized per rank (not a list of 10^12 GPUs)
+    ("model=qwen3-32b&tp=999999999999&gpu=H100",
+     ["qwen3-32b", "--tp", "999999999999", "--gpu", "H100"], "tp"),
+    ("model=qwen3-32b&pp=999999999999&gpu=H100",
+     ["qwen3-32b", "--pp", "999999999999", "--gpu", "H100"], "pp"),
+    ("model=qwen3-32b&pp=2&layer_partition=60,8&gpu=H100",
+     ["qwen3-32b", "--pp", "2", "--layer-partition", "60,8", "--gpu", "H100"],
+     "layer_partition"),
+    ("model=qwen3-32b&pp=2&layer_partition=a,b&gpu=H100",
+     ["qwen3-32b", "--pp", "2", "--layer-partition", "a,b", "--gpu", "H100"], "layer_partition"),
+    ("model=qwen3-32b&gpu=H1000", ["qwen3-32b", "--gpu", "H1000"], "gpu"),
+    ("model=qwen3-32b&gpu_memory=-4", ["qwen3-32b", "--gpu-memory", "-4"], "gpu_memory"),
+    ("model=qwen3-32b&kv_cache_memory_bytes=5+parsecs",
+     ["qwen3-32b", "--kv-cache-memory-bytes", "5 parsecs"], "kv_cache_memory_bytes"),
+    ("model=qwen3-32b&gpu=H100&kv_cache_dtype=int3",
+     ["qwen3-32b", "--gpu", "H100", "--kv-cache-dtype", "int3"], "kv_cache_dtype"),
+    ("model=qwen3-32b&gpu=H100&gpu_memory_utilization=1.5",
+     ["qwen3-32b", "--gpu", "H100", "--gpu-memory-utilization", "1.5"],
+     "gpu_memory_utilization"),
+    ("model=qwen3-32b&gpu=H100&block_size=-16",
+     ["qwen3-32b", "--gpu", "H100", "--block-size", "-16"], "block_size"),
+    ("model=qwen3-32b&gpu=H100&max_num_seqs=0",
+     ["qwen3-32b", "--gpu", "H100", "--max-num-seqs", "0"], "max_num_seqs"),
+    ("model=qwen3-32b&gpu=H100&kv_budget=best",
+     ["qwen3-32b", "--gpu", "H100", "--kv-budget", "best"], "kv_budget"),
+    ("model=qwen3-32b&gpu=H100&cpu_offload_gib=-1",
+     ["qwen3-32b", "--gpu", "H100", "--cpu-offload-gib", "-1"], "cpu_offload_gib"),
+    ("model=qwen3-32b&gpu=H100&weight_offload_gib=nan",
+     ["qwen3-32b", "--gpu", "H100", "--weight-offload-gib", "nan"], "weight_offload_gib"),
+    ("model=qwen3-32b&gpu=H100&kv_memory_limit=1GiB",
+     ["qwen3-32b", "--gpu", "H100", "--kv-memory-limit", "1GiB"], "kv_memory_limit"),
+    ("model=qwen3-32b&device=cpu", ["qwen3-32b", "--device", "cpu"], "device"),
+    ("model=qwen3-32", ["qwen3-32", "--gpu", "H100"], "model"),
+]
+
+
+@pytest.mark.parametrize("query, argv, field", BAD)
+def test_a_bad_value_is_the_cli_line_with_its_field(server, query, argv, field):
+    status, body = api(server, "view", query)
+    assert status == 400
+    assert body == {"error": cli_error(argv), "field": field}
+    assert api(server, "plan", query) == (400, body)
+
+
+def test_odd_values_in_every_field_are_planned_or_refused_never_a_crash(server):
+    odd = ["", "-1", "0", "1e400", "abc", "999999999999", "1.5", "nan", " 2", "1,2,3", "-"]
+    for group in form()["groups"]:
+        for field in group["fields"]:
+            for value in odd + (field["choices"] or []):
+                base = {"model": "qwen3-8b", "gpu": "H100", "engine": "vllm"}
+                status, body = api(server, "view", urlencode({**base, field["name"]: value}))
+                assert status in (200, 400), (field["name"], value, body)
+                if status == 400:
+                    assert body["error"] and "\n" not in body["error"]
+
+
+@pytest.mark.parametrize("key", ["profile", "plot", "json", "check"])
+def test_flags_for_the_terminal_are_refused(server, key):
+    status, body = api(server, "plan", f"model=qwen3-8b&gpu=H100&{key}=/etc/passwd")
+    assert status == 400
+    assert body == {"error": f"{key!r} is for the command line (`kvmem plan`), not the page",
+                    "field": None}
+
+
+def test_an_unknown_key_is_named(server):
+    assert api(server, "plan", "model=qwen3-8b&gpu=H100&tensor=2") == (
+        400, {"error": "'tensor' is no flag of `kvmem plan`", "field": None})
+
+
+def test_a_model_is_never_read_from_the_servers_files(server, tmp_path):
+    """`kvmem plan DIR` reads DIR/config.json; the page takes only catalog names."""
+    _, cfg = catalog_config("qwen3-8b")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert cli(["plan", str(tmp_path), "--gpu", "H100"])[0] == 0  # the CLI reads it
+    status, body = api(server, "plan", f"model={quote(str(tmp_path))}&gpu=H100")
+    assert status == 400 and body["field"] == "model"
+    assert body["error"].startswith(f"unknown model {str(tmp_path)!r}")
+
+
+def test_a_pasted_config_plans_like_its_file(server, tmp_path):
+    _, cfg = catalog_config("qwen3-8b")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    flags = ["--gpu", "H100", "--tp", "2", "--engine", "vllm"]
+    expected = cli_json([str(tmp_path), *flags])
+    query = urlencode({"config": json.dumps(cfg), "model": str(tmp_path), "gpu": "H100",
+                       "tp": "2", "engine": "vllm"})
+    status, doc = api(server, "plan", query)
+    assert status == 200
+    assert doc == expected  # the command names the model as given with the config
+
+
+def test_a_pasted_config_without_a_name_is_model_in_the_command(server):
+    _, cfg = catalog_config("qwen3-8b")
+    cfg = {k: v for k, v in cfg.items() if k != "_name_or_path"}
+    status, doc = api(server, "plan", urlencode({"config": json.dumps(cfg), "gpu": "H100",
+                                                 "engine": "vllm"}))
+    assert status == 200
+    assert doc["model"] == "MODEL" and doc["engine_command"]["argv"][:3] == ["vllm", "serve",
+                                                                            "MODEL"]
+
+
+@pytest.mark.parametrize("config, match", [
+    ("{", "config.json: not valid JSON"),
+    ('{"hidden_size": 8}', "config.json is missing num_hidden_layers"),
+    ("[1]", "config must be a JSON object"),
+])
+def test_a_bad_pasted_config_is_one_line_beside_it(server, config, match):
+    status, body = api(server, "view", urlencode({"config": config, "gpu": "H100"}))
+    assert status == 400 and body["field"] == "config" and match in body["error"]
+
+
+def test_no_model_asks_for_one(server):
+    status, body = api(server, "view", "gpu=H100")
+    assert status == 400 and body["field"] == "model" and "catalog name" in body["error"]
+
+
+def test_every_plan_flag_is_on_the_page_or_refused_by_name(server):
+    """The form is `kvmem plan`'s parser: a flag added there shows up, or is refused
+    in words when it is output or names a file."""
+    on_page = {f["name"] for g in form()["groups"] for f in g["fields"]}
+    for action in plan_parser()._actions:
+        if action.dest in on_page:
+            continue
+        status, body = api(server, "plan", f"model=qwen3-8b&gpu=H100&{action.dest}=x")
+        assert status == 400 and "for the command line" in body["error"], action.dest
+    assert {"model", "tp", "pp", "layer_partition", "gpu", "gpu_memory", "max_model_len",
+            "kv_cache_dtype", "block_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
+            "kv_budget", "cpu_offload_gib", "disk_offload_gib", "engine"} <= on_page
+
+
+def test_the_page_and_its_files_come_from_the_package_only(server):
+    status, headers, html = get(server, "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    csp = headers["Content-Security-Policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    for name in ("app.js", "app.css"):
+        status, _, body = get(server, f"/static/{name}")
+        assert status == 200
+        # nothing from another host: no absolute URL a browser would fetch
+        assert not re.search(rb"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", body), name
+    assert not re.search(rb"(src|href)=\"(https?:)?//", html)
+    for path in ("/static/../query.py", "/static/query.py", "/etc/passwd", "/api"):
+        status, _, body = get(server, path)
+        assert status == 404 and json.loads(body)["error"].startswith("no such page")
+
+
+def test_other_methods_are_refused_in_one_line(server):
+    request = urllib.request.Request(server.url + "api/plan?" + README_QUERY, data=b"{}",
+                                     method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 405 and refused.value.headers["Allow"] == "GET"
+    assert json.loads(refused.value.read())["error"].startswith("POST is not answered here")
+
+
+def test_the_page_files_are_package_data():
+    """A wheel carries exactly what pyproject names: every file the page needs matches."""
+    line = re.search(r'^"kvmem\.ui" = (\[.*\])$', (ROOT / "pyproject.toml").read_text(), re.M)
+    globs = json.loads(line.group(1))
+    static = ROOT / "kvmem" / "ui" / "static"
+    for path in static.iterdir():
+        rel = path.relative_to(static.parent).as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), rel
+    from kvmem.ui import server as ui_server
+
+    assert set(ui_server._STATIC) == {p.name for p in static.iterdir()}
+
+
+def test_kvmem_ui_on_port_0_prints_its_url_and_serves():
+    proc = subprocess.Popen([sys.executable, "-m", "kvmem", "ui", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        m = re.match(r"kvmem ui: (http://127\.0\.0\.1:(\d+)/)", line)
+        assert m and int(m.group(2)) > 0, line + proc.stderr.read() if proc.poll() else line
+        with urllib.request.urlopen(m.group(1) + "api/plan?" + README_QUERY, timeout=30) as r:
+            assert json.loads(r.read())["engine"]["num_blocks"] == 2560
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_port_in_use_is_one_line(server):
+    port = server.server_address[1]
+    code, _, err = cli(["ui", "--port", str(port)])
+    assert code == 2
+    assert err.startswith(f"kvmem: error: cannot listen on 127.0.0.1:{port}")
+    assert err.count("\n") == 1
+
+
+def test_the_ui_imports_no_torch_engine_or_server():
+    code = ("import sys, threading, urllib.request\n"
+            "from kvmem.ui.server import UIServer\n"
+            "s = UIServer('127.0.0.1', 0)\n"
+            "threading.Thread(target=s.serve_forever, daemon=True).start()\n"
+            "for p in ('', 'api/form', 'api/view?model=qwen3-8b&gpu=H100&engine=vllm'\n"
+            "          '&kv_memory=elastic&cpu_offload_gib=2'):\n"
+            "    urllib.request.urlopen(s.url + p, timeout=60).read()\n"
+            "above = [m for m in sys.modules if m.startswith(('kvmem.engine', 'kvmem.serve'))]\n"
+            "sys.exit(3 if 'torch' in sys.modules else 4 if above else 0)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
