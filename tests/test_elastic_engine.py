@@ -505,3 +505,46 @@ def test_a_lowered_ceiling_shrinks_the_engine_and_no_request_fails(tiny):
         assert [outs[str(i)].outputs[0].token_ids for i in range(4)] == reference
     finally:
         engine.shutdown()
+
+
+# -- memory that moves between engines ------------------------------------------------------
+def test_an_idle_engine_gives_its_cache_to_a_busy_one_and_reloads_it_from_its_tier(tiny):
+    """Engine a serves distinct long prompts and goes idle holding them as prefix cache;
+    engine b then needs most of the device total. a takes no step, yet gives back the
+    pages that hold only cached blocks (its pre-mapping thread sees b's ask in the ledger,
+    evicts them under a's step lock, copying each to a's CPU tier first); b serves its
+    burst with the tokens it gives alone; a's next request for one of its prefixes
+    loads it from the tier, with the same tokens."""
+    prompts_a = [[(i * 53 + j) % 250 + 1 for j in range(100)] for i in range(4)]
+    prompts_b = [[(i * 29 + j) % 250 + 3 for j in range(100)] for i in range(4)]
+    alone = LLM(str(tiny), **OPTIONS)
+    ref_a = [o.outputs[0].token_ids for o in alone.generate(prompts_a, GREEDY)]
+    ref_b = [o.outputs[0].token_ids for o in alone.generate(prompts_b, GREEDY)]
+    a = LLM(str(tiny), kv_memory="elastic", engine_name="a", cpu_offload_gib=0.01, **OPTIONS)
+    b = LLM(str(tiny), kv_memory="elastic", engine_name="b", **OPTIONS)
+    ledger = Ledger.for_device("cpu")
+    try:
+        assert [o.outputs[0].token_ids for o in a.generate(prompts_a, GREEDY)] == ref_a
+        a.engine.kv_storage.settle()
+        before = a.engine.kv_storage.stats()
+        assert before.cached_blocks >= 4 * 6  # a holds its prompts as prefix cache
+        # the device total: b's four requests together (8 blocks each, and the null
+        # block) fit only if a gives back most of its cache
+        block = before.page_bytes // a.engine.elastic.sizing.blocks_per_page
+        ledger.set_total_limit(33 * block + before.held_bytes // 3)
+        steps_a = a.engine.stats.steps
+        outs_b = b.generate(prompts_b, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs_b] == ref_b
+        assert all(o.outputs[0].finish_reason == "length" for o in outs_b)
+        after = a.engine.kv_storage.stats()
+        assert a.engine.stats.steps == steps_a  # a was idle throughout
+        assert after.held_bytes < before.held_bytes * 0.6
+        assert after.reclaims >= 1 and after.reclaimed_bytes >= before.held_bytes * 0.4
+        assert ledger.read().engines["a"].reclaimed_bytes == after.reclaimed_bytes
+        # demoted, not dropped: a's next request for its first prompt reloads it
+        loaded = a.engine.snapshot().offload["cpu"].bytes_loaded
+        assert [o.outputs[0].token_ids for o in a.generate(prompts_a[:1], GREEDY)] == ref_a[:1]
+        assert a.engine.snapshot().offload["cpu"].bytes_loaded > loaded
+    finally:
+        a.engine.shutdown()
+        b.engine.shutdown()

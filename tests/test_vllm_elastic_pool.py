@@ -51,7 +51,9 @@ os.environ.update(KVMEM_VLLM_KV_MEMORY="elastic", KVMEM_VLLM_ENGINE_NAME="a",
                   KVMEM_LEDGER_DIR=ledger_dir)
 plugin.register()
 plugin.register()  # vLLM may call it more than once: wrapped once
-cfg = engine_config(model, 1, 256 << 20, 512, 16)
+# max_model_len 16: one request needs 2 pages (its block and the null block's), so the
+# ceilings below may be that low
+cfg = engine_config(model, 1, 256 << 20, 16, 16)
 worker_configs, kv_config = initialize_kv_caches(cfg, worker_specs(cfg, 1), [256 << 20])
 out = {"vllm": vllm.__version__, "problems": list(compat.problems("elastic")),
        "num_blocks": kv_config.num_blocks,
@@ -181,7 +183,7 @@ for i in range(400):
     step(); check()
     e = entry("a")
     live = sum(b.ref_cnt > 0 for b in pool.blocks) + 1  # and the null block
-    peak_over = max(peak_over, e.mapped_bytes - max(e.limit_bytes, live * page))
+    peak_over = max(peak_over, e.mapped_bytes - max(e.ceiling_bytes, live * page))
 out["random_peak_over_live_or_limit"] = peak_over
 for blocks in held + [first[:1], first[2:], again]:
     pool.free_blocks(blocks)
@@ -190,10 +192,11 @@ step(); check()
 out["held_after_random"] = entry("a").mapped_bytes
 out["cached_after_random"] = sched.pool.stats().cached_blocks
 
-# an overdraft: engine "b" takes the shared room after a counted, and a has no
-# prefix cache to evict instead (a low limit reclaims it first)
-ledger.set_limits("a", ceiling_bytes=page)
+# an overdraft: engine "b" takes the shared room after a counted, and a has almost no
+# prefix cache to evict instead (a ceiling of one request reclaims the rest first)
+ledger.set_limits("a", ceiling_bytes=2 * page)
 step(); check()
+out["cached_before_overdraft"] = sched.pool.stats().cached_blocks
 ledger.set_limits("a", ceiling_bytes=None)
 warnings = []  # (vLLM configures its loggers when it builds its config: listen now)
 logging.getLogger("vllm.kvmem.elastic").addHandler(
@@ -219,9 +222,9 @@ out["pending_after_free"] = scheduler.has_pending_push_work()
 step()
 out["pending_after_step"] = scheduler.has_pending_push_work()
 
-# a limit below one request of max_model_len (512 tokens: 32 blocks and the null block's)
+# a limit below one request of max_model_len (16 tokens: 1 block and the null block's)
 cfg.kv_transfer_config.kv_connector_extra_config.update(engine_name="small",
-                                                        limit_bytes=10 * page)
+                                                        limit_bytes=page)
 try:
     KvmemElasticConnector(cfg, KVConnectorRole.SCHEDULER, kv_config)
 except Exception as exc:
@@ -284,9 +287,14 @@ def test_the_limit_caps_what_vllm_sees_as_free(result) -> None:
 def test_blocks_vllm_counted_are_handed_out_when_another_engine_took_the_room(result) -> None:
     page = result["page_bytes"]
     assert result["overdraft_counted"] >= 4 and result["overdraft_blocks"] == 4
-    assert result["total_held_over_limit"] == 3 * page
+    # b's 3 pages came out of the room a counted; a cached block a still had may serve one
+    # of its 4 blocks instead of a new page
+    cached = result["cached_before_overdraft"]
+    assert (3 - cached) * page <= result["total_held_over_limit"] <= 3 * page
     assert any("taken past it" in w for w in result["warnings"])
-    assert result["held_after_overdraft"] == page  # back to the null block's page
+    # back to the null block's page (and what prefix cache the ceiling left, if the
+    # overdraft's blocks did not reuse it)
+    assert page <= result["held_after_overdraft"] <= (1 + cached) * page
 
 
 def test_vllm_keeps_stepping_until_freed_pages_reach_the_workers(result) -> None:
@@ -297,6 +305,6 @@ def test_vllm_keeps_stepping_until_freed_pages_reach_the_workers(result) -> None
 
 def test_a_limit_below_one_request_is_one_line(result) -> None:
     assert result["small_limit"] == (
-        "ConfigError: the KV memory limit 7.03 MiB holds 10 pages of 1 blocks (720.00 KiB "
-        "each) but one request of max_model_len 512 needs 33 (incl. the null block's); "
+        "ConfigError: the KV memory limit 720.00 KiB holds 1 pages of 1 blocks (720.00 KiB "
+        "each) but one request of max_model_len 16 needs 2 (incl. the null block's); "
         "raise KVMEM_VLLM_KV_MEMORY_LIMIT or lower max_model_len")

@@ -143,7 +143,7 @@ class AsyncLLMEngine:
         self._ready.set()
         while not self._stopping.is_set():
             self._apply_commands()
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_work():
                 self._wakeup.wait(self._idle_poll_s)
                 self._wakeup.clear()
                 continue

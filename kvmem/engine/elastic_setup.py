@@ -191,6 +191,20 @@ class ElasticSetup:
             return 0
         return max(0, table.pages_in_use() - allowed // table.page_bytes)
 
+    def want(self, num_tokens: list[int]) -> None:
+        """Requests of these lengths wait for memory: ask, once for all of them, other
+        engines to give back what the device total keeps from them (a busy engine does not
+        wait for memory an idle one only caches)."""
+        storage = self._storage()
+        if storage.budget is None or not num_tokens:
+            return
+        s = self.sizing
+        blocks = sum(self.need_blocks(n) - 1 for n in num_tokens)  # the null block once
+        free = storage.table.free_within(0)  # without new pages
+        pages = -(-max(0, blocks - free) // s.blocks_per_page)
+        if pages:
+            storage.budget.want(pages * s.page_bytes)
+
     # -- the scheduler's view ------------------------------------------------------------
     def fits_limit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` fits under this engine's ceiling once other

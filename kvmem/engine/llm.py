@@ -54,7 +54,7 @@ class LLM:
             self.engine.add_request(request)
         results: list[RequestOutput | None] = [None] * len(requests)
         with _progress(len(requests), show_progress) as advance:
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_work():  # and the stores its requests left
                 for out in self.engine.step():
                     if out.finished:
                         results[order[out.request_id]] = out

@@ -322,6 +322,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether a step would do anything: unfinished requests, or tier stores whose
+        blocks a step releases once copied."""
+        return self.scheduler.has_work()
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 

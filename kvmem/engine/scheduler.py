@@ -66,6 +66,8 @@ class KVMemory(Protocol):
 
     def excess_pages(self) -> int: ...
 
+    def want(self, num_tokens: list[int]) -> None: ...
+
     def backoff(self) -> None: ...
 
 
@@ -139,6 +141,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._loading or self._failed)
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or stores to the tiers that hold blocks until a step sees
+        them done (then the blocks are free, and elastic memory can give their pages back)."""
+        return self.has_unfinished_requests() or (self.offload is not None
+                                                  and self.offload.holds_blocks)
 
     @property
     def loading(self) -> list[Request]:
@@ -281,8 +289,8 @@ class Scheduler:
         """Called when a step scheduled nothing: wait briefly for what unblocks it."""
         if self.kv_memory is not None and self.waiting:
             self.kv_memory.backoff()  # waiting for memory other engines hold
-        elif self.offload is not None and self._loading:
-            self.offload.wait(0.05)  # nothing to run until a tier load lands
+        elif self.offload is not None and (self._loading or self.offload.holds_blocks):
+            self.offload.wait(0.05)  # nothing to run until a tier load or store lands
 
     def _shrink_to_limit(self) -> None:
         """Under a lowered KV memory limit, preempt running requests (the newest first,
@@ -337,6 +345,9 @@ class Scheduler:
                     self.waiting.popleft()
                     self._fail(request, self._too_big(request))
                     continue
+                if self.kv_memory is not None:  # ask once for every request a slot awaits
+                    free = self.max_num_seqs - len(self.running) - len(self._loading)
+                    self.kv_memory.want([r.num_tokens for r in list(self.waiting)[:free]])
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
             self.stats.prefix_queried_tokens += request.num_tokens

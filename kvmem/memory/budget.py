@@ -154,6 +154,17 @@ class EngineBudget:
                 self.held_bytes += nbytes
             return taken
 
+    def want(self, nbytes: int) -> None:
+        """It waits for ``nbytes`` more: if the device total keeps them from it, ask other
+        engines for them now (asks already outstanding count), without taking anything."""
+        def change(entry: LedgerEntry, table: LedgerTable) -> None:
+            r = room(table, entry)
+            if r is not None and nbytes > r:
+                ask_reclaim(table, entry, nbytes)
+
+        with self._lock:
+            self._update(change, lambda: None)
+
     def take(self, nbytes: int) -> None:
         """Take ``nbytes`` whatever the limits say: bytes an allocation already promised
         (the engine then gives back as blocks are freed)."""

@@ -197,11 +197,19 @@ class OffloadConnector:
         return reloading
 
     def wait(self, timeout: float) -> bool:
-        """Block until the oldest load in flight is done (or ``timeout`` s); True if it is.
+        """Block until the oldest load in flight is done (or, with none, the stores that hold
+        blocks), up to ``timeout`` s; True if it is, False at once with nothing in flight.
         For an engine with nothing else to run, instead of spinning on ``poll``."""
         for _, handle, _ in self._loads.values():
             return handle.done.wait(timeout)
-        return False
+        return self.holds_blocks and self.offload.engine.wait_idle(timeout)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether stores hold pool blocks until a ``poll`` sees them copied: an idle
+        engine still has that step to take (elastic memory cannot give their pages back
+        before)."""
+        return self.offload.held_blocks > 0
 
     def cancel(self, request_id: str) -> bool:
         """Drop the load of a request (e.g. aborted): waits for it, frees its blocks. False

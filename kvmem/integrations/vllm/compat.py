@@ -127,6 +127,11 @@ ELASTIC_CALLS = (
     ("vllm.v1.worker.utils:allocate_kv_cache", "torch.zeros("),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", ".handle_preemptions("),
     ("vllm.v1.core.sched.scheduler:Scheduler.has_requests", ".has_pending_push_work()"),
+    # an idle engine is woken to give memory back (elastic/watch.py): its loop waits on
+    # the input queue until has_work(), and takes WAKEUP as a no-op
+    ("vllm.v1.engine.core:EngineCoreProc._process_input_queue", "self.has_work()"),
+    ("vllm.v1.engine.core:EngineCoreProc._handle_client_request",
+     "EngineCoreRequestType.WAKEUP"),
 )
 
 ELASTIC_NEEDS = (
@@ -147,6 +152,8 @@ ELASTIC_NEEDS = (
     Need("vllm.v1.worker.utils:allocate_kv_cache", ("kv_cache_config", "device")),
     Need("vllm.distributed.utils:get_pp_indices", ("num_hidden_layers", "pp_rank", "pp_size")),
     Need("vllm.logger:init_logger"),
+    Need("vllm.v1.engine.core:EngineCoreProc.run_busy_loop"),
+    Need("vllm.v1.engine:EngineCoreRequestType.WAKEUP"),
     *(Need(f"{BASE}:KVConnectorBase_V1.{hook}", params, exact=True)
       for hook, params in ELASTIC_HOOKS.items()),
 )

@@ -33,9 +33,15 @@ from vllm.logger import init_logger
 
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import compat
-from kvmem.integrations.vllm.elastic.config import LIMIT_ENV, ElasticSettings, settings_from_extra
+from kvmem.integrations.vllm.elastic.config import (
+    LIMIT_ENV,
+    ElasticSettings,
+    settings_from_extra,
+)
+from kvmem.integrations.vllm.elastic.config import ledger_device as elastic_ledger_device
 from kvmem.integrations.vllm.elastic.layout import KVLayout, TensorPlacement
 from kvmem.integrations.vllm.elastic.pool import BlockRange, ElasticPool
+from kvmem.integrations.vllm.elastic.watch import LedgerWatch
 from kvmem.integrations.vllm.elastic.worker import ElasticWorker
 from kvmem.memory.ledger import Ledger
 from kvmem.memory.pages import blocks_per_page_for
@@ -95,13 +101,14 @@ class ElasticScheduler:
         layout = KVLayout.from_kv_cache_config(kv_cache_config)
         self.rank_bytes = rank_block_bytes(vllm_config, layout.block_bytes)
         device = vllm_config.device_config.device_type
+        ledger_device = elastic_ledger_device(device)
         if device == "cpu":
             import mmap
 
-            granularity, ledger_device = mmap.PAGESIZE, "cpu"
+            granularity = mmap.PAGESIZE
             block_bytes = sum(self.rank_bytes)  # every rank's KV lives in this memory
         else:
-            granularity, ledger_device = CUDA_GRANULARITY, f"{device}:0"
+            granularity = CUDA_GRANULARITY
             block_bytes = self.rank_bytes[0]  # rank 0's device; other ranks' are their own
         k = blocks_per_page(layout.placements, granularity)
         usable = kv_cache_config.num_blocks // k * k
@@ -119,13 +126,15 @@ class ElasticScheduler:
                 f"max_model_len {vllm_config.model_config.max_model_len:,} needs {need} (incl. "
                 f"the null block's); raise {LIMIT_ENV} or lower max_model_len")
         budget = Ledger.for_device(ledger_device, settings.ledger_dir).register(
-            settings.engine_name, limit_bytes=limit)
+            settings.engine_name, floor_bytes=settings.floor_bytes or 0, ceiling_bytes=limit,
+            request_bytes=need * page_bytes)
         try:
             self.pool = ElasticPool(num_blocks=kv_cache_config.num_blocks, blocks_per_page=k,
                                     block_bytes=block_bytes, budget=budget)
         except BaseException:
             budget.close()
             raise
+        self.watch = LedgerWatch(budget, lambda: self.pool.table.held_bytes)
         self.bound = False
         log.info("kvmem: elastic KV memory: engine %r in the %s ledger %s: %s reserved (%d "
                  "blocks over %d ranks), pages of %d blocks (%s), limit %s", settings.engine_name,
@@ -151,6 +160,7 @@ class ElasticScheduler:
         return ElasticStepMeta(self.pool.seq, ops, tuple(self.rank_bytes) if first else None)
 
     def close(self) -> None:
+        self.watch.stop()
         self.pool.close()
 
 

@@ -1,11 +1,14 @@
 """The plugin's part for elastic KV memory: ``KVMEM_VLLM_KV_MEMORY=elastic`` alone turns it on.
 
 vLLM calls the plugin (``plugin.register``) in every process it starts; this part wraps
-one function, ``EngineArgs.create_engine_config``, where vLLM turns its arguments into its
+``EngineArgs.create_engine_config``, where vLLM turns its arguments into its
 configuration: with elastic KV memory on, the KV transfer config it reads gets
 ``KvmemElasticConnector`` (``config.with_elastic``), and vLLM then starts the
-connector in the engine core and in every worker as it would any connector. The
-arguments themselves are left as they were. Before wrapping, ``compat.require("elastic")``
+connector in the engine core and in every worker as it would any connector; the
+deployment is checked against the settings there (``config.check_deployment``). The
+arguments themselves are left as they were. In the engine core process it also wraps
+``EngineCoreProc.run_busy_loop``, to wake an idle engine that is asked to give memory
+back (``watch``). Before wrapping, ``compat.require("elastic")``
 checks everything elastic KV memory uses in vLLM (one line naming what is missing).
 Nothing happens when the variable is unset.
 """
@@ -14,10 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from functools import wraps
 from typing import Any
 
-from kvmem.integrations.vllm.elastic.config import elastic_from_env, with_elastic
+from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.elastic.config import (
+    check_deployment,
+    elastic_from_env,
+    with_elastic,
+)
 
 _MARK = "_kvmem_elastic"
 
@@ -38,6 +47,11 @@ def register_elastic() -> None:
 
             init_logger("vllm.kvmem.elastic").warning("kvmem: %s", warning)
         EngineArgs.create_engine_config = with_elastic_connector(EngineArgs.create_engine_config)
+    core = sys.modules.get("vllm.v1.engine.core")  # imported: this is an engine core process
+    if core is not None:
+        from kvmem.integrations.vllm.elastic.watch import install_core_wakeup
+
+        install_core_wakeup(core)
 
 
 def with_elastic_connector(create_engine_config: Any) -> Any:
@@ -51,9 +65,14 @@ def with_elastic_connector(create_engine_config: Any) -> Any:
         given = self.kv_transfer_config
         self.kv_transfer_config = KVTransferConfig(**with_elastic(_as_dict(given), settings))
         try:
-            return create_engine_config(self, *args, **kwargs)
+            config = create_engine_config(self, *args, **kwargs)
         finally:
             self.kv_transfer_config = given
+        try:
+            check_deployment(config, settings)
+        except ConfigError as exc:  # one line, before any engine process starts
+            raise SystemExit(str(exc)) from None
+        return config
 
     setattr(wrapper, _MARK, True)
     return wrapper

@@ -22,6 +22,11 @@ place, with the same methods, over ``kvmem.memory.PageTable``:
   before the step's forward. Pages whose blocks are all free are given back at the next
   step end (the workers unmap them before the next step's forward); over the limit,
   cached-free blocks of otherwise unused pages are evicted from vLLM's prefix cache first.
+- **Giving back to other engines.** When another engine on the device asks for memory
+  (``kvmem.memory.sharing``), the step end gives back free pages and then pages holding
+  only cached blocks, least recently used first, never below the engine's floor. An idle
+  engine takes no steps: ``LedgerWatch`` looks at the ledger every 50 ms and wakes vLLM's
+  engine core loop, which then runs one empty step that carries the unmaps.
 
 The null block (block 0, taken by vLLM's pool at construction) is mapped on every worker
 at start-up; its page is paid for here before anything else. Imports neither vLLM nor torch.
@@ -38,8 +43,8 @@ from math import ceil
 from typing import Any
 
 from kvmem.errors import KvmemError
-from kvmem.memory.ledger import EngineBudget
-from kvmem.memory.page_table import PageState, PageTable
+from kvmem.memory.budget import BudgetState, EngineBudget
+from kvmem.memory.page_table import PageTable
 from kvmem.memory.pages import PageGeometry
 
 log = logging.getLogger("vllm.kvmem.elastic")  # shown and formatted as vLLM's own lines
@@ -89,11 +94,14 @@ class LedgerView:
         self.overdrawn = 0  # bytes taken past the limits since the last read
         self._forced = False
 
-    def refresh(self, used_bytes: int) -> None:
-        """Read the room from the ledger, recording the bytes of live blocks."""
-        self.room = self.budget.room(used_bytes)
+    def refresh(self, live_bytes: int, cached_bytes: int = 0) -> BudgetState:
+        """Read the room from the ledger, recording the bytes of live and cached blocks."""
+        state = self.budget.report(live_bytes, cached_bytes)
+        self.room = None if state.allowed_bytes is None else \
+            state.allowed_bytes - state.held_bytes
         self.stale = False
         self.overdrawn = 0
+        return state
 
     def try_acquire(self, nbytes: int) -> bool:
         if not self._forced and self.room is not None and nbytes > self.room:
@@ -201,37 +209,34 @@ class ElasticPool:
         return ops
 
     def maintain(self) -> None:
-        """Read the ledger; over the limit, free cached-only pages; trim free pages."""
+        """Read the ledger; give back what other engines ask for or what is over the
+        limit (free pages, then cached-only pages); trim free pages."""
         t = self.table
-        self.view.refresh(self.used_bytes)
+        state = self.view.refresh(self.used_bytes, len(t.cached) * self.block_bytes)
         room = self.view.room
-        if room is not None and room < 0:
-            self._reclaim(ceil(-room / self.page_bytes))
+        want = max(0 if room is None else -room, state.reclaim_bytes)
+        before = t.held_bytes
+        if want > 0:
+            floor = self.view.budget.floor_bytes
+            pages = min(ceil(want / self.page_bytes), max(0, before - floor) // self.page_bytes)
+            victims = t.cached_victims(pages - t.idle_pages())
+            if victims:
+                self._evict(set(victims))
+                t.remove_cached(victims)
+                t.push_free(victims)
         while t.maintain_once():
             pass
+        if state.reclaim_bytes:
+            self.view.budget.gave_back(max(0, before - t.held_bytes))
 
     @property
     def used_bytes(self) -> int:
-        return self.table.live_blocks * self.block_bytes
+        return self.table.live_kv_blocks * self.block_bytes
 
     def has_pending(self) -> bool:
         """Whether the workers have mapping decisions to apply (after giving back free pages)."""
         self.maintain()
         return bool(self._pending) or self.table.has_ops()
-
-    def _reclaim(self, pages: int) -> None:
-        """Evict the cached-free blocks of up to ``pages`` pages that hold no live block."""
-        t = self.table
-        by_page: dict[int, list[int]] = {}
-        for block in t.cached_ids():  # least recently freed first
-            page = t.geo.page_of(block)
-            if t.live[page] == 0 and t.state[page] is PageState.MAPPED:
-                by_page.setdefault(page, []).append(block)
-        victims = [b for page in list(by_page)[:pages] for b in by_page[page]]
-        if victims:
-            self._evict(set(victims))
-            t.remove_cached(victims)
-            t.push_free(victims)
 
     def _drain(self) -> list[BlockRange]:
         k = self.blocks_per_page

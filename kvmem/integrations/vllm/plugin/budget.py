@@ -101,33 +101,47 @@ def with_kvmem_budgets(get_kv_cache_configs: Any, policy: str) -> Any:
 def plan_deployment(vllm_config: Any, kv_cache_specs: list[dict], available_memory: list[int],
                     policy: str) -> Plan:
     """kvmem's plan for the deployment vLLM is starting; one rank per worker, in order."""
-    from vllm.distributed.utils import get_pp_indices
-
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    parallel = vllm_config.parallel_config
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if len(kv_cache_specs) != tp * pp:
         raise ConfigError(f"{ENV}: {len(kv_cache_specs)} workers for tp {tp} x pp {pp} "
                           "(data or context parallel layouts are not planned)")
-    spec = spec_from_config(model.hf_config.to_dict(), name=str(model.model))
     layer_spec = next(iter(s for worker in kv_cache_specs for s in worker.values()))
+    # Without a stated value, what each worker measured is all it may use for KV.
+    measured = None if vllm_config.cache_config.kv_cache_memory_bytes is not None else \
+        [_kv_only(m) for m in available_memory]
+    return deployment_plan(vllm_config, block_size=layer_spec.block_size,
+                           layer_dtype=layer_spec.dtype, policy=policy, profile=measured)
+
+
+def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
+                    layer_dtype: Any = None, policy: str = "uniform",
+                    profile: list[RankProfile] | None = None) -> Plan:
+    """kvmem's plan of the deployment ``vllm_config`` describes: its model, tp, pp, vLLM's
+    own layer split, block size and KV dtype (the layers' KV specs' where given)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    spec = spec_from_config(model.hf_config.to_dict(), name=str(model.model))
     # vLLM's own split: VLLM_PP_LAYER_PARTITION, else its even split.
     bounds = [get_pp_indices(spec.num_layers, stage, pp) for stage in range(pp)]
     explicit = vllm_config.cache_config.kv_cache_memory_bytes
     settings = EngineSettings(
-        kv_cache_memory_bytes=explicit,
+        # with neither a stated budget nor a measured one, only the needs are read
+        kv_cache_memory_bytes=explicit if explicit is not None or profile else 1,
         gpu_memory_utilization=1.0,  # the workers' figures are already KV memory
-        block_size=layer_spec.block_size,
+        block_size=block_size or vllm_config.cache_config.block_size,
         max_model_len=model.max_model_len,
         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
         max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         cuda_graphs=False,
-        kv_cache_dtype=kv_dtype(vllm_config.cache_config.cache_dtype, layer_spec.dtype),
+        kv_cache_dtype=kv_dtype(vllm_config.cache_config.cache_dtype,
+                                layer_dtype if layer_dtype is not None else model.dtype),
     )
     layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                     layer_partition=[end - start for start, end in bounds])
-    # Without a stated value, what each worker measured is all it may use for KV.
-    measured = None if explicit is not None else [_kv_only(m) for m in available_memory]
-    return plan(spec, layout, settings, policy, profile=measured)
+    return plan(spec, layout, settings, policy, profile=profile)
 
 
 def _kv_only(kv_bytes: int) -> RankProfile:
