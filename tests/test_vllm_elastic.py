@@ -194,9 +194,10 @@ def test_memory_follows_use(elastic_tp2):
     assert after["pool"]["held_bytes"] == page
     for w in after["workers"]:
         assert w["mapped_blocks"] == 1 and w["resident_bytes"] == w["block_bytes"]
-    row = next(r for r in result["top"] if r["name"] == "tp2")
-    assert row["device"] == "cpu" and row["mapped_bytes"] == page
-    assert row["limit_bytes"] == 2 * GIB  # both ranks' KV: the reservation
+    [device] = result["top"]["devices"]
+    row = next(r for r in device["engines"] if r["name"] == "tp2")
+    assert device["device"] == "cpu" and row["mapped_bytes"] == page
+    assert row["ceiling_bytes"] == 2 * GIB  # both ranks' KV: the reservation
     assert max(w["resident_bytes"] for s in steady for w in s["workers"]) < GIB / 100
 
 
@@ -298,7 +299,7 @@ if __name__ == "__main__":
             preempted |= {r.request_id for r in sched.requests.values() if r.num_preemptions}
             entries = ledger.entries()
             me = next(e for e in entries if e.name == role)
-            steps.append({"held": me.mapped_bytes, "limit": me.limit_bytes,
+            steps.append({"held": me.mapped_bytes, "limit": me.ceiling_bytes,
                           "all": sum(e.mapped_bytes for e in entries),
                           "waiting": len(sched.waiting), "running": len(sched.running)})
         # One more step gives back the pages of the last requests (vLLM's own busy loop
@@ -381,10 +382,11 @@ def finish_script(proc, path: Path, timeout: float) -> vllm_cpu.VllmRun:
 
 def test_two_engines_share_one_ledger(two_engines):
     a, b = two_engines["a"][0], two_engines["b"][0]
-    top = {r["name"]: r for r in a["top"]}
+    [device] = a["top"]["devices"]
+    top = {r["name"]: r for r in device["engines"]}
     assert set(top) == {"a", "b"}
-    assert all(r["used_bytes"] >= 0 and r["mapped_bytes"] > 0 for r in top.values())
-    assert top["a"]["device_limit_bytes"] == TOTAL
+    assert all(r["live_bytes"] >= 0 and r["mapped_bytes"] > 0 for r in top.values())
+    assert device["total_bytes"] == TOTAL
     # the same model and prompts: the same tokens, alone and under the shared limit
     assert a["alone"]["tokens"] == b["alone"]["tokens"]
     assert a["shared"]["tokens"] == a["alone"]["tokens"]
@@ -432,3 +434,120 @@ def test_lowering_a_limit_while_serving_makes_it_wait_and_raising_lets_it_grow(t
     assert "a: limit 1.00 GiB on cpu" in a["raised"]
     assert a["raise"]["tokens"] == a["alone"]["tokens"]
     assert max(s["held"] for s in a["raise"]["steps"]) > 2 * LOWERED
+
+
+# ---------------------------------------------------------------------- an idle engine gives
+IDLE_DONOR = r"""
+import json, os, subprocess, sys, threading, time
+from pathlib import Path
+
+def barrier(name):
+    Path(cfg["sync"], f"{role}.{name}").touch()
+    deadline = time.monotonic() + 600
+    while not Path(cfg["sync"], f"{other}.{name}").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{role}: timed out waiting for {other} at {name}")
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    role, other = cfg["role"], cfg["other"]
+    from vllm import LLM, SamplingParams
+    from kvmem.memory.ledger import Ledger
+    llm = LLM(model=cfg["model"], **cfg["engine"])  # vLLM's own engine core process
+    ledger = Ledger.for_device("cpu", os.environ["KVMEM_LEDGER_DIR"])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def entry(name):
+        return next(e.__dict__ for e in ledger.entries() if e.name == name)
+
+    def generate(prompts):
+        start = time.monotonic()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "cached": [o.num_cached_tokens for o in outs],
+                "seconds": time.monotonic() - start}
+
+    out = {}
+    barrier("ready")
+    if role == "a":
+        subprocess.run([sys.executable, "-m", "kvmem", "limit", "--total", cfg["total"],
+                        "--device", "cpu", "--ledger-dir", os.environ["KVMEM_LEDGER_DIR"]],
+                       check=True)
+    barrier("total")
+    if role == "b":
+        out["alone"] = generate(cfg["prompts"])  # a holds nothing but its null block
+    barrier("alone")
+    if role == "a":
+        out["first"] = generate(cfg["prompts"])  # left as a's prefix cache
+        time.sleep(1.0)  # its stores land; then a takes no step until the end
+        out["before"] = entry("a")
+    barrier("idle")
+    if role == "b":
+        samples, stop = [], threading.Event()
+        def sample():
+            while not stop.is_set():
+                entries = {e.name: e.mapped_bytes for e in ledger.entries()}
+                samples.append((time.monotonic(), entries.get("a", 0), entries.get("b", 0)))
+                time.sleep(0.02)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        out["shared"] = generate(cfg["prompts"])
+        stop.set()
+        sampler.join()
+        out["samples"] = samples
+    barrier("shared")
+    if role == "a":
+        out["after"] = entry("a")
+        out["again"] = generate(cfg["prompts"][:1])  # its oldest prefix: from its tier
+    print("KVMEM_RESULT " + json.dumps(out), flush=True)
+"""
+
+DONOR_TOTAL = 40 * BLOCK_BYTES  # a leaves ~39 blocks cached; b wants 8 requests of 8
+
+
+@pytest.fixture(scope="module")
+def idle_donor(model, tmp_path_factory):
+    ledger = tmp_path_factory.mktemp("ledger_donor")
+    sync = tmp_path_factory.mktemp("sync_donor")
+    long = prompts(5, 8, 880, 900)  # 7 full blocks each: 56 blocks of a's prefix cache
+    procs = {}
+    for role, other, core in (("a", "b", "0"), ("b", "a", "1")):
+        engine = {**ENGINE, "max_model_len": 1024}
+        if role == "a":  # a's cache goes to its CPU tier before it is given back
+            engine["kv_transfer_config"] = kv_transfer_config(cpu_offload_gib=0.25)
+        else:  # b computes its prompts the same way alone and shared
+            engine["enable_prefix_caching"] = False
+        cfg = {"model": str(model), "engine": engine, "prompts": long, "role": role,
+               "other": other, "sync": str(sync), "total": str(DONOR_TOTAL)}
+        env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
+               "KVMEM_VLLM_ENGINE_NAME": role}
+        procs[role] = start_script(IDLE_DONOR, json.dumps(cfg), env=env, threads_bind=core)
+    results = {role: finish_script(proc, path, timeout=900) for role, (proc, path)
+               in procs.items()}
+    return {role: (result_of(r), r) for role, r in results.items()}
+
+
+def test_an_idle_vllm_engine_gives_its_cached_pages_to_a_busy_one(idle_donor):
+    """a serves long prompts and goes idle holding them as prefix cache; b then needs more
+    than the shared total leaves it. vLLM's engine core of a takes no request, yet a gives
+    back its cached pages (its ledger watch wakes its engine core loop); b serves with the
+    tokens it gives alone; the two together stay within the total, give or take one
+    step's overdraft."""
+    a, b = idle_donor["a"][0], idle_donor["b"][0]
+    assert b["shared"]["tokens"] == b["alone"]["tokens"]
+    before, after = a["before"], a["after"]
+    assert before["cached_bytes"] >= 24 * BLOCK_BYTES
+    assert after["mapped_bytes"] <= before["mapped_bytes"] - 24 * BLOCK_BYTES
+    assert after["reclaims"] >= 1 and after["reclaimed_bytes"] >= 24 * BLOCK_BYTES
+    step_blocks = ENGINE["max_num_batched_tokens"] // BLOCK + 2
+    assert max(ah + bh for _, ah, bh in b["samples"]) <= DONOR_TOTAL + step_blocks * BLOCK_BYTES
+
+
+def test_the_given_back_cache_reloads_from_the_engines_tier(idle_donor):
+    a, done = idle_donor["a"]
+    again = a["again"]
+    assert again["tokens"] == a["first"]["tokens"][:1]
+    assert again["cached"][0] >= 6 * BLOCK  # its prefix came back from the CPU tier
+    assert "MultiConnector" in done.output

@@ -135,6 +135,9 @@ class ElasticScheduler:
             budget.close()
             raise
         self.watch = LedgerWatch(budget, lambda: self.pool.table.held_bytes)
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.num_groups = len(kv_cache_config.kv_cache_groups)
+        self._considered: dict[str, int] = {}  # waiting requests vLLM looked at this step
         self.bound = False
         log.info("kvmem: elastic KV memory: engine %r in the %s ledger %s: %s reserved (%d "
                  "blocks over %d ranks), pages of %d blocks (%s), limit %s", settings.engine_name,
@@ -154,7 +157,17 @@ class ElasticScheduler:
         block_pool.free_block_queue = self.pool.queue(block_pool.blocks, block_pool.evict_blocks)
         self.bound = True
 
-    def step_meta(self, scheduled_tokens: int | None = None) -> ElasticStepMeta:
+    def consider(self, request: Request) -> None:
+        """vLLM looks at a waiting request to schedule it."""
+        self._considered[request.request_id] = request.num_tokens
+
+    def step_meta(self, scheduler_output: SchedulerOutput | None = None) -> ElasticStepMeta:
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        waiting = [n for rid, n in self._considered.items() if rid not in scheduled]
+        self._considered.clear()
+        if waiting and self.pool.limited:  # the limit kept them waiting: ask for them all
+            self.pool.want(sum(-(-n // self.block_size) for n in waiting) * self.num_groups)
+        scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         ops = tuple(self.pool.end_step(idle=scheduled_tokens == 0))
         first = self.pool.seq == 1
         return ElasticStepMeta(self.pool.seq, ops, tuple(self.rank_bytes) if first else None)
@@ -227,6 +240,8 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
+        assert self.scheduler_side is not None
+        self.scheduler_side.consider(request)  # what waits, if the limit keeps it waiting
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -235,8 +250,7 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
-        return self.scheduler_side.step_meta(
-            getattr(scheduler_output, "total_num_scheduled_tokens", None))
+        return self.scheduler_side.step_meta(scheduler_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
