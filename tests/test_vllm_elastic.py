@@ -99,6 +99,7 @@ def plain(model) -> dict[str, list]:
 # ---------------------------------------------------------------------- tp 2, elastic
 ELASTIC_TP2 = r"""
 import json, os, random, subprocess, sys, time
+from pathlib import Path
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -128,9 +129,31 @@ if __name__ == "__main__":
                           os.environ["KVMEM_LEDGER_DIR"]], capture_output=True, text=True)
     out["top"] = json.loads(top.stdout)
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]],
-                        SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    # the reference prompts while the ledger is damaged under the engine: wrong shapes,
+    # then a directory in its place, then back; nothing in it may stop the engine
+    ledger = Path(os.environ["KVMEM_LEDGER_DIR"], "kvmem-ledger-cpu.json")
+    damage = [b'{"engines": {"x": 5}}', b'{"total_limit": "abc", "engines": {}}', "dir"]
+    tokens = {}
+    ref = SamplingParams(temperature=0, max_tokens=24)
+    for i, p in enumerate(cfg["prompts"]):
+        engine.add_request(f"ref-{i}", {"prompt_token_ids": p}, ref)
+    step = 0
+    while engine.has_unfinished_requests():
+        if step < len(damage) * 3 and step % 3 == 0:
+            harm = damage[step // 3]
+            if harm == "dir":
+                ledger.unlink()
+                ledger.mkdir()
+            else:
+                ledger.write_bytes(harm)
+        for o in engine.step():
+            if o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+        step += 1
+    ledger.rmdir()
+    engine.step()  # the ledger is usable again: the engine is back in it
+    out["tokens"] = [tokens[f"ref-{i}"] for i in range(len(cfg["prompts"]))]
+    out["ledger_after_damage"] = json.loads(ledger.read_text())
     out["workers_after_tokens"] = llm.collective_rpc(worker_stats)
 
     # rank 1 cannot map blocks past MAP_ERROR_BLOCK: these requests need more
@@ -168,6 +191,18 @@ def test_tp2_starts_with_only_the_null_block_in_memory(elastic_tp2):
         assert w["reserved_bytes"] == GIB
         assert w["block_bytes"] == BLOCK_BYTES // 2  # each rank holds one of the 2 KV heads
         assert w["mapped_blocks"] == 1 and w["resident_bytes"] == w["block_bytes"]
+
+
+def test_a_damaged_ledger_never_stops_the_engine(elastic_tp2, plain):
+    """The ledger overwritten with JSON of the wrong shape, then replaced by a directory,
+    while requests run: the engine serves them all with plain vLLM's tokens, logs the
+    unusable ledger once, and is back in it once it is usable again."""
+    result, done = elastic_tp2
+    assert result["tokens"] == plain["tp2"]
+    assert done.output.count("goes on with its own accounting") == 1
+    assert "is usable again" in done.output
+    assert list(result["ledger_after_damage"]["engines"]) == ["tp2"]
+    assert "EngineDeadError" not in done.output
 
 
 def test_tp2_gives_plain_vllms_greedy_tokens(elastic_tp2, plain):
