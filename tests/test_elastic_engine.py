@@ -355,6 +355,16 @@ def test_tp2_serve_reaches_health_and_serves(tiny, ledger_dir):
             assert reply.json()["choices"][0]["text"] == want
         [entry] = Ledger.for_device("cpu", ledger_dir).entries()
         assert entry.name == "served" and entry.mapped_bytes > 0
+        # /metrics: the figures kvmem top shows for it
+        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                   for line in httpx.get(f"{server.base}/metrics").text.splitlines()
+                   if line.startswith("kvmem_kv_memory_")}
+        assert metrics["kvmem_kv_memory_ceiling_bytes"] == 4 << 20
+        assert metrics["kvmem_kv_memory_floor_bytes"] == 0
+        assert 0 < metrics["kvmem_kv_memory_mapped_bytes"] <= 4 << 20
+        assert metrics["kvmem_kv_memory_live_bytes"] >= 0
+        assert metrics["kvmem_kv_memory_cached_bytes"] > 0  # the two prompts, cached
+        assert metrics["kvmem_kv_memory_reclaims_total"] == 0
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 0, "".join(server.lines)
         assert Ledger.for_device("cpu", ledger_dir).entries() == []

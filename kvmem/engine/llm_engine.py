@@ -68,6 +68,7 @@ class EngineSnapshot:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     offload: dict = field(default_factory=dict)  # tier name -> kvmem.tiers.TierStats
+    elastic: object | None = None  # kvmem.memory.ElasticStats with --kv-memory elastic
     # kvmem.engine.request_metrics.HISTOGRAMS name -> its counts
     histograms: dict[str, Histogram] = field(default_factory=dict)
 
@@ -404,5 +405,6 @@ class LLMEngine:
             prefix_queried_tokens=sched.prefix_queried_tokens,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             offload=self.offload.stats() if self.offload is not None else {},
+            elastic=self.kv_storage.stats() if self.elastic is not None else None,
             histograms=self.request_metrics.snapshot())
 

@@ -59,6 +59,7 @@ class ElasticStats:
     limit_bytes: int | None  # the most it may hold now (ceiling and device total)
     cached_blocks: int = 0
     cached_bytes: int = 0
+    live_bytes: int = 0  # blocks running requests hold (cached-free ones excluded)
     floor_bytes: int = 0
     ceiling_bytes: int | None = None
     reclaimed_bytes: int = 0  # given back to other engines
@@ -221,6 +222,7 @@ class ElasticKVStorage:
                 live_blocks=t.live_blocks, free_blocks=t.num_free, maps=t.maps,
                 unmaps=t.unmaps, limit_bytes=t.allowed_bytes, cached_blocks=len(t.cached),
                 cached_bytes=len(t.cached) * t.block_bytes,
+                live_bytes=t.live_kv_blocks * t.block_bytes,
                 floor_bytes=b.floor_bytes if b is not None else 0,
                 ceiling_bytes=b.ceiling_bytes if b is not None else None,
                 reclaimed_bytes=b.reclaimed_bytes if b is not None else 0,

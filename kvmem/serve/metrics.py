@@ -78,6 +78,7 @@ class EngineCollector:
         yield gauge("kvmem_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)",
                     s.prefix_hit_rate)
         yield from _offload_metrics(s, labels, m)
+        yield from _elastic_metrics(s, labels, m)
         yield from _histograms(s, labels, m)
 
 
@@ -125,6 +126,38 @@ def _offload_metrics(s: EngineSnapshot, labels: list[str], m: list[str]) -> Iter
             metric = family(f"kvmem_offload_{name}", doc, labels=[*labels, "tier"])
             for tier, stats in s.offload.items():
                 metric.add_metric([*m, tier], float(getattr(stats, name)))
+            yield metric
+
+
+# kvmem.memory.ElasticStats fields, exported as kvmem_kv_memory_<name> with elastic memory;
+# the same figures `kvmem top` shows for every engine on the device
+_ELASTIC_GAUGES = {
+    "floor_bytes": ("floor_bytes", "Bytes reserved for this engine under the device total"),
+    "ceiling_bytes": ("ceiling_bytes", "Most KV bytes this engine may map (its ceiling)"),
+    "allowed_bytes": ("limit_bytes", "Most KV bytes this engine may hold now (ceiling and "
+                                     "device total)"),
+    "mapped_bytes": ("held_bytes", "KV bytes this engine holds (mapped pages)"),
+    "live_bytes": ("live_bytes", "Bytes of blocks running requests hold"),
+    "cached_bytes": ("cached_bytes", "Bytes of cached-free blocks (prefix cache)"),
+}
+_ELASTIC_COUNTERS = {
+    "reclaimed_bytes": ("reclaimed_bytes", "Bytes given back to other engines"),
+    "reclaims": ("reclaims", "Times this engine gave memory back to other engines"),
+}
+
+
+def _elastic_metrics(s: EngineSnapshot, labels: list[str], m: list[str]) -> Iterator[Metric]:
+    e = s.elastic
+    if e is None:
+        return
+    values = e.__dict__
+    for fields, family in ((_ELASTIC_GAUGES, GaugeMetricFamily),
+                           (_ELASTIC_COUNTERS, CounterMetricFamily)):
+        for name, (key, doc) in fields.items():
+            if values[key] is None:
+                continue
+            metric = family(f"kvmem_kv_memory_{name}", doc, labels=labels)
+            metric.add_metric(m, float(values[key]))
             yield metric
 
 
