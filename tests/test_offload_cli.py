@@ -121,6 +121,15 @@ def test_serve_with_tensor_parallel_and_cpu_offload_reloads_an_evicted_prompt(mo
         assert loaded == hits * 2 * RANK_BLOCK_BYTES  # a host row holds both ranks' halves
         assert after[f"kvmem_offload_stored_blocks_total{cpu}"] >= 9
         assert after[f"kvmem_offload_capacity_bytes{cpu}"] > 0
+        # the figures vLLM shows for KvmemConnector, under the same names
+        loaded = after[f"kvmem_offload_loaded_blocks_total{cpu}"]
+        assert loaded == hits and after[f"kvmem_offload_hit_tokens_total{cpu}"] == 16 * hits
+        assert after[f"kvmem_offload_lookups_total{cpu}"] == \
+            after[f"kvmem_offload_hits_total{cpu}"] + after[f"kvmem_offload_misses_total{cpu}"]
+        assert after[f"kvmem_offload_load_seconds_total{cpu}"] > 0
+        assert after[f"kvmem_offload_store_seconds_total{cpu}"] > 0
+        rate = after['kvmem_prefill_tokens_per_second{model_name="tiny"}']
+        assert after[f"kvmem_offload_prefill_saved_seconds_total{cpu}"] > 0 and rate > 0
     finally:
         assert stop_server(proc) == 0
 
