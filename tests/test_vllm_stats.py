@@ -213,7 +213,7 @@ def test_vllm_metrics_show_each_tier_per_rank(live):
 
 def test_vllm_logs_the_tiers_in_its_periodic_line(live):
     lines = re.findall(r"KV Transfer metrics: (.*)", live["log"])
-    assert lines, live["log"][-4000:]
+    assert lines and all(line.strip() for line in lines), live["log"][-4000:]
     joined = " ".join(lines)
     assert "cpu_hit_tokens=1280" in joined  # both ranks' 640, in the interval of A's load
     for part in ("cpu_hit_rate=", "cpu_load_GBps=", "cpu_prefill_saved_s=", "disk_stored_blocks=",

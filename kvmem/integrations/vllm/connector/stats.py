@@ -47,7 +47,9 @@ class KvmemConnectorStats(KVConnectorStats):
         self.data = {}
 
     def is_empty(self) -> bool:
-        return not self.data
+        """No tier figures (a report of a new prefill rate alone still reaches /metrics;
+        vLLM logs no line for it)."""
+        return not any(entry["tiers"] for entry in self.data.values())
 
     def aggregate(self, other: KVConnectorStats) -> KvmemConnectorStats:
         """Add ``other``'s increments to these, rank by rank and tier by tier; its gauges
