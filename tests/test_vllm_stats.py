@@ -8,7 +8,8 @@ tokens, 15 full blocks each) are served, then short requests keep vLLM stepping 
 both ranks report B's blocks stored in both tiers (B's store pushed A's 10 oldest blocks
 out of the CPU tier), then A again: its blocks past vLLM's own cache come back, the 5
 newest from the CPU tier and the older ones from disk. A subscriber bound on 127.0.0.1
-reads vLLM's event stream all along (vLLM's publisher connects to it). Then: vLLM's
+reads vLLM's event stream all along (vLLM's publisher connects to it; what the stream
+sent before the connection was up is asked back from the publisher's replay socket). Then: vLLM's
 ``/metrics`` (per tier and rank, vLLM's labels), its log line, ``kvmem vllm-check --stats``
 against the live server, and the events against vLLM's own device-cache events.
 """

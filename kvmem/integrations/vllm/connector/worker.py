@@ -121,13 +121,14 @@ class ForwardTimer:
     """Times forward passes for a ``PrefillMeter``: wall-clock seconds on the CPU; on CUDA,
     events on the compute stream, read once they have completed (never waited for)."""
 
-    def __init__(self, meter: PrefillMeter) -> None:
+    def __init__(self, meter: PrefillMeter, cuda: bool) -> None:
         self.meter = meter
+        self.cuda = cuda  # the KV cache, and so the forward, is on a CUDA device
         self._start: float | torch.cuda.Event = 0.0
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, int, float]] = deque()
 
     def start(self) -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
         else:
@@ -168,7 +169,7 @@ class WorkerSide:
         self.tier_events = tier_events
         self._tier_changes: list[tuple[str, str, bool]] = []
         self.prefill = PrefillMeter()
-        self._forward = ForwardTimer(self.prefill)
+        self._forward = ForwardTimer(self.prefill, cuda=False)  # until the KV cache is known
         self._load_seconds = 0.0  # this step's loads, inside the timed forward
         self._stats = RankStatsDelta(place.rank)
 
@@ -179,6 +180,7 @@ class WorkerSide:
                                       layout=f"{self.deployment} {slots.describe()}",
                                       faults=self.faults, on_change=self._on_change,
                                       prefill=self.prefill)
+        self._forward = ForwardTimer(self.prefill, cuda=self.offload.copier.on_cuda)
         # a worker that exits without vLLM's shutdown call still writes out queued stores
         atexit.register(self.shutdown)
         log.info("kvmem: %s: KV offload %s, %d KV cache groups (%s), %d slots, %d-byte "
