@@ -3,6 +3,7 @@ tensor parallel), the tiers' counters on /metrics, and one-line errors for bad s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import httpx
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from test_serve import start_server, stop_server
 from test_tiers import plant_damage
 from tiny_models import make_tiny_checkpoint
@@ -17,6 +19,7 @@ from tiny_models import make_tiny_checkpoint
 from kvmem.engine.llm_engine import EngineSnapshot
 from kvmem.serve.metrics import make_registry
 from kvmem.tiers import TierStats
+from kvmem.tiers.stats import COUNTERS, FAILED_LOAD_CAUSES, GAUGES
 
 # tiny llama: 2 layers, 2 KV heads of dim 16, fp32; with tp 2 a rank holds one head
 RANK_BLOCK_BYTES = 16 * 2 * 1 * 16 * 4 * 2  # 16 tokens, K and V, 1 head, dim 16, fp32, 2 layers
@@ -42,32 +45,46 @@ def scrape(base: str) -> dict[str, float]:
     return values
 
 
-def snapshot(**offload: TierStats) -> EngineSnapshot:
+def snapshot(prefill_rate: float | None = None, **offload: TierStats) -> EngineSnapshot:
     return EngineSnapshot(received_requests=0, finished_requests={}, failed_requests={},
                           prompt_tokens=0, generation_tokens=0, steps=0, num_preemptions=0,
                           num_running=0,
                           num_waiting=0, kv_blocks_total=8, kv_blocks_free=8, kv_blocks_used=0,
                           kv_blocks_cached=0, prefix_queried_tokens=0, prefix_hit_tokens=0,
-                          offload=offload)
+                          offload=offload, prefill_rate=prefill_rate)
 
 
-def test_metrics_export_every_tier_counter_with_its_tier_label():
-    cpu = TierStats(hits=3, misses=5, stored_blocks=7, bytes_stored=700, bytes_loaded=300,
-                    skipped_stores=2, not_admitted=1, failed_loads=0, evictions=4,
-                    used_bytes=600, capacity_bytes=1000)
-    disk = TierStats(hits=11, misses=13, stored_blocks=17, bytes_stored=1700, bytes_loaded=1100,
-                     skipped_stores=19, not_admitted=0, failed_loads=23, evictions=29,
-                     used_bytes=1500, capacity_bytes=4000, enabled=False)
-    text = generate_latest(make_registry(lambda: snapshot(cpu=cpu, disk=disk), "m")).decode()
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-              for line in text.splitlines() if line and not line.startswith("#")}
+def distinct_stats(base: int, **fixed) -> TierStats:
+    """A TierStats whose every number differs from the others (and from another base's)."""
+    names = [f.name for f in dataclasses.fields(TierStats)
+             if f.name not in ("failed_load_causes", "enabled")]
+    return TierStats(**{n: base + i for i, n in enumerate(names)}, **fixed)
+
+
+def test_metrics_export_every_tier_figure_under_its_shared_name():
+    """Every TierStats figure is on /metrics as kvmem_offload_<field> with its tier label
+    (counters as _total), failed loads once per cause, and the measured prefill rate: the
+    names vLLM's /metrics shows for KvmemConnector (kvmem.tiers.stats)."""
+    cpu = distinct_stats(100, failed_load_causes={"missing": 2, "io": 3})
+    disk = distinct_stats(200, failed_load_causes={"checksum": 5}, enabled=False)
+    text = generate_latest(make_registry(lambda: snapshot(1234.5, cpu=cpu, disk=disk),
+                                         "m")).decode()
+    values = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+              for family in text_string_to_metric_families(text) for sample in family.samples}
     for tier, stats in (("cpu", cpu), ("disk", disk)):
-        label = f'{{model_name="m",tier="{tier}"}}'
-        for field in ("hits", "misses", "stored_blocks", "bytes_stored", "bytes_loaded",
-                      "skipped_stores", "not_admitted", "failed_loads", "evictions"):
-            assert values[f"kvmem_offload_{field}_total{label}"] == getattr(stats, field)
-        for field in ("used_bytes", "capacity_bytes", "enabled"):
-            assert values[f"kvmem_offload_{field}{label}"] == float(getattr(stats, field))
+        label = (("model_name", "m"), ("tier", tier))
+        for field in COUNTERS:
+            if field == "failed_loads":
+                for cause in FAILED_LOAD_CAUSES:
+                    key = ("kvmem_offload_failed_loads_total", (("cause", cause), *label))
+                    assert values.pop(key) == stats.failed_load_causes.get(cause, 0)
+            else:
+                assert values.pop((f"kvmem_offload_{field}_total", label)) == \
+                    getattr(stats, field)
+        for field in GAUGES:
+            assert values.pop((f"kvmem_offload_{field}", label)) == float(getattr(stats, field))
+    assert values.pop(("kvmem_prefill_tokens_per_second", (("model_name", "m"),))) == 1234.5
+    assert not [k for k in values if k[0].startswith(("kvmem_offload", "kvmem_prefill"))]
 
 
 def test_metrics_without_offload_have_no_tier_series():
@@ -104,6 +121,15 @@ def test_serve_with_tensor_parallel_and_cpu_offload_reloads_an_evicted_prompt(mo
         assert loaded == hits * 2 * RANK_BLOCK_BYTES  # a host row holds both ranks' halves
         assert after[f"kvmem_offload_stored_blocks_total{cpu}"] >= 9
         assert after[f"kvmem_offload_capacity_bytes{cpu}"] > 0
+        # the figures vLLM shows for KvmemConnector, under the same names
+        loaded = after[f"kvmem_offload_loaded_blocks_total{cpu}"]
+        assert loaded == hits and after[f"kvmem_offload_hit_tokens_total{cpu}"] == 16 * hits
+        assert after[f"kvmem_offload_lookups_total{cpu}"] == \
+            after[f"kvmem_offload_hits_total{cpu}"] + after[f"kvmem_offload_misses_total{cpu}"]
+        assert after[f"kvmem_offload_load_seconds_total{cpu}"] > 0
+        assert after[f"kvmem_offload_store_seconds_total{cpu}"] > 0
+        rate = after['kvmem_prefill_tokens_per_second{model_name="tiny"}']
+        assert after[f"kvmem_offload_prefill_saved_seconds_total{cpu}"] > 0 and rate > 0
     finally:
         assert stop_server(proc) == 0
 

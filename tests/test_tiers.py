@@ -19,6 +19,7 @@ from kvmem.tiers import Faults, OffloadConfig, OffloadManager, TierIdentity
 from kvmem.tiers.blocks import key_name
 from kvmem.tiers.cpu_store import CPUStore
 from kvmem.tiers.policy import LRUPolicy
+from kvmem.tiers.stats import PrefillMeter, block_tokens, prefill_step_tokens
 
 NUM_SLOTS = 2
 SHAPE = SlotShape(num_kv=2, block_size=4, num_heads=2, head_dim=8)
@@ -67,7 +68,7 @@ def manager_factory(tmp_path):
 
     def make(cpu_blocks: int = 8, disk_blocks: int = 0, storage=None, *, layout="tp1",
              faults: Faults | None = None, policy: str = "lru", max_inflight: int = 4096,
-             disk_dir=None):
+             disk_dir=None, prefill=None):
         storage = storage if storage is not None else make_storage()
         config = OffloadConfig(
             cpu_bytes=cpu_blocks * BLOCK_NBYTES,
@@ -76,7 +77,7 @@ def manager_factory(tmp_path):
             max_inflight_store_blocks=max_inflight)
         holder = FakeHolder()
         mgr = OffloadManager(config, storage, NUM_SLOTS, holder, model="tiny", layout=layout,
-                             faults=faults or Faults())
+                             faults=faults or Faults(), prefill=prefill)
         made.append(mgr)
         return mgr, storage, holder
 
@@ -213,6 +214,10 @@ def test_entry_evicted_between_lookup_and_load_shortens_the_load(manager_factory
     handle = roundtrip(mgr, storage, [], keys(1, 2), [9, 10])
     assert handle.num_loaded == 0 and not handle.ok and handle.error
     assert same_block(storage, 9, before)
+    cpu = mgr.stats()["cpu"]
+    assert cpu.failed_load_causes == {"missing": 1} and cpu.loaded_blocks == 0
+    # the evicted blocks were never loaded: wasted; the two that took their place not yet
+    assert cpu.wasted_blocks == 2 and cpu.unused_blocks == 2
 
 
 # -- the disk tier -----------------------------------------------------------------------
@@ -300,6 +305,7 @@ def test_checksum_mismatch_fails_load_from_that_block(manager_factory):
     assert handle.num_loaded == 1 and "checksum" in handle.error
     assert same_block(storage, 11, expected)
     assert mgr.stats()["disk"].failed_loads == 1
+    assert mgr.stats()["disk"].failed_load_causes == {"checksum": 1}
     assert not path.exists() and mgr.lookup(keys(1, 2, 3)) == 1
 
 
@@ -308,7 +314,7 @@ def test_missing_file_fails_load(manager_factory):
     mgr.disk.path_of(key_name(keys(1)[0])).unlink()
     handle = roundtrip(mgr, storage, [], keys(1, 2), [11, 12])
     assert handle.num_loaded == 0 and handle.error
-    assert mgr.stats()["disk"].failed_loads == 1
+    assert mgr.stats()["disk"].failed_load_causes == {"missing": 1}
 
 
 def test_injected_read_errors_fail_loads(manager_factory):
@@ -318,12 +324,14 @@ def test_injected_read_errors_fail_loads(manager_factory):
     handle = roundtrip(mgr, storage, [], keys(1), [9])
     assert handle.num_loaded == 0 and "injected" in handle.error
     assert mgr.stats()["cpu"].failed_loads == 1
+    assert mgr.stats()["cpu"].failed_load_causes == {"io": 1}
 
 
 def test_corrupted_files_are_caught_by_checksum(manager_factory):
     mgr, storage = _disk_only_chain(manager_factory, faults=Faults(corrupt_rate=1.0))
     handle = roundtrip(mgr, storage, [], keys(1, 2, 3), [11, 12, 13])
     assert handle.num_loaded == 0 and "checksum" in handle.error
+    assert mgr.stats()["disk"].failed_load_causes == {"checksum": 1}
 
 
 def test_full_disk_skips_the_store_and_leaves_no_partial_file(manager_factory):
@@ -542,3 +550,66 @@ def test_weights_digest_sees_tensor_data_with_the_same_header(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(3 << 20))
     assert weights_digest([gguf]) != weights_digest([tmp_path / "model.safetensors"])
+
+
+# -- what each tier reports ---------------------------------------------------------------
+
+def test_each_tier_reports_lookups_loads_time_and_prefill_saved(manager_factory):
+    """Per tier: lookups (hits + misses), blocks and bytes stored and loaded with the time
+    they took, the hit tokens each load restored (as the caller shares them out) valued at
+    the engine's measured prefill rate, and stores never loaded. A load made before any
+    prefill was measured is valued once a rate is known."""
+    prefill = PrefillMeter()
+    mgr, storage, _ = manager_factory(cpu_blocks=1, disk_blocks=8, prefill=prefill)
+    mgr.offer([1, 2, 3], keys(1, 2, 3))
+    mgr.drain()
+    mgr.offer([4], keys(4))  # the CPU tier keeps only this one; 1..3 are on disk
+    mgr.drain()
+    assert mgr.lookup(keys(4)) == 1 and mgr.lookup(keys(1, 2, 3, 5)) == 3
+    roundtrip(mgr, storage, [], keys(4), [9])
+    handle = mgr.load("r", keys(1, 2, 3), [10, 11, 12], block_tokens=[4, 4, 0])
+    assert handle.done.wait(10) and handle.tiers == ["disk", "disk", "disk"]
+    stats = mgr.stats()
+    cpu, disk = stats["cpu"], stats["disk"]
+    assert (cpu.lookups, cpu.hits, cpu.misses) == (5, 1, 4)  # 1..3 and 5: misses here
+    assert (disk.lookups, disk.hits, disk.misses) == (4, 3, 1)
+    assert cpu.loaded_blocks == 1 and cpu.hit_tokens == SHAPE.block_size
+    assert disk.loaded_blocks == 3 and disk.hit_tokens == 8  # the caller's shares
+    assert disk.bytes_loaded == 3 * disk.bytes_stored // disk.stored_blocks  # file sizes
+    assert disk.load_seconds > 0
+    assert cpu.load_seconds > 0 and cpu.store_seconds > 0 and disk.store_seconds > 0
+    assert cpu.stored_blocks == 4 and cpu.evictions == 3 and cpu.wasted_blocks == 3
+    assert cpu.unused_blocks == 0 and disk.wasted_blocks == 0
+    assert disk.stored_blocks == 4 and disk.unused_blocks == 1  # block 4 came from the CPU
+    assert cpu.prefill_saved_seconds == disk.prefill_saved_seconds == 0  # no rate yet
+    prefill.observe(tokens=400, seconds=2.0)  # 200 tokens/s
+    prefill.observe(tokens=0, seconds=5.0)  # a step without prefill: not part of the rate
+    stats = mgr.stats()
+    assert stats["cpu"].prefill_saved_seconds == pytest.approx(SHAPE.block_size / 200)
+    assert stats["disk"].prefill_saved_seconds == pytest.approx(8 / 200)
+    assert mgr.stats()["disk"].prefill_saved_seconds == pytest.approx(8 / 200)  # once
+
+
+def test_blocks_found_on_disk_at_start_up_are_not_counted_as_stores_of_this_process(
+        manager_factory, tmp_path):
+    """unused and wasted count only blocks this process stored: a restarted engine's disk
+    blocks are neither (share of stores never loaded stays within 0..1)."""
+    mgr, _, _ = manager_factory(cpu_blocks=1, disk_blocks=2, disk_dir=tmp_path / "d")
+    mgr.offer([1, 2], keys(1, 2))
+    mgr.drain()
+    assert mgr.stats()["disk"].unused_blocks == 2
+    mgr.shutdown(flush=True)
+    again, _, _ = manager_factory(cpu_blocks=1, disk_blocks=2, disk_dir=tmp_path / "d")
+    again.offer([3, 4], keys(3, 4))  # evicts both earlier blocks from disk
+    again.drain()
+    disk = again.stats()["disk"]
+    assert disk.evictions == 2 and disk.wasted_blocks == 0
+    assert disk.stored_blocks == 2 and disk.unused_blocks == 2
+
+
+def test_prefill_step_tokens_and_block_tokens():
+    assert prefill_step_tokens([1, 1, 1]) == 0  # decodes only
+    assert prefill_step_tokens([1, 300, 1]) == 302
+    # two full-attention groups (0, 2) share a position's 16 tokens; a window group's
+    # blocks stand for none
+    assert block_tokens([0, 1, 2, 0], [0, 2], 16) == [8.0, 0.0, 8.0, 8.0]

@@ -100,11 +100,28 @@ def test_every_connector_hook_is_checked():
     # importing it needs vLLM)
     text = (Path(compat.__file__).parent / "connector" / "kvmem_connector.py").read_text()
     for hook in CONNECTOR_HOOKS:
-        assert f"    def {hook}(self" in text, hook
+        assert f"    def {hook}(self" in text or f"    def {hook}(cls" in text, hook
     # every vLLM class it derives from is checked before its module is imported
     bases = re.search(r"^class KvmemConnector\((.*)\):", text, re.M).group(1)
     for base in (b.strip() for b in bases.split(",")):
         assert any(f":{base}." in n.path for n in CONNECTOR_NEEDS), base
+
+
+def test_every_vllm_name_the_connector_imports_is_checked():
+    """Each name a connector module imports from vLLM when it loads (type-checking imports
+    aside) is one of the connector's needs, checked before the modules are imported."""
+    import ast
+
+    checked = {n.path.partition(":")[0] + ":" + n.path.partition(":")[2].split(".")[0]
+               for n in compat.CONNECTOR_NEEDS}
+    checked |= {f"vllm.distributed.kv_events:{name}" for name in compat.EVENT_FIELDS}
+    imported = set()
+    for path in (Path(compat.__file__).parent / "connector").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
+                imported |= {f"{node.module}:{alias.name}" for alias in node.names}
+    assert "vllm.distributed.kv_events:BlockStored" in imported  # the events are read
+    assert imported - checked == set()
 
 
 def test_require_without_vllm_is_one_line(monkeypatch):

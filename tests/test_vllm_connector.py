@@ -66,7 +66,7 @@ SCHEDULER_SCRIPT = r"""
 from types import SimpleNamespace as NS
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import KvmemConnector
-from kvmem.integrations.vllm.connector import _check_deployment
+from kvmem.integrations.vllm.connector.kvmem_connector import _check_deployment
 from kvmem.integrations.vllm.connector.meta import TierReport
 from kvmem.integrations.vllm.connector.layout import GroupRule
 from kvmem.integrations.vllm.connector.scheduler import SchedulerSide

@@ -105,9 +105,84 @@ def test_connector_hit_needs_every_rank_and_a_failed_load_fails_for_all(contract
     in, A is no hit at all (rank 1's copy alone is not enough) and B is."""
     c = contract["connector"]
     assert c["a3_matched_stale"] == [80, False]
-    assert c["a3_invalid_joined"] == [30, 31, 32, 33, 34]
+    assert c["a3_invalid_joined"] == [26, 27, 28, 29, 30]
     assert c["a4_matched"] == [0, False]
     assert c["b_matched"] == [80, False]
+
+
+def sample(figures: dict, name: str, rank: str, **labels: str) -> float | None:
+    """The value of one kvmem sample on vLLM's /metrics (None when it is not there)."""
+    for s in figures["samples"]:
+        wanted = {"engine": "0", "model_name": "contract", "rank": rank, **labels}
+        if s["name"] == name and all(s["labels"].get(k) == v for k, v in wanted.items()):
+            return s["value"]
+    return None
+
+
+def test_connector_figures_reach_vllms_log_line_and_metrics_per_rank(contract):
+    """The run above, as vLLM's stat loggers see it after its own serialisation: each
+    rank's figures under its own rank label (A loaded once on both ranks, again on rank 1
+    only; rank 0's load found A's first block evicted: a failed load, cause "missing"),
+    the prefill seconds those loads saved at the rank's measured rate (a forward of 256
+    tokens that took at least 0.2 s), and vLLM's log line summing the ranks per tier."""
+    f = contract["connector"]["figures"]
+
+    def value(name: str, rank: str, **labels: str) -> float:
+        got = sample(f, name, rank, **labels)
+        return 0.0 if got is None else got
+
+    counters = {name: [value(f"kvmem_offload_{name}_total", r) for r in "01"] for name in (
+        "lookups", "hits", "misses", "hit_tokens", "loaded_blocks", "stored_blocks",
+        "evictions", "wasted_blocks")}
+    assert counters == {"lookups": [10, 10], "hits": [5, 10], "misses": [5, 0],
+                        "hit_tokens": [80, 160], "loaded_blocks": [5, 10],
+                        "stored_blocks": [10, 10], "evictions": [3, 0], "wasted_blocks": [0, 0]}
+    assert value("kvmem_offload_failed_loads_total", "0", cause="missing") == 1
+    assert sum(s["value"] for s in f["samples"]
+               if s["name"] == "kvmem_offload_failed_loads_total") == 1  # every cause shown
+    assert len({s["labels"]["cause"] for s in f["samples"]
+                if s["name"] == "kvmem_offload_failed_loads_total"}) == 6
+    # rank 0 holds 20 layers, rank 1 10: its blocks are twice the bytes
+    assert value("kvmem_offload_bytes_stored_total", "0") == \
+        2 * value("kvmem_offload_bytes_stored_total", "1") > 0
+    assert [value("kvmem_offload_unused_blocks", r) for r in "01"] == [5, 5]  # B's blocks
+    for rank in "01":
+        assert value("kvmem_offload_load_seconds_total", rank) > 0
+        assert value("kvmem_offload_store_seconds_total", rank) > 0
+        rate = value("kvmem_prefill_tokens_per_second", rank)
+        assert 0 < rate <= 256 / 0.2
+        assert value("kvmem_offload_prefill_saved_seconds_total", rank) == pytest.approx(
+            value("kvmem_offload_hit_tokens_total", rank) / rate)
+    (line,) = f["log"]
+    assert line.startswith("KV Transfer metrics: cpu_hit_rate=0.75, cpu_hit_tokens=240, ")
+    for part in ("cpu_stored_blocks=20", "cpu_loaded_blocks=15", "cpu_failed_loads=1",
+                 "cpu_evictions=3", "cpu_wasted_blocks=0", "cpu_load_GBps="):
+        assert part in line, part
+
+
+def test_connector_events_reach_a_subscriber_with_vllms_block_hashes(contract):
+    """Through vLLM's own ZMQ publisher: A's and B's blocks stored to the CPU tier, once
+    both ranks hold them, under vLLM's own block hashes of the two prompts, each with its
+    parent, tokens and size; then rank 0's eviction of A's three oldest blocks as removals
+    from the CPU medium."""
+    c = contract["connector"]
+    e = c["events"]
+    assert e["sequence"] == list(range(e["published_batches"])) and e["sequence"]
+    stored = [x for x in e["events"] if x["kind"] == "BlockStored"]
+    removed = [x for x in e["events"] if x["kind"] == "BlockRemoved"]
+    hashes = c["hashes"]
+    assert [x["hashes"] for x in stored] == [[h] for h in hashes["a"] + hashes["b"]]
+    assert [x["hashes"] for x in removed] == [[h] for h in hashes["a"][:3]]
+    assert {x["medium"] for x in e["events"]} == {"CPU"} and {x["group"] for x in stored} == {0}
+    for name, blocks in (("a", stored[:5]), ("b", stored[5:])):
+        parents = [None, *hashes[name][:4]]
+        tokens = c["tokens"][name]
+        assert [x["parent"] for x in blocks] == parents
+        assert [x["tokens"] for x in blocks] == [tokens[i * 16:(i + 1) * 16] for i in range(5)]
+        assert {x["block_size"] for x in blocks} == {16}
+    order = [(x["kind"], x["hashes"][0]) for x in e["events"]]
+    for h in hashes["a"][:3]:
+        assert order.index(("BlockStored", h)) < order.index(("BlockRemoved", h))
 
 
 def test_connector_refuses_sleep_mode(contract):

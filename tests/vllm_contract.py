@@ -16,7 +16,11 @@ No engine starts; everything vLLM-side is vLLM's own code:
 - connector: ``KvmemConnector`` built from vLLM's base class in the scheduler role and in
   two worker roles (pp 2, each over its own KV tensors in vLLM CPU's layout), driven with
   vLLM's ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput``, the workers' outputs joined
-  by vLLM's ``KVOutputAggregator`` as the executor joins them.
+  by vLLM's ``KVOutputAggregator`` as the executor joins them;
+- the tiers' figures and events of that run: the joined connector stats, through vLLM's
+  own serialisation of scheduler stats, into vLLM's log line (``KVConnectorLogging``) and
+  Prometheus metrics (``KVConnectorProm``); the scheduler side's KV events through vLLM's
+  ZMQ publisher to a subscriber on 127.0.0.1, against vLLM's block hashes of the requests.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import tempfile
 import time
 import traceback
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -200,8 +205,15 @@ class Deployment:
         rank0_block = 20 * 16 * 3 * 64 * 2 * 4
         transfer = KVTransferConfig(**integration.kv_transfer_config(
             cpu_offload_gib=7 * rank0_block / (1 << 30)))
+        from vllm.config import KVEventsConfig
+
         self.config = engine_config(model, 2, 32 * rank0_block, 256, 16,
-                                    kv_transfer_config=transfer)
+                                    kv_transfer_config=transfer,
+                                    kv_events_config=KVEventsConfig(
+                                        enable_kv_cache_events=True, publisher="zmq",
+                                        endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                        replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                        topic="kv"))
         configs, scheduler_config = initialize_kv_caches(
             self.config, worker_specs(self.config, 2), [32 * rank0_block] * 2)
         self.scheduler_config = scheduler_config
@@ -226,33 +238,45 @@ class Deployment:
             self.kv.append(kv)
         self.aggregator = KVOutputAggregator.from_connector(self.scheduler, 2)
         self.undelivered: list = []
+        self.stats: list = []  # each step's joined connector stats
+        self.events: list = []  # what the scheduler side gave vLLM to publish, step by step
 
-    def step(self, *, finished: set[str] | None = None, deliver: bool = True):
+    def step(self, *, finished: set[str] | None = None, deliver: bool = True,
+             prefill: tuple[int, float] | None = None):
         """One engine step: the scheduler's metadata to every worker, their loads (before
         the forward) and stores (after it), their outputs joined and handed back to the
         scheduler side; without ``deliver`` they wait (steps still in flight), and the
-        next delivering step hands them back first, in order."""
+        next delivering step hands them back first, in order. ``prefill``: (tokens,
+        seconds) of a forward computing that many prompt tokens, stood in for by a sleep."""
         from vllm.v1.core.sched.output import SchedulerOutput
 
-        meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        scheduled = SchedulerOutput.make_empty()
+        if prefill is not None:
+            scheduled.num_scheduled_tokens = {"prompt": prefill[0]}
+        meta = self.scheduler.build_connector_meta(scheduled)
         outputs = []
         for worker in self.workers:
             from vllm.v1.outputs import KVConnectorOutput
 
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
+            if prefill is not None:
+                time.sleep(prefill[1])
             worker.wait_for_save()
             sending, _ = worker.get_finished(finished or set())
             outputs.append(output_of(KVConnectorOutput(
                 finished_sending=sending,
                 invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_stats=worker.get_kv_connector_stats(),
                 kv_connector_worker_meta=worker.build_connector_worker_meta())))
             worker.clear_connector_metadata()
         joined = self.aggregator.aggregate(outputs).kv_connector_output
+        self.stats.append(joined.kv_connector_stats)
         self.undelivered.append(joined)
         if deliver:
             for output in self.undelivered:
                 self.scheduler.update_connector_output(output)
+                self.events.append(list(self.scheduler.take_events()))
             self.undelivered.clear()
         return meta, joined
 
@@ -260,11 +284,30 @@ class Deployment:
         return [t[block_id].clone() for t in self.kv[rank].values()]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@functools.cache
+def block_hasher(block_size: int):
+    """vLLM's own block hashes of a request (sha256, as its engine computes them)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
+
+
 def request(request_id: str, tokens: list[int], **kwargs):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(request_id, tokens, SamplingParams(max_tokens=4), None, **kwargs)
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), None,
+                   block_hasher=block_hasher(16), **kwargs)
 
 
 def blocks_of(ids: list[int]):
@@ -280,6 +323,7 @@ def connector_checks(model: str) -> dict:
         d = Deployment(model, disk_dir)
         sched = d.scheduler
         bs = d.block_size
+        assert bs == 16  # the block hasher above
         a_tokens = list(range(1000, 1000 + 5 * bs + 1))  # 5 full blocks and one token
         b_tokens = list(range(3000, 3000 + 5 * bs + 1))
         out["sleep_mode_supported"] = d.connector_cls.supports_sleep_mode(
@@ -288,7 +332,9 @@ def connector_checks(model: str) -> dict:
         d.step()  # the workers' first reports: both ranks are up
         out["after_reports"] = list(sched.get_num_new_matched_tokens(request("a0", a_tokens), 0))
 
-        # A finishes on blocks 1..6: its 5 full blocks are stored once for both ranks
+        # A's prompt computed (a forward of 256 tokens, at least 0.2 s: the prefill rate),
+        # then A finishes on blocks 1..6: its 5 full blocks are stored once for both ranks
+        d.step(prefill=(256, 0.2))
         a = request("a", a_tokens)
         a.num_computed_tokens = len(a_tokens)
         originals = {r: {b: d.block(r, b) for b in range(1, 6)} for r in (0, 1)}
@@ -333,7 +379,7 @@ def connector_checks(model: str) -> dict:
         # A's lookup still counts on rank 0's stale report; the load fails on rank 0 only
         a3 = request("a3", a_tokens)
         out["a3_matched_stale"] = list(sched.get_num_new_matched_tokens(a3, 0))
-        sched.update_state_after_alloc(a3, blocks_of([30, 31, 32, 33, 34, 35]), 5 * bs)
+        sched.update_state_after_alloc(a3, blocks_of([26, 27, 28, 29, 30, 31]), 5 * bs)
         meta, joined = d.step()
         out["a3_invalid_joined"] = sorted(joined.invalid_block_ids)
         # now every report is in: A is a hit only as far as both ranks hold it
@@ -344,8 +390,142 @@ def connector_checks(model: str) -> dict:
             request("s", b_tokens, cache_salt="x"), 0))
         for worker in d.workers:
             worker.shutdown()
+        out["hashes"] = {name: vllm_hashes(r) for name, r in (("a", a), ("b", b))}
+        out["tokens"] = {"a": a_tokens, "b": b_tokens}
+        out["figures"] = figures_checks(d)
+        out["events"] = events_checks(d)
         out.update(sleep_mode_checks(d))
     return out
+
+
+def vllm_hashes(req) -> list:
+    """vLLM's block hashes of a request as its KV events carry them."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return [external(maybe_convert_block_hash(h)) for h in req.block_hashes]
+
+
+def external(block_hash):
+    return block_hash.hex() if isinstance(block_hash, bytes) else block_hash
+
+
+def figures_checks(d: Deployment) -> dict:
+    """The run's connector stats as vLLM's stat loggers get them (serialised as vLLM sends
+    scheduler stats from its engine core): vLLM's log line over the run, and the
+    Prometheus samples of ``kvmem_offload_*`` and the prefill rate."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    payloads = []
+    for stats in d.stats:
+        if stats is None:
+            continue
+        sent = EngineCoreOutputs(scheduler_stats=SchedulerStats(
+            kv_connector_stats=stats.to_dict()))
+        payloads.append(decoder.decode(encoder.encode(sent)).scheduler_stats.kv_connector_stats)
+    logging = KVConnectorLogging(d.config.kv_transfer_config)
+    prom = KVConnectorProm(d.config, ["model_name", "engine"], {0: ["contract", "0"]})
+    for payload in payloads:
+        logging.observe(payload)
+        prom.observe(payload, 0)
+    lines: list[str] = []
+    logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    samples = [{"name": s.name, "labels": s.labels, "value": s.value}
+               for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+               for s in family.samples
+               if s.name.startswith(("kvmem_offload_", "kvmem_prefill_"))]
+    return {"reports": len(payloads), "log": lines, "samples": samples}
+
+
+class EventSubscriber:
+    """A KV-event subscriber as a router runs one, for vLLM's ZMQ publisher: a SUB socket
+    bound on 127.0.0.1 (vLLM's publisher connects to a host address) and, for what the
+    live stream missed while the connection came up, the publisher's replay socket."""
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: str) -> None:
+        import zmq
+
+        self.replay_endpoint = replay_endpoint
+        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub.bind(endpoint)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.live: dict[int, bytes] = {}
+
+    def poll(self, timeout_s: float) -> None:
+        """Read the live stream until it is quiet for ``timeout_s``."""
+        while self.sub.poll(int(timeout_s * 1000)):
+            _topic, seq, payload = self.sub.recv_multipart()
+            self.live[int.from_bytes(seq, "big")] = payload
+
+    def batches(self) -> dict[int, Any]:
+        """Every batch published so far by sequence number: the live ones, and the rest
+        replayed by the publisher (asked from sequence 0, to its end marker)."""
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.poll(0.5)
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        payloads = dict(self.live)
+        while dealer.poll(10000):
+            _, _topic, seq, payload = dealer.recv_multipart()
+            if seq == self.END_SEQ:
+                break
+            payloads.setdefault(int.from_bytes(seq, "big"), payload)
+        dealer.close(linger=0)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        return {seq: decoder.decode(payload) for seq, payload in sorted(payloads.items())}
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+
+
+def describe_events(batches: dict[int, Any]) -> list[dict]:
+    """The events of ``batches`` in order, as JSON (hashes as vLLM's events carry them)."""
+    out = []
+    for batch in batches.values():
+        for event in batch.events:
+            kind = type(event).__name__
+            item = {"kind": kind, "hashes": [external(h) for h in event.block_hashes],
+                    "medium": event.medium, "group": event.group_idx}
+            if kind == "BlockStored":
+                item.update(parent=external(event.parent_block_hash)
+                            if event.parent_block_hash is not None else None,
+                            tokens=list(event.token_ids), block_size=event.block_size)
+            out.append(item)
+    return out
+
+
+def events_checks(d: Deployment) -> dict:
+    """The scheduler side's events, published step by step through vLLM's own ZMQ
+    publisher (the one its scheduler makes from ``--kv-events-config``) and read back by a
+    subscriber on 127.0.0.1."""
+    from vllm.distributed.kv_events import EventPublisherFactory, KVEventBatch
+
+    config = d.config.kv_events_config
+    subscriber = EventSubscriber(config.endpoint, config.replay_endpoint, config.topic)
+    publisher = EventPublisherFactory.create(config, 0)
+    batches = [events for events in d.events if events]
+    for events in batches:
+        publisher.publish(KVEventBatch(ts=time.time(), events=events))
+    subscriber.poll(2.0)
+    received = subscriber.batches()
+    publisher.shutdown()
+    subscriber.close()
+    return {"published_batches": len(batches), "sequence": list(received),
+            "events": describe_events(received)}
 
 
 def sleep_mode_checks(d: Deployment) -> dict:

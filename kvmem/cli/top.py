@@ -1,7 +1,8 @@
 """``kvmem top``: engines sharing elastic KV memory on this machine, from the ledgers:
 per engine its floor, ceiling, what it may hold now, mapped, live and cached bytes, what it
 gave back to others and what it waits for (``kvmem.memory.control``); ``--json`` prints
-``control.document``, a stable, versioned form."""
+``control.document``, a stable, versioned form. With ``--metrics URL``, also the offload
+tiers of those servers (their ``/metrics``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"refresh every SECONDS (0.1 to {MAX_WATCH_S:g}) until interrupted")
     p.add_argument("--ledger-dir", default=None,
                    help="where the ledgers live (default $KVMEM_LEDGER_DIR or /dev/shm)")
+    p.add_argument("--metrics", type=_metrics_url, action="append", default=[],
+                   metavar="URL", help="also show the offload tiers of the server whose "
+                   "/metrics is at URL (vLLM with KvmemConnector, or kvmem serve); repeatable")
 
 
 def _views(ledger_dir: str | None) -> list:
@@ -89,22 +93,89 @@ def _render(views: list):  # -> a rich renderable
 def run(args: argparse.Namespace) -> int:
     from kvmem.memory import control
 
+    def screen():  # -> a rich renderable
+        from rich.console import Group
+
+        elastic = _render(_views(args.ledger_dir))
+        return Group(elastic, _tiers_table(_tier_rows(args.metrics))) if args.metrics \
+            else elastic
+
     if args.json:
-        print(json.dumps(control.document(_views(args.ledger_dir)), indent=1))
+        doc = control.document(_views(args.ledger_dir))
+        if args.metrics:
+            doc["tiers"] = _tier_rows(args.metrics)
+        print(json.dumps(doc, indent=1))
         return 0
     from rich.console import Console
 
     # never narrower than the table: a cut name could not be given to `kvmem limit`
     console = Console()
     wide = console.options.update(max_width=400)
-    console = Console(width=max(console.width, console.measure(
-        _render(_views(args.ledger_dir)), options=wide).maximum))
+    console = Console(width=max(console.width, console.measure(screen(), options=wide).maximum))
     if args.watch is None:
-        console.print(_render(_views(args.ledger_dir)))
+        console.print(screen())
         return 0
     from rich.live import Live
 
-    with Live(_render(_views(args.ledger_dir)), console=console) as live:
+    with Live(screen(), console=console) as live:
         while True:
             time.sleep(args.watch)
-            live.update(_render(_views(args.ledger_dir)))
+            live.update(screen())
+
+
+# -- offload tiers (--metrics) -------------------------------------------------------------
+def _metrics_url(text: str) -> str:
+    from kvmem.errors import KvmemError
+    from kvmem.tiers.verdict import metrics_url
+
+    try:
+        return metrics_url(text)
+    except KvmemError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tier_rows(urls: list[str]) -> list[dict]:
+    """Each server's tiers, summed over its ranks (``kvmem.tiers.verdict``); a server that
+    cannot be read is a row with its error."""
+    from kvmem.errors import KvmemError
+    from kvmem.tiers.verdict import read_figures, scrape
+
+    rows: list[dict] = []
+    for url in urls:
+        try:
+            figures = read_figures(scrape(url, timeout_s=5.0))
+        except KvmemError as exc:
+            rows.append({"server": url, "error": str(exc)})
+            continue
+        if not figures.tiers:
+            rows.append({"server": url, "error": "no kvmem_offload_* figures"})
+        rows += [{"server": url, **t.as_dict()} for t in figures.tiers.values()]
+    return rows
+
+
+def _tiers_table(rows: list[dict]):  # -> rich.table.Table
+    from rich.table import Table
+
+    from kvmem.units import format_bytes
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    def number(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    table = Table(title="kvmem offload tiers")
+    for col in ("server", "tier", "used", "capacity", "hit rate", "hit tokens", "load GB/s",
+                "prefill saved", "saved/GiB", "never loaded", "failed loads"):
+        table.add_column(col, justify="left" if col in ("server", "tier") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["server"], "-", r["error"])
+            continue
+        table.add_row(r["server"], r["tier"], format_bytes(int(r.get("used_bytes", 0))),
+                      format_bytes(int(r.get("capacity_bytes", 0))), share(r["hit_rate"]),
+                      f"{r.get('hit_tokens', 0):.0f}", number(r["load_gb_per_s"], ".2f"),
+                      f"{r.get('prefill_saved_seconds', 0):.2f} s",
+                      number(r["prefill_saved_s_per_gib"], ".2f"), share(r["wasted_share"]),
+                      f"{r.get('failed_loads', 0):.0f}")
+    return table

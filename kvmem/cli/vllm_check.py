@@ -1,5 +1,7 @@
 """``kvmem vllm-check``: which parts of kvmem's vLLM integration work with the vLLM
-installed here, and why not (``kvmem.integrations.vllm.compat``)."""
+installed here, and why not (``kvmem.integrations.vllm.compat``); with ``--stats URL``,
+whether each offload tier of a running server (vLLM with ``KvmemConnector``, or ``kvmem
+serve``) pays, read from its ``/metrics`` (``kvmem.tiers.verdict``)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,38 @@ from dataclasses import asdict
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--stats", metavar="URL", default=None,
+                   help="instead: read the offload tiers' figures from a server's /metrics "
+                        "(vLLM with KvmemConnector, or kvmem serve) and say per tier "
+                        "whether it pays")
+
+
+def run_stats(url: str, as_json: bool) -> int:
+    """The tiers' verdicts from ``url``; exit 2 (one line) when it has no tier figures."""
+    from kvmem.errors import KvmemError
+    from kvmem.tiers.verdict import metrics_url, read_figures, scrape, verdict_lines
+
+    url = metrics_url(url)
+    figures = read_figures(scrape(url))
+    if not figures.tiers:
+        raise KvmemError(f"{url} shows no kvmem_offload_* figures (is KvmemConnector, or an "
+                         "offload tier, configured there? vLLM shows them after its first "
+                         "steps)")
+    if as_json:
+        print(json.dumps({"tiers": [t.as_dict() for t in figures.tiers.values()],
+                          "prefill_rates": figures.prefill_rates}, indent=1))
+        return 0
+    rates = ", ".join(f"{rank}: {rate:.0f}" for rank, rate in figures.prefill_rates.items())
+    print(f"{url}: measured prefill rate (tokens/s) {rates or 'not yet measured'}")
+    for tier in figures.tiers.values():
+        print("\n".join(verdict_lines(tier)))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """0 when every part works, 1 otherwise (vLLM missing included)."""
+    if args.stats is not None:
+        return run_stats(args.stats, args.json)
     from kvmem.integrations.vllm import compat
 
     version, statuses = compat.report()

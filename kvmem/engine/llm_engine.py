@@ -41,6 +41,7 @@ from kvmem.engine.step import ModelRunnerOutput
 from kvmem.errors import ConfigError, KvmemError
 from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.faults import NO_FAULTS, Faults
+from kvmem.tiers.stats import PrefillMeter, prefill_step_tokens
 
 if TYPE_CHECKING:
     from kvmem.engine.distributed.driver import ParallelDriver
@@ -69,6 +70,7 @@ class EngineSnapshot:
     prefix_hit_tokens: int
     offload: dict = field(default_factory=dict)  # tier name -> kvmem.tiers.TierStats
     elastic: object | None = None  # kvmem.memory.ElasticStats with --kv-memory elastic
+    prefill_rate: float | None = None  # measured prompt tokens per second (values tier hits)
     # kvmem.engine.request_metrics.HISTOGRAMS name -> its counts
     histograms: dict[str, Histogram] = field(default_factory=dict)
 
@@ -129,6 +131,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_batched_tokens=config.max_num_batched_tokens, pool=pool)
         self.offload: OffloadConnector | None = None  # CPU/disk tiers
+        self.prefill = PrefillMeter()  # values the tiers' hits in prefill seconds saved
         try:
             self.offload = self._build_offload(offload or config.offload_config(),
                                                offload_faults)
@@ -169,7 +172,7 @@ class LLMEngine:
         identity = tier_identity(self.spec, self.dtype, self.config.model,
                                  tensor_parallel_size=tp, partition=partition)
         connector = build_offload(offload, self.kv_cache_manager, self.offload_storage,
-                                  num_slots, identity, faults)
+                                  num_slots, identity, faults, self.prefill)
         logger.info("KV offload: %s", offload.describe())
         return connector
 
@@ -349,6 +352,8 @@ class LLMEngine:
         else:
             runner_output = self.executor.execute_model(scheduled)
             self.stats.steps += 1
+            self.prefill.observe(prefill_step_tokens(scheduled.num_scheduled_tokens.values()),
+                                 time.monotonic() - start)
         for rid in runner_output.sampled_token_ids:
             group = self.groups.get(rid)
             if group is not None and not group.forked:
@@ -406,5 +411,6 @@ class LLMEngine:
             prefix_hit_tokens=sched.prefix_hit_tokens,
             offload=self.offload.stats() if self.offload is not None else {},
             elastic=self.kv_storage.stats() if self.elastic is not None else None,
+            prefill_rate=self.prefill.rate(),
             histograms=self.request_metrics.snapshot())
 

@@ -29,6 +29,7 @@ from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.connector import OffloadConnector
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.manager import OffloadManager
+from kvmem.tiers.stats import PrefillMeter
 from kvmem.tiers.weights import weights_digest
 
 
@@ -72,11 +73,13 @@ def tier_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None, *,
 
 def build_offload(config: OffloadConfig, kv_cache_manager: KVCacheManager, storage: KVStorage,
                   num_slots: int, identity: tuple[str, str],
-                  faults: Faults = NO_FAULTS) -> OffloadConnector:
-    """The tiers over ``storage`` (``num_slots`` slots per block) as the scheduler uses them."""
+                  faults: Faults = NO_FAULTS, prefill: PrefillMeter | None = None
+                  ) -> OffloadConnector:
+    """The tiers over ``storage`` (``num_slots`` slots per block) as the scheduler uses them;
+    ``prefill``: the engine's measured prefill rate, which values their hits."""
     model, layout = identity
     manager = OffloadManager(config, storage, num_slots, kv_cache_manager, model=model,
-                             layout=layout, faults=faults)
+                             layout=layout, faults=faults, prefill=prefill)
     connector = OffloadConnector(manager, kv_cache_manager)
     atexit.register(connector.shutdown, flush=True)
     return connector

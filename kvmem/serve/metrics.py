@@ -19,6 +19,7 @@ from prometheus_client.core import (
 from kvmem.engine.errors import FAILURE_STAGES
 from kvmem.engine.llm_engine import EngineSnapshot
 from kvmem.engine.request_metrics import HISTOGRAMS
+from kvmem.tiers.stats import COUNTERS, FAILED_LOAD_CAUSES, GAUGES, PREFILL_RATE, metric_name
 
 
 class EngineCollector:
@@ -96,37 +97,28 @@ def _histograms(s: EngineSnapshot, labels: list[str], m: list[str]) -> Iterator[
         yield family
 
 
-# kvmem.tiers.TierStats fields, exported per tier as kvmem_offload_<field>{tier="cpu"|"disk"}
-_OFFLOAD_COUNTERS = {
-    "hits": "KV blocks a prefix lookup found in this tier",
-    "misses": "KV blocks a prefix lookup looked for in this tier and did not find",
-    "stored_blocks": "KV blocks written into this tier",
-    "bytes_stored": "Bytes written into this tier",
-    "bytes_loaded": "Bytes loaded from this tier into the KV cache",
-    "skipped_stores": "Stores dropped (tier full or busy, write error, tier disabled)",
-    "not_admitted": "Stores the admission policy turned down",
-    "failed_loads": "Loads that failed (missing file, bad checksum, read error)",
-    "evictions": "KV blocks evicted from this tier",
-    "skipped_files": "Entries of the disk tier's folder that are not its regular files "
-                     "(directories, links), left alone",
-}
-_OFFLOAD_GAUGES = {
-    "used_bytes": "Bytes this tier holds now",
-    "capacity_bytes": "This tier's byte budget",
-    "enabled": "1 while this tier is in use (a failed disk turns it off)",
-}
-
-
 def _offload_metrics(s: EngineSnapshot, labels: list[str], m: list[str]) -> Iterator[Metric]:
+    """The tiers' figures under the names vLLM's ``/metrics`` shows for ``KvmemConnector``
+    (``kvmem.tiers.stats``), so one dashboard reads both."""
     if not s.offload:
         return
-    for fields, family in ((_OFFLOAD_COUNTERS, CounterMetricFamily),
-                           (_OFFLOAD_GAUGES, GaugeMetricFamily)):
+    for fields, family in ((COUNTERS, CounterMetricFamily), (GAUGES, GaugeMetricFamily)):
         for name, doc in fields.items():
-            metric = family(f"kvmem_offload_{name}", doc, labels=[*labels, "tier"])
-            for tier, stats in s.offload.items():
-                metric.add_metric([*m, tier], float(getattr(stats, name)))
+            if name == "failed_loads":
+                metric = family(metric_name(name), doc, labels=[*labels, "tier", "cause"])
+                for tier, stats in s.offload.items():
+                    for cause in FAILED_LOAD_CAUSES:
+                        metric.add_metric([*m, tier, cause],
+                                          float(stats.failed_load_causes.get(cause, 0)))
+            else:
+                metric = family(metric_name(name), doc, labels=[*labels, "tier"])
+                for tier, stats in s.offload.items():
+                    metric.add_metric([*m, tier], float(getattr(stats, name)))
             yield metric
+    if s.prefill_rate is not None:
+        rate = GaugeMetricFamily(PREFILL_RATE[0], PREFILL_RATE[1], labels=labels)
+        rate.add_metric(m, s.prefill_rate)
+        yield rate
 
 
 # kvmem.memory.ElasticStats fields, exported as kvmem_kv_memory_<name> with elastic memory;

@@ -38,7 +38,9 @@ from kvmem.cache.coordinator import LOAD_BLOCK, longest_common_hit
 from kvmem.cache.hashing import BlockHash
 from kvmem.cache.managers import SingleTypeManager, make_manager
 from kvmem.cache.results import PrefixHit
+from kvmem.spec.layout import AttentionKind
 from kvmem.tiers.manager import OffloadManager
+from kvmem.tiers.stats import block_tokens
 from kvmem.tiers.transfer import LoadHandle
 
 log = logging.getLogger("kvmem.tiers")
@@ -78,6 +80,10 @@ class OffloadConnector:
         self._loads: dict[str, tuple[Any, LoadHandle, list[Position]]] = {}
         # (request id, length) of the latest searches already counted in the tiers' stats
         self._looked_up: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # the groups whose loaded blocks count as hit tokens: those holding every position
+        every = [g for g, group in enumerate(kv_cache_manager.groups)
+                 if group.kind in (AttentionKind.FULL, AttentionKind.MLA)]
+        self._counted = every or list(range(len(kv_cache_manager.groups)))
         kv_cache_manager.pool.evict_listener = self._on_evict
 
     def _on_evict(self, block_id: int, block_hash: bytes) -> None:
@@ -134,7 +140,8 @@ class OffloadConnector:
             return False
         self.offload.record_lookups([found[k] for k in keys], not_found if first else 0)
         tables = self.kv.get_block_ids(request.request_id)
-        handle = self.offload.load(request.request_id, keys, [tables[g][i] for i, g in loads])
+        handle = self.offload.load(request.request_id, keys, [tables[g][i] for i, g in loads],
+                                   block_tokens([g for _, g in loads], self._counted, bs))
         self._loads[request.request_id] = (request, handle, loads)
         return True
 

@@ -35,6 +35,7 @@ from kvmem.errors import ConfigError
 from kvmem.tiers.config import FLAG_NAMES, FORMAT_VERSION, SettingNames, TierIdentity
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
+from kvmem.tiers.stats import CHECKSUM
 from kvmem.tiers.store import BlockStore, Entry, IndexListener, LoadError
 from kvmem.units import GiB, format_bytes
 
@@ -113,7 +114,8 @@ class DiskStore(BlockStore):
         with self._lock:
             self.stats.skipped_files += len(skipped)
             for _, name in sorted(found):
-                entry = Entry(name, self._entry_bytes(name), self.path_of(name), ready=True)
+                entry = Entry(name, self._entry_bytes(name), self.path_of(name), ready=True,
+                              fresh=False)
                 self._entries[name] = entry
                 self._used += entry.nbytes
                 self._policy.inserted(name)
@@ -164,7 +166,7 @@ class DiskStore(BlockStore):
             raise LoadError("file holds another block")
         payload = memoryview(data)[start:]
         if xxhash.xxh3_128_digest(payload) != checksum:
-            raise LoadError("checksum mismatch")
+            raise LoadError("checksum mismatch", CHECKSUM)
         out.copy_(torch.frombuffer(data, dtype=torch.uint8, offset=start))
 
     def _release(self, entry: Entry) -> None:

@@ -35,7 +35,7 @@ from kvmem.tiers.cpu_store import CPUStore
 from kvmem.tiers.disk_store import DiskStore
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import make_policy
-from kvmem.tiers.stats import TierStats
+from kvmem.tiers.stats import MISSING, PrefillMeter, TierStats
 from kvmem.tiers.store import BlockStore, IndexListener
 from kvmem.tiers.transfer import LoadHandle, StoreJob, TransferEngine
 from kvmem.units import MiB
@@ -56,11 +56,15 @@ class BlockHolder(Protocol):
 class OffloadManager:
     def __init__(self, config: OffloadConfig, storage: KVStorage, num_slots: int,
                  holder: BlockHolder, *, model: str, layout: str,
-                 faults: Faults = NO_FAULTS, on_change: IndexListener | None = None) -> None:
+                 faults: Faults = NO_FAULTS, on_change: IndexListener | None = None,
+                 prefill: PrefillMeter | None = None) -> None:
+        """``prefill``: the engine's measured prefill rate, which values the tiers' hit
+        tokens in prefill seconds saved (none: they are not valued)."""
         if not config.enabled:
             raise ConfigError("offloading needs --cpu-offload-gib or --disk-offload-gib")
         self.config = config
         self.holder = holder
+        self.prefill = prefill
         self.copier = copier_for(storage, num_slots)
         slot = self.copier.slots[0]
         self.identity = TierIdentity(
@@ -184,12 +188,14 @@ class OffloadManager:
             t.record_lookup(hits[t.name], misses[t.name])
         return found
 
-    def load(self, request_id: str, keys: Sequence[Hashable],
-             block_ids: Sequence[int]) -> LoadHandle:
+    def load(self, request_id: str, keys: Sequence[Hashable], block_ids: Sequence[int],
+             block_tokens: Sequence[float] | None = None) -> LoadHandle:
         """Load the blocks of ``keys`` into the newly allocated ``block_ids`` (asynchronously).
 
         The blocks the request computes must wait for ``handle.done`` (``poll`` returns the
         handle). Blocks evicted since ``lookup`` shorten the load; they are recomputed.
+        ``block_tokens``: the prompt tokens each block stands for (default: a block's
+        tokens; with several KV cache groups the caller shares them out).
         """
         if len(block_ids) != len(keys):
             raise ValueError("load: one key per block id")
@@ -202,8 +208,14 @@ class OffloadManager:
                     sources.append((tier, entry))
                     break
             if entry is None:
+                enabled = [t for t in self.tiers if t.enabled]
+                if enabled:  # counted where it was looked for last
+                    enabled[-1].record_failed_load(MISSING)
                 break
-        handle = LoadHandle(request_id, list(block_ids), [key_name(k) for k in keys], sources)
+        if block_tokens is None:
+            block_tokens = [self.identity.block_size] * len(keys)
+        handle = LoadHandle(request_id, list(block_ids), [key_name(k) for k in keys], sources,
+                            list(block_tokens), [t.name for t, _ in sources])
         if self._closed:
             self.engine._finish_load(handle, 0, "offloading is shut down")
         else:
@@ -213,6 +225,7 @@ class OffloadManager:
     # -- completion -----------------------------------------------------------------------
     def poll(self) -> list[LoadHandle]:
         """Finish transfers: release the holds of copied blocks; return finished loads."""
+        self._value_hits()
         loads = []
         while not self.engine.events.empty():
             kind, job = self.engine.events.get()
@@ -253,4 +266,10 @@ class OffloadManager:
 
     # -- metrics --------------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:
+        self._value_hits()
         return {t.name: t.snapshot() for t in self.tiers}
+
+    def _value_hits(self) -> None:
+        rate = self.prefill.rate() if self.prefill is not None else None
+        for tier in self.tiers:
+            tier.value_hits(rate)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvmem.tiers import stats as causes
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
 from kvmem.tiers.stats import TierStats
@@ -34,7 +36,12 @@ IndexListener = Callable[[str, str, bool], None]  # (tier name, block name, now 
 
 
 class LoadError(Exception):
-    """A stored block could not be read back intact."""
+    """A stored block could not be read back intact; ``cause`` is one of
+    ``kvmem.tiers.stats.FAILED_LOAD_CAUSES``."""
+
+    def __init__(self, message: str, cause: str = causes.FORMAT) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass(eq=False)
@@ -45,6 +52,8 @@ class Entry:
     pins: int = 0
     ready: bool = False
     dropped: bool = False
+    fresh: bool = True  # stored by this process (not found on disk at start-up)
+    loads: int = 0
 
 
 class BlockStore(ABC):
@@ -61,6 +70,7 @@ class BlockStore(ABC):
         self._entries: dict[str, Entry] = {}
         self._used = 0
         self._enabled = True
+        self._unvalued_tokens = 0.0  # hit tokens not yet turned into prefill seconds
 
     # -- queries (any thread) -------------------------------------------------------------
     @property
@@ -86,8 +96,36 @@ class BlockStore(ABC):
 
     def record_lookup(self, hits: int, misses: int) -> None:
         with self._lock:
+            self.stats.lookups += hits + misses
             self.stats.hits += hits
             self.stats.misses += misses
+
+    def record_loaded(self, num_blocks: int, tokens: float, seconds: float) -> None:
+        """Count blocks loaded intact into the KV cache: the prompt ``tokens`` they stand
+        for (valued by ``value_hits``) and ``seconds`` of copying into the cache."""
+        with self._lock:
+            self.stats.loaded_blocks += num_blocks
+            self.stats.hit_tokens += tokens
+            self.stats.load_seconds += seconds
+            self._unvalued_tokens += tokens
+
+    def value_hits(self, prefill_rate: float | None) -> None:
+        """Turn the hit tokens counted since the last call into the prefill seconds they
+        saved, at the engine's measured ``prefill_rate`` (tokens/s); kept for later while
+        no rate is known yet (a restarted engine's first requests load before it computes)."""
+        if not prefill_rate:
+            return
+        with self._lock:
+            self.stats.prefill_saved_seconds += self._unvalued_tokens / prefill_rate
+            self._unvalued_tokens = 0.0
+
+    def record_store_time(self, seconds: float) -> None:
+        with self._lock:
+            self.stats.store_seconds += seconds
+
+    def record_failed_load(self, cause: str) -> None:
+        with self._lock:
+            self.stats.record_failed_load(cause)
 
     def record_skipped(self, num_blocks: int) -> None:
         """Count stores dropped before they reached this tier (e.g. too much already queued)."""
@@ -116,18 +154,23 @@ class BlockStore(ABC):
         when its bytes are missing or damaged."""
         try:
             if not self._enabled:
-                raise LoadError(f"{self.name} tier is disabled")
+                raise LoadError(f"{self.name} tier is disabled", causes.DISABLED)
             self.faults.before_read()
             self._read(entry, out)
         except (LoadError, OSError) as exc:
+            cause = exc.cause if isinstance(exc, LoadError) else \
+                causes.MISSING if isinstance(exc, FileNotFoundError) else causes.IO
             with self._lock:
-                self.stats.failed_loads += 1
+                self.stats.record_failed_load(cause)
                 self._forget(entry)
             if isinstance(exc, OSError):
                 self._io_failed(exc)
-            raise LoadError(f"{self.name} tier: block {entry.name}: {exc}") from exc
+            raise LoadError(f"{self.name} tier: block {entry.name}: {exc}", cause) from exc
         with self._lock:
             self.stats.bytes_loaded += entry.nbytes
+            if entry.loads == 0 and entry.fresh:
+                self.stats.unused_blocks -= 1
+            entry.loads += 1
 
     # -- stores ---------------------------------------------------------------------------
     def put(self, name: str, row: torch.Tensor) -> bool:
@@ -149,6 +192,7 @@ class BlockStore(ABC):
             entry = Entry(name, nbytes, self._allocate(name))
             self._entries[name] = entry
             self._used += nbytes
+        start = time.perf_counter()
         try:
             self._write(entry, row)
         except OSError as exc:
@@ -166,6 +210,8 @@ class BlockStore(ABC):
                 self.on_change(self.name, name, True)
             self.stats.stored_blocks += 1
             self.stats.bytes_stored += nbytes
+            self.stats.store_seconds += time.perf_counter() - start
+            self.stats.unused_blocks += 1
         return True
 
     def disable(self, reason: str) -> None:
@@ -197,6 +243,9 @@ class BlockStore(ABC):
             self._policy.removed(entry.name)
             if entry.ready and self.on_change is not None:
                 self.on_change(self.name, entry.name, False)
+            if entry.ready and entry.fresh and entry.loads == 0:
+                self.stats.unused_blocks -= 1
+                self.stats.wasted_blocks += 1
         if not entry.dropped:
             entry.dropped = True
             if entry.pins == 0:

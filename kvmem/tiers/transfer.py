@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from kvmem.tiers.blocks import BlockCopier
 from kvmem.tiers.cpu_store import CPUStore
 from kvmem.tiers.disk_store import DiskStore
 from kvmem.tiers.faults import Faults
+from kvmem.tiers.stats import ERROR
 from kvmem.tiers.store import BlockStore, Entry, LoadError
 
 log = logging.getLogger("kvmem.tiers")
@@ -49,13 +51,17 @@ class LoadHandle:
 
     When ``done`` is set, the first ``num_loaded`` of ``block_ids`` hold their blocks'
     KV; the rest (after a failed or missing block) must be recomputed. ``error`` says why
-    a load stopped short.
+    a load stopped short. ``tiers`` names the tier each found block loads from;
+    ``block_tokens`` the prompt tokens each block stands for (counted as its tier's hit
+    tokens once it is loaded intact).
     """
 
     request_id: str
     block_ids: list[int]
     names: list[str]
     sources: list[tuple[BlockStore, Entry]]
+    block_tokens: list[float]
+    tiers: list[str] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     num_loaded: int = 0
     error: str | None = None
@@ -172,8 +178,12 @@ class TransferEngine:
         try:
             if job.rows is None:
                 self.faults.before_store()
+                start = time.perf_counter()
                 job.rows = self.copier.alloc_host(len(job.block_ids))
                 self.copier.gather(job.block_ids, job.rows, job.after)
+                # the copy out of the KV cache counts for the first tier the blocks reach
+                first = self.cpu if self.cpu is not None else self.disk
+                first.record_store_time(time.perf_counter() - start)
         except Exception:  # noqa: BLE001
             log.exception("offload: copying blocks out of the KV pool failed")
             self.events.put(("copied", job))
@@ -197,21 +207,44 @@ class TransferEngine:
 
     def _run_load(self, handle: LoadHandle) -> None:
         loaded, error = 0, None
+        read_seconds: list[float] = []
         try:
             rows = self.copier.alloc_host(len(handle.sources))
             for row, (store, entry) in zip(rows, handle.sources, strict=True):
+                start = time.perf_counter()
                 try:
                     store.read(entry, row)
                 except LoadError as exc:
                     error = str(exc)
                     break
+                read_seconds.append(time.perf_counter() - start)
                 loaded += 1
             if loaded:
+                start = time.perf_counter()
                 self.copier.scatter(handle.block_ids[:loaded], rows[:loaded])
+                self._record_loaded(handle, read_seconds, time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - report as a failed load, recompute instead
             log.exception("offload: loading blocks into the KV pool failed")
+            if handle.sources:
+                handle.sources[0][0].record_failed_load(ERROR)
             loaded, error = 0, f"load failed: {exc}"
         self._finish_load(handle, loaded, error)
+
+    @staticmethod
+    def _record_loaded(handle: LoadHandle, read_seconds: list[float],
+                       scatter_seconds: float) -> None:
+        """Count the blocks loaded intact, per tier: each its read and its share of the
+        copy into the KV cache (one copy for all, the same work per block)."""
+        per_block = scatter_seconds / len(read_seconds)
+        per_tier: dict[BlockStore, list[float]] = {}
+        for (store, _), tokens, seconds in zip(handle.sources, handle.block_tokens,
+                                               read_seconds, strict=False):
+            totals = per_tier.setdefault(store, [0, 0.0, 0.0])
+            totals[0] += 1
+            totals[1] += tokens
+            totals[2] += seconds + per_block
+        for store, (blocks, tokens, seconds) in per_tier.items():
+            store.record_loaded(int(blocks), tokens, seconds)
 
     def _finish_load(self, handle: LoadHandle, loaded: int, error: str | None) -> None:
         for store, entry in handle.sources:

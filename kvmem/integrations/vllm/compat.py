@@ -9,6 +9,8 @@ before it touches anything, instead of matching a version string:
   vLLM 0.33 added — the worker's ``initialize_from_config``, and the helpers it calls;
 - ``KvmemConnector``: the connector base class and every hook it implements, with the
   parameters vLLM passes them, and no abstract hook of the base class left unimplemented;
+  the connector-stats classes its figures go through (and what their base keeps for it),
+  and the KV event classes, their fields and the block-hash helpers its events use;
 - elastic KV memory (``elastic``): the function the plugin wraps
   (``EngineArgs.create_engine_config``), ``KvmemElasticConnector``'s hooks, and inside
   vLLM the calls it relies on (the KV allocation's ``torch.zeros`` inside the connector's
@@ -72,6 +74,23 @@ CONNECTOR_HOOKS: dict[str, tuple[str, ...]] = {
     "update_connector_output": ("connector_output",),
     "request_finished": ("request", "block_ids"),
     "has_pending_block_frees": (),
+    # figures and events
+    "bind_connector_metadata": ("connector_metadata",),
+    "get_kv_connector_stats": (),
+    "build_kv_connector_stats": ("data",),
+    "build_prom_metrics": ("vllm_config", "metric_types", "labelnames",
+                           "per_engine_labelvalues"),
+    "take_events": (),
+}
+METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+KV_UTILS = "vllm.v1.core.kv_cache_utils"
+# what KvmemPromMetrics reads from the base class vLLM's __init__ fills in
+PROM_BASE_ATTRIBUTES = ("self._counter_cls", "self._gauge_cls", "self.per_engine_labelvalues")
+# the fields of vLLM's KV events that KvmemConnector's events fill in
+EVENT_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
 }
 
 PLUGIN_NEEDS = (
@@ -100,6 +119,23 @@ CONNECTOR_NEEDS = (
     Need("vllm.logger:init_logger"),
     *(Need(f"{BASE}:KVConnectorBase_V1.{hook}", params, exact=True)
       for hook, params in CONNECTOR_HOOKS.items()),
+    Need(f"{METRICS}:KVConnectorStats.aggregate", ("other",), exact=True),
+    Need(f"{METRICS}:KVConnectorStats.reduce", (), exact=True),
+    Need(f"{METRICS}:KVConnectorStats.is_empty", (), exact=True),
+    Need(f"{METRICS}:KVConnectorStats.reset", (), exact=True),
+    Need(f"{METRICS}:KVConnectorStats.to_dict", (), exact=True),
+    Need(f"{METRICS}:KVConnectorPromMetrics.__init__",
+         ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"), exact=True),
+    Need(f"{METRICS}:KVConnectorPromMetrics.observe", ("transfer_stats_data", "engine_idx"),
+         exact=True),
+    Need("vllm.distributed.kv_events:MEDIUM_CPU"),
+    Need("vllm.distributed.kv_events:MEDIUM_STORAGE"),
+    Need("vllm.distributed.kv_events:KVCacheEvent"),
+    Need(f"{KV_UTILS}:maybe_convert_block_hash", ("hash_bytes",), exact=True),
+    Need(f"{KV_UTILS}:generate_block_hash_extra_keys",
+         ("request", "start_token_idx", "end_token_idx", "start_mm_idx"), exact=True),
+    Need(f"{KV_UTILS}:to_event_extra_keys", ("extra_keys",), exact=True),
+    Need(f"{KV_UTILS}:resolve_block_hashes", ("block_hashes", "hash_block_size", "block_size")),
 )
 
 # KvmemElasticConnector's hooks (elastic KV memory), as CONNECTOR_HOOKS above.
@@ -232,9 +268,27 @@ def problems(feature: str) -> tuple[str, ...]:
     if feature == "connector" and not found:
         found += [f"{BASE}.KVConnectorBase_V1.{hook} is abstract and KvmemConnector does not "
                   "implement it" for hook in _unimplemented_hooks()]
+        found += missing_calls(tuple((f"{METRICS}:KVConnectorPromMetrics.__init__", attribute)
+                                     for attribute in PROM_BASE_ATTRIBUTES))
+        found += _missing_event_fields()
     if feature == "elastic" and not found:
         found += _elastic_call_sites()
     return tuple(found)
+
+
+def _missing_event_fields() -> list[str]:
+    """One line per KV event class that lacks a field KvmemConnector's events fill in."""
+    found = []
+    for name, wanted in EVENT_FIELDS.items():
+        try:
+            event = _resolve(f"vllm.distributed.kv_events:{name}")
+        except Missing as exc:
+            found.append(str(exc))
+            continue
+        fields = set(getattr(event, "__struct_fields__", ()))
+        if missing := [f for f in wanted if f not in fields]:
+            found.append(f"vllm.distributed.kv_events.{name} has no field {missing[0]}")
+    return found
 
 
 def _elastic_call_sites() -> list[str]:

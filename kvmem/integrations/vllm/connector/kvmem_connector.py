@@ -26,6 +26,11 @@ hybrid KV cache manager: the connector declares ``SupportsHMA`` and stores and l
 KV cache group by its own rules (``scheduler``). Every KV cache layout vLLM
 resolves is read through the tensors it registers (``layout``).
 
+What the tiers do shows where vLLM shows a connector's figures (``stats``): its
+``/metrics`` (``kvmem_offload_*`` per tier and rank) and its periodic "KV Transfer metrics"
+log line; with ``--kv-events-config``, blocks stored to and evicted from the tiers are
+published in vLLM's KV event stream under vLLM's block hashes (``events``).
+
 Not supported, refused at start-up with one line: KV cache specs that are not attention
 (Mamba and other per-request state), groups of different block sizes, and sleep mode
 (``supports_sleep_mode`` is False): sleep mode exists to free or replace the weights while
@@ -50,15 +55,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import compat
 from kvmem.integrations.vllm.connector.config import parse_extra_config
+from kvmem.integrations.vllm.connector.events import TierEvents
 from kvmem.integrations.vllm.connector.layout import GroupRule, group_rules
 from kvmem.integrations.vllm.connector.meta import KvmemConnectorMetadata
 from kvmem.integrations.vllm.connector.scheduler import SchedulerSide
+from kvmem.integrations.vllm.connector.stats import KvmemConnectorStats, KvmemPromMetrics
 from kvmem.integrations.vllm.connector.worker import RankPlace, WorkerSide, worker_identity
 
 log = init_logger("vllm.kvmem.connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -82,6 +90,11 @@ def _check_deployment(vllm_config: VllmConfig,
     return rules, block_size
 
 
+def _publishes_events(vllm_config: VllmConfig) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
 class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
     """kvmem's offload tiers as a vLLM KV connector (see the module docstring)."""
 
@@ -97,8 +110,11 @@ class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             if warning := compat.untested_warning(version):
                 log.warning("kvmem: %s", warning)
-            self.scheduler_side = SchedulerSide(rules, block_size,
-                                                vllm_config.parallel_config.world_size)
+            world_size = vllm_config.parallel_config.world_size
+            events = TierEvents(world_size, block_size, getattr(
+                kv_cache_config, "hash_block_size", None) or block_size) \
+                if _publishes_events(vllm_config) else None
+            self.scheduler_side = SchedulerSide(rules, block_size, world_size, events)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning("kvmem: kv_load_failure_policy is %r: a block that leaves a tier "
                             "between lookup and load fails its request; 'recompute' "
@@ -108,7 +124,8 @@ class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
             model, deployment = worker_identity(vllm_config)
             self.worker_side = WorkerSide(
                 config, faults, place=RankPlace.of(vllm_config.parallel_config), model=model,
-                deployment=deployment, kv_cache_config=kv_cache_config)
+                deployment=deployment, kv_cache_config=kv_cache_config,
+                tier_events=_publishes_events(vllm_config))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -122,6 +139,11 @@ class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            self.worker_side.step_started()  # the forward pass follows
 
     def _meta(self) -> KvmemConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -155,6 +177,20 @@ class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None
         return self.worker_side.report()
 
+    def get_kv_connector_stats(self) -> KvmemConnectorStats | None:
+        return self.worker_side.stats() if self.worker_side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KvmemConnectorStats:
+        return KvmemConnectorStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvmemPromMetrics:
+        return KvmemPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
@@ -172,7 +208,8 @@ class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
-        return self.scheduler_side.build_connector_meta()
+        return self.scheduler_side.build_connector_meta(
+            scheduler_output.num_scheduled_tokens.values())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler_side is not None
@@ -187,6 +224,9 @@ class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
         return self.scheduler_side.request_finished(request, block_ids)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.scheduler_side.take_events() if self.scheduler_side is not None else []
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_block_frees()

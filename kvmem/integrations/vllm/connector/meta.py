@@ -3,12 +3,14 @@
 Scheduler to workers, once per step (``KvmemConnectorMetadata``): the tier blocks to load
 into newly allocated blocks before this step's forward, and the blocks of finished
 requests to store (vLLM keeps them allocated until the workers name the request in
-``finished_sending``).
+``finished_sending``); for the tiers' figures, the blocks this step's lookups found in no
+tier and the tokens its forward computes when it computes prompt tokens.
 
 Workers to scheduler, once per step (``TierReport``): which blocks became readable in a
 rank's tiers and which left them, in order, so the scheduler answers prefix lookups from
 its own view without asking the workers. A rank's first report (its disk tier's blocks
-from earlier processes included) tells the scheduler the rank is up.
+from earlier processes included) tells the scheduler the rank is up. With vLLM's KV events
+on, the same changes tier by tier, for the events of each medium (``events``).
 
 A block is named ``kvmem.tiers.blocks.key_name((group, hash))``: its KV cache group and
 kvmem's chained prefix hash (``kvmem.cache.hashing``), stable across processes.
@@ -33,23 +35,33 @@ class BlockTransfer:
     request_id: str
     block_ids: list[int]
     keys: list[BlockKey]
+    block_tokens: list[float] = field(default_factory=list)  # loads: tokens each restores
 
 
 @dataclass
 class KvmemConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     stores: list[BlockTransfer] = field(default_factory=list)
+    not_found_blocks: int = 0  # looked up past vLLM's hit, held by no tier: misses
+    prefill_tokens: int = 0  # tokens the forward computes, if it computes prompt tokens
 
 
 @dataclass
 class TierReport(KVConnectorWorkerMetadata):
-    """Per rank, the index changes since its last report: (block name, now held)."""
+    """Per rank, the index changes since its last report: (block name, now held by some
+    tier of the rank); with KV events on, also each tier's: (tier, block name, now held)."""
 
     changes: dict[int, list[tuple[str, bool]]] = field(default_factory=dict)
+    tier_changes: dict[int, list[tuple[str, str, bool]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> TierReport:
         assert isinstance(other, TierReport)
-        merged = {rank: list(events) for rank, events in self.changes.items()}
-        for rank, events in other.changes.items():
-            merged.setdefault(rank, []).extend(events)
-        return TierReport(merged)
+        return TierReport(_merged(self.changes, other.changes),
+                          _merged(self.tier_changes, other.tier_changes))
+
+
+def _merged(mine: dict[int, list], theirs: dict[int, list]) -> dict[int, list]:
+    merged = {rank: list(events) for rank, events in mine.items()}
+    for rank, events in theirs.items():
+        merged.setdefault(rank, []).extend(events)
+    return merged

@@ -22,13 +22,20 @@ sliding-window or chunked local layers) are stored and loaded each by its own ru
   still holds: a sliding window's last blocks) that not every rank holds yet get a store;
   vLLM keeps them allocated (``True``: freed later) until the workers report the request
   finished sending, so no new request can overwrite them while they are copied.
+
+For the tiers' figures each step's metadata also says how many blocks its lookups found in
+no tier (misses in every tier; the workers count the hits as they load) and how many
+tokens its forward computes when it computes prompt tokens (the workers time it: the
+prefill rate). With vLLM's KV events on, ``events`` learns vLLM's description of every
+block stored or loaded and turns the workers' tier changes into events (``take_events``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmem.cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
 from kvmem.integrations.vllm.connector.layout import GroupRule, block_ids_per_group
@@ -38,6 +45,10 @@ from kvmem.integrations.vllm.connector.meta import (
     TierReport,
 )
 from kvmem.tiers.blocks import key_name
+from kvmem.tiers.stats import block_tokens, prefill_step_tokens
+
+if TYPE_CHECKING:
+    from kvmem.integrations.vllm.connector.events import TierEvents
 
 NULL_BLOCK = 0  # vLLM's null block: a position a group does not keep
 
@@ -45,7 +56,8 @@ NULL_BLOCK = 0  # vLLM's null block: a position a group does not keep
 @dataclass
 class _Match:
     start: int  # first block past vLLM's own hit
-    num_blocks: int
+    num_blocks: int  # found in the tiers
+    end: int  # blocks looked up: start .. end - 1
 
 
 def request_extra_keys(request: Any) -> bytes | None:
@@ -60,10 +72,16 @@ def request_extra_keys(request: Any) -> bytes | None:
 
 
 class SchedulerSide:
-    def __init__(self, rules: list[GroupRule], block_size: int, num_ranks: int) -> None:
+    def __init__(self, rules: list[GroupRule], block_size: int, num_ranks: int,
+                 events: TierEvents | None = None) -> None:
         self.rules = rules
         self.block_size = block_size
         self.num_ranks = num_ranks
+        self.events = events
+        # the groups whose loaded blocks count as hit tokens: those holding every position
+        full = [g for g, rule in enumerate(rules) if rule.kind == "full"]
+        self._counted = full or list(range(len(rules)))
+        self._not_found = 0  # blocks this step's lookups found in no tier
         self._holders: Counter[str] = Counter()  # block name -> ranks holding it
         self._reported: set[int] = set()
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -130,19 +148,19 @@ class SchedulerSide:
             return 0, False
         hashes = self._block_hashes(request, end, extra)
         stop = self._longest_restorable(hashes, start, end)
-        if stop == start:
-            self._matches.pop(request.request_id, None)
-            return 0, False
-        self._matches[request.request_id] = _Match(start, stop - start)
+        self._matches[request.request_id] = _Match(start, stop - start, end)
         return (stop - start) * bs, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         match = self._matches.pop(request.request_id, None)
-        if not num_external_tokens or match is None:
+        if match is None:
             return
         n = num_external_tokens // self.block_size
         assert n <= match.num_blocks, "vLLM allocated more external tokens than offered"
+        self._not_found += (match.end - match.start - n) * len(self.rules)
+        if not n:
+            return
         hashes = self._hashes[request.request_id]
         ids, keys = [], []
         for group, table in enumerate(block_ids_per_group(blocks.get_block_ids())):
@@ -150,7 +168,10 @@ class SchedulerSide:
                 if table[index] != NULL_BLOCK:  # a block this group keeps
                     ids.append(table[index])
                     keys.append((group, hashes[index]))
-        self._loads.append(BlockTransfer(request.request_id, ids, keys))
+                    if self.events is not None:
+                        self.events.describe(key_name(keys[-1]), request, index, group)
+        self._loads.append(BlockTransfer(request.request_id, ids, keys, block_tokens(
+            [g for g, _ in keys], self._counted, self.block_size)))
 
     # -- stores ---------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
@@ -175,6 +196,8 @@ class SchedulerSide:
                 if not self.loadable((group, block_hash)):
                     ids.append(block_id)
                     keys.append((group, block_hash))
+                    if self.events is not None:
+                        self.events.describe(key_name(keys[-1]), request, index, group)
         if not ids:
             return False, None
         self._stores.append(BlockTransfer(request.request_id, ids, keys))
@@ -183,9 +206,13 @@ class SchedulerSide:
         return True, None
 
     # -- per step -------------------------------------------------------------------------
-    def build_connector_meta(self) -> KvmemConnectorMetadata:
-        meta = KvmemConnectorMetadata(loads=self._loads, stores=self._stores)
-        self._loads, self._stores = [], []
+    def build_connector_meta(self, scheduled_tokens: Iterable[int] = ()
+                             ) -> KvmemConnectorMetadata:
+        """This step's message; ``scheduled_tokens``: the tokens it computes per request."""
+        meta = KvmemConnectorMetadata(loads=self._loads, stores=self._stores,
+                                      not_found_blocks=self._not_found,
+                                      prefill_tokens=prefill_step_tokens(scheduled_tokens))
+        self._loads, self._stores, self._not_found = [], [], 0
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -199,6 +226,12 @@ class SchedulerSide:
                     self._holders[name] += 1 if held else -1
                     if self._holders[name] <= 0:
                         del self._holders[name]
+            if self.events is not None:
+                self.events.changed(report.tier_changes)
+
+    def take_events(self) -> list:
+        """vLLM's KV events of the tiers since the last call (none without ``events``)."""
+        return self.events.take() if self.events is not None else []
 
     def has_pending_block_frees(self) -> bool:
         """Blocks held for stores come back soon: a request short of blocks may wait for

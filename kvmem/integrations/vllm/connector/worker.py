@@ -15,13 +15,20 @@ Per step, driven by ``KvmemConnectorMetadata``:
 - ``submit_stores`` (after the forward): the finished requests' blocks are copied out on
   the transfer thread; vLLM keeps them allocated until ``finished_sending`` names the
   request, which happens once the last of its blocks is copied (or none needed copying).
-- ``report``: the tiers' index changes since the last step, for the scheduler side.
+- ``report``: the tiers' index changes since the last step, for the scheduler side (tier
+  by tier too when vLLM publishes KV events).
+- ``stats``: what the tiers did since the last step (``stats.RankStatsDelta``), for vLLM's
+  metrics and log line. The lookups a step's metadata names are counted as the tiers'
+  hits and misses; each forward that computes prompt tokens is timed from the binding of
+  the step's metadata to ``wait_for_save``, less this step's loads, for the rank's prefill
+  rate, which values the loads in prefill seconds saved.
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,10 +41,12 @@ from vllm.logger import init_logger
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm.connector.layout import WorkerKVLayout
 from kvmem.integrations.vllm.connector.meta import KvmemConnectorMetadata, TierReport
+from kvmem.integrations.vllm.connector.stats import KvmemConnectorStats, RankStatsDelta
 from kvmem.plan.types import rank_label
 from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.faults import Faults
 from kvmem.tiers.manager import OffloadManager
+from kvmem.tiers.stats import PrefillMeter
 from kvmem.tiers.weights import weights_digest
 
 log = init_logger("vllm.kvmem.connector")  # shown and formatted as vLLM's own lines
@@ -108,9 +117,41 @@ def model_weight_files(model: str, revision: str | None) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
 
 
+class ForwardTimer:
+    """Times forward passes for a ``PrefillMeter``: wall-clock seconds on the CPU; on CUDA,
+    events on the compute stream, read once they have completed (never waited for)."""
+
+    def __init__(self, meter: PrefillMeter, cuda: bool) -> None:
+        self.meter = meter
+        self.cuda = cuda  # the KV cache, and so the forward, is on a CUDA device
+        self._start: float | torch.cuda.Event = 0.0
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, int, float]] = deque()
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self, tokens: int, excluded_s: float) -> None:
+        """The forward since ``start`` computed ``tokens``; ``excluded_s`` of it was not
+        the model's (this step's loads)."""
+        if isinstance(self._start, float):
+            self.meter.observe(tokens, time.perf_counter() - self._start - excluded_s)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((self._start, end, tokens, excluded_s))
+        while self._pending and self._pending[0][1].query():
+            start, end, tokens, excluded_s = self._pending.popleft()
+            self.meter.observe(tokens, start.elapsed_time(end) / 1000 - excluded_s)
+
+
 class WorkerSide:
     def __init__(self, config: OffloadConfig, faults: Faults, *, place: RankPlace, model: str,
-                 deployment: str, kv_cache_config: Any) -> None:
+                 deployment: str, kv_cache_config: Any, tier_events: bool = False) -> None:
+        """``tier_events``: report each tier's changes too (vLLM publishes KV events)."""
         self.config = config
         self.faults = faults
         self.place = place
@@ -125,13 +166,21 @@ class WorkerSide:
         self._reported = False
         self._load_errors: set[int] = set()
         self._seen_finished: set[str] = set()
+        self.tier_events = tier_events
+        self._tier_changes: list[tuple[str, str, bool]] = []
+        self.prefill = PrefillMeter()
+        self._forward = ForwardTimer(self.prefill, cuda=False)  # until the KV cache is known
+        self._load_seconds = 0.0  # this step's loads, inside the timed forward
+        self._stats = RankStatsDelta(place.rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         slots = WorkerKVLayout(kv_caches, self.kv_cache_config)
         self.offload = OffloadManager(self.config, slots, slots.num_slots, self.holds,
                                       model=self.model,
                                       layout=f"{self.deployment} {slots.describe()}",
-                                      faults=self.faults, on_change=self._on_change)
+                                      faults=self.faults, on_change=self._on_change,
+                                      prefill=self.prefill)
+        self._forward = ForwardTimer(self.prefill, cuda=self.offload.copier.on_cuda)
         # a worker that exits without vLLM's shutdown call still writes out queued stores
         atexit.register(self.shutdown)
         log.info("kvmem: %s: KV offload %s, %d KV cache groups (%s), %d slots, %d-byte "
@@ -143,6 +192,8 @@ class WorkerSide:
         """A tier's index changed (tier threads, under the tier's lock): record when the
         rank as a whole starts or stops holding the block."""
         with self._lock:
+            if self.tier_events:
+                self._tier_changes.append((tier, name, present))
             before = self._held_by_tiers[name]
             after = before + (1 if present else -1)
             if after:
@@ -153,10 +204,20 @@ class WorkerSide:
                 self._changes.append((name, after > 0))
 
     # -- per step -------------------------------------------------------------------------
+    def step_started(self) -> None:
+        """vLLM bound this step's metadata: its forward follows."""
+        self._load_seconds = 0.0
+        self._forward.start()
+
     def start_load(self, meta: KvmemConnectorMetadata) -> None:
         assert self.offload is not None
+        start = time.perf_counter()
+        self.offload.record_lookups((), meta.not_found_blocks)
         for job in meta.loads:
-            handle = self.offload.load(job.request_id, job.keys, job.block_ids)
+            handle = self.offload.load(job.request_id, job.keys, job.block_ids,
+                                       job.block_tokens or None)
+            # blocks gone since the scheduler's lookup are misses in every tier
+            self.offload.record_lookups(handle.tiers, len(job.keys) - len(handle.tiers))
             if not handle.done.wait(LOAD_TIMEOUT_S):
                 log.error("kvmem: load of %d blocks for %s did not finish in %.0f s",
                           len(job.block_ids), job.request_id, LOAD_TIMEOUT_S)
@@ -168,9 +229,13 @@ class WorkerSide:
                 self._load_errors.update(job.block_ids[loaded:])
         if meta.loads:
             self.offload.poll()
+        self._load_seconds += time.perf_counter() - start
 
     def submit_stores(self, meta: KvmemConnectorMetadata) -> None:
+        """After the forward: queue the finished requests' stores."""
         assert self.offload is not None
+        if meta.prefill_tokens:
+            self._forward.stop(meta.prefill_tokens, self._load_seconds)
         for job in meta.stores:
             self.holds.owner = job.request_id
             queued = self.offload.offer(job.block_ids, job.keys)
@@ -198,10 +263,18 @@ class WorkerSide:
             return None
         with self._lock:
             changes, self._changes = self._changes, []
-        if not changes and self._reported:
+            tier_changes, self._tier_changes = self._tier_changes, []
+        if not changes and not tier_changes and self._reported:
             return None
         self._reported = True
-        return TierReport({self.place.rank: changes})
+        return TierReport({self.place.rank: changes},
+                          {self.place.rank: tier_changes} if tier_changes else {})
+
+    def stats(self) -> KvmemConnectorStats | None:
+        """What this rank's tiers did since the last call; None when nothing changed."""
+        if self.offload is None:
+            return None
+        return self._stats.take(self.offload.stats(), self.prefill.rate())
 
     def shutdown(self) -> None:
         if self.offload is not None:
