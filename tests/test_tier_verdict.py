@@ -129,7 +129,7 @@ def test_top_shows_the_tiers_of_each_server(server, capsys, tmp_path):
             f"{base}/vllm", "--metrics", f"{base}/gone"]
     assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["engines"] == []
+    assert report["version"] == 1 and report["devices"] == []
     assert [(r["server"], r.get("tier"), r.get("hit_rate")) for r in report["tiers"]] == [
         (f"{base}/metrics", "cpu", 0.75), (f"{base}/metrics", "disk", 0.0),
         (f"{base}/vllm", "cpu", 0.5), (f"{base}/gone", None, None)]
