@@ -229,6 +229,22 @@ try:
     KvmemElasticConnector(cfg, KVConnectorRole.SCHEDULER, kv_config)
 except Exception as exc:
     out["small_limit"] = f"{type(exc).__name__}: {exc}"
+
+# settings checked against the deployment when vLLM builds its config (no engine yet)
+def config_error(**env):
+    os.environ.update(env)
+    try:
+        engine_config(model, 1, 256 << 20, 512, 16)
+    except SystemExit as exc:
+        return str(exc)
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    return None
+
+out["limit_below_a_request"] = config_error(KVMEM_VLLM_KV_MEMORY_LIMIT="1MiB")
+os.environ["KVMEM_LEDGER_DIR"] = "/proc"
+out["ledger_in_proc"] = config_error()
 print("KVMEM_RESULT " + json.dumps(out))
 """
 
@@ -308,3 +324,15 @@ def test_a_limit_below_one_request_is_one_line(result) -> None:
         "ConfigError: the KV memory limit 720.00 KiB holds 1 pages of 1 blocks (720.00 KiB "
         "each) but one request of max_model_len 16 needs 2 (incl. the null block's); "
         "raise KVMEM_VLLM_KV_MEMORY_LIMIT or lower max_model_len")
+
+
+def test_settings_the_deployment_cannot_meet_are_one_line_before_an_engine_starts(result):
+    """A ceiling below one request of max_model_len, or a ledger folder where no ledger
+    can be made, end vLLM with one line when it builds its config (they used to surface
+    after the model loaded, as tracebacks)."""
+    assert result["limit_below_a_request"] == (
+        "KVMEM_VLLM_KV_MEMORY_LIMIT=1.00 MiB is below one request of max_model_len 512 "
+        "(23.20 MiB of KV); raise it or lower max_model_len")  # 33 blocks of 720 KiB
+    assert result["ledger_in_proc"].startswith(
+        "cannot open the KV memory ledger /proc/kvmem-ledger-cpu.json")
+    assert "\n" not in result["ledger_in_proc"]
