@@ -91,6 +91,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--weight-offload-gib", type=float, default=0.0, metavar="GiB",
                    help="weight GiB per GPU kept in CPU memory (vLLM's --cpu-offload-gb; "
                         "default 0)")
+    e.add_argument("--vllm-version", metavar="X.Y",
+                   help="size the KV cache by this vLLM release's rules (0.9 to 0.33: its "
+                        "groups, per-request charges, fit check and logged figures); "
+                        "default 0.33, or kvmem's own engine with --engine kvmem")
+    e.add_argument("--max-concurrent-batches", type=_positive_int, metavar="N",
+                   help="vLLM >= 0.26: batches in flight that sliding-window and chunked "
+                        "charges count (default: vLLM's, 2 with async scheduling on GPUs at "
+                        "pp 1, else pp)")
+    e.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="vLLM: charge sliding-window and chunked layers as full attention, "
+                        "as vLLM's flag of that name does")
     e.add_argument("--profile", metavar="FILE.json",
                    help="measured memory from `kvmem profile --output`: its weights, activation, "
                         "non-torch, CUDA-graph and total memory replace the estimates")
@@ -172,8 +183,24 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         max_num_batched_tokens=(batched if args.max_num_batched_tokens is None
                                 else args.max_num_batched_tokens),
         cuda_graphs=not (args.enforce_eager or cpu), reserve_cuda_graphs=args.reserve_cuda_graphs,
-        cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype)
+        cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype,
+        vllm_version=_rules_version(args), device=args.device,
+        max_concurrent_batches=args.max_concurrent_batches,
+        hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None)
     return layout, settings
+
+
+def _rules_version(args: argparse.Namespace) -> str | None:
+    """Whose rules size the KV cache: kvmem's engine (``--engine kvmem``), else the vLLM
+    release given (default ``kvmem.plan.vllm_release.DEFAULT_VERSION``)."""
+    from kvmem.plan.vllm_release import DEFAULT_VERSION, VllmRelease
+
+    if args.engine == "kvmem":
+        if args.vllm_version is not None:
+            raise ConfigError("--vllm-version names vLLM's rules; --engine kvmem plans "
+                              "kvmem's own engine")
+        return None
+    return VllmRelease.parse(args.vllm_version or DEFAULT_VERSION).name
 
 
 def _batch_defaults(layout, measured) -> tuple[int, int]:
