@@ -22,6 +22,8 @@ examples:
       --kv-cache-memory-bytes 5GiB --max-model-len 40960 --kv-budget proportional
   kvmem plan qwen3-14b --pp 2 --gpu V100-16GB,V100-32GB --kv-budget optimal --engine vllm
   kvmem plan ./my-model-dir --tp 2 --gpu H100 --json
+  kvmem plan --from-vllm-log vllm-startup.log        (the logged model from the catalog)
+  vllm serve ... 2>&1 | kvmem plan --from-vllm-log - ./my-model-dir
 
 MODEL is a catalog name (see `kvmem models`), a config.json, or a model directory (with
 *.safetensors files there, weights are read exactly from their headers).
@@ -41,7 +43,12 @@ def _positive_int(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = _EPILOG
-    p.add_argument("model", metavar="MODEL", help="catalog name, config.json or model directory")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="catalog name, config.json or model directory (with --from-vllm-log: "
+                        "the logged model's, when kvmem's catalog lacks it)")
+    p.add_argument("--from-vllm-log", metavar="FILE",
+                   help="a vLLM start-up log (- for standard input): what vLLM logged beside "
+                        "kvmem's plan of that deployment, per rank, and what would do better")
     g = p.add_argument_group("layout")
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive_int, default=1,
                    metavar="N", help="tensor-parallel size (default 1)")
@@ -370,6 +377,12 @@ def run(args: argparse.Namespace) -> int:
     from kvmem.plan.flags import engine_command
     from kvmem.spec import load_spec
 
+    if args.from_vllm_log is not None:
+        from kvmem.cli.plan_log import run_from_log
+
+        return run_from_log(args)
+    if args.model is None:
+        raise ConfigError("give MODEL (a catalog name, config.json or model directory)")
     spec = load_spec(args.model)
     measured = None
     if args.profile:
