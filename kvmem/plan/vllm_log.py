@@ -42,7 +42,7 @@ _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request:
 _NEEDED = re.compile(r"max seq len \((\d+)\), \((-?[\d.]+) GiB KV cache is needed, which is "
                      r"larger than the available KV cache memory \((-?[\d.]+) GiB\)")
 _ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
-_HYBRID_OFF = "Hybrid KV cache manager is disabled"
+_HYBRID_OFF = re.compile("Hybrid KV cache manager is disabled")
 _PREFIX = re.compile(r"^\W*\(([^)]*)\)")
 
 # What a line must contain to be one of the lines above (else it is not looked at).
@@ -109,45 +109,49 @@ def parse_vllm_log(text: str, source: str = "log") -> VllmLog:
     return log
 
 
+def _engine(log: VllmLog, number: int, m: re.Match) -> None:
+    log.engine, log.version, log.config = m[1], m[2], _config_fields(m[3])
+
+
+def _server(log: VllmLog, number: int, m: re.Match) -> None:
+    log.version = log.version or m[1]
+
+
+def _batched(log: VllmLog, number: int, m: re.Match) -> None:
+    log.max_num_batched_tokens = int(m[1])
+
+
+def _needed(log: VllmLog, number: int, m: re.Match) -> None:
+    estimate = _ESTIMATE.search(m.string)
+    log.needed = (number, int(m[1]), float(m[2]), float(m[3]),
+                  int(estimate[1]) if estimate else None)
+
+
+# Each pattern and what it reads; a line may carry several.
+_READERS = (
+    (_ENGINE, _engine),
+    (_SERVER, _server),
+    (_ARGS, lambda log, n, m: setattr(log, "args", _args(m[1]))),
+    (_BATCHED, _batched),
+    (_MAX_LEN, lambda log, n, m: setattr(log, "max_model_len", int(m[1]))),
+    (_AUTO_FIT, lambda log, n, m: setattr(log, "max_model_len", int(m[2]))),
+    (_AVAILABLE, lambda log, n, m: log.workers.append(_worker(n, m.string, float(m[1])))),
+    (_CPU_SET, lambda log, n, m: log.workers.append(_worker(n, m.string, float(m[1])))),
+    (_SIZE, lambda log, n, m: log.sizes.append((n, m[1], int(m[2].replace(",", ""))))),
+    (_CONCURRENCY, lambda log, n, m: log.concurrency.append(
+        (n, int(m[1].replace(",", "")), m[2]))),
+    (_NEEDED, _needed),
+    (_HYBRID_OFF, lambda log, n, m: setattr(log, "hybrid_disabled", True)),
+)
+
+
 def _read_line(log: VllmLog, number: int, line: str) -> None:
-    marked = [what for what, marker in _MARKERS.items() if marker in line]
     read = False
-    if m := _ENGINE.search(line):
-        log.engine, log.version = m[1], m[2]
-        log.config = _config_fields(m[3])
-        read = True
-    if m := _SERVER.search(line):
-        log.version = log.version or m[1]
-        read = True
-    if m := _ARGS.search(line):
-        log.args = _args(m[1])
-        read = True
-    if m := _BATCHED.search(line):
-        log.max_num_batched_tokens = int(m[1])
-        read = True
-    if m := _MAX_LEN.search(line):
-        log.max_model_len = int(m[1])
-        read = True
-    if m := _AUTO_FIT.search(line):
-        log.max_model_len = int(m[2])
-        read = True
-    if m := (_AVAILABLE.search(line) or _CPU_SET.search(line)):
-        log.workers.append(_worker(number, line, float(m[1])))
-        read = True
-    if m := _SIZE.search(line):
-        log.sizes.append((number, m[1], int(m[2].replace(",", ""))))
-        read = True
-    if m := _CONCURRENCY.search(line):
-        log.concurrency.append((number, int(m[1].replace(",", "")), m[2]))
-        read = True
-    if m := _NEEDED.search(line):
-        estimate = _ESTIMATE.search(line)
-        log.needed = (number, int(m[1]), float(m[2]), float(m[3]),
-                      int(estimate[1]) if estimate else None)
-        read = True
-    if _HYBRID_OFF in line:
-        log.hybrid_disabled = True
-        read = True
+    for pattern, reader in _READERS:
+        if m := pattern.search(line):
+            reader(log, number, m)
+            read = True
+    marked = [what for what, marker in _MARKERS.items() if marker in line]
     if marked and not read:
         log.unreadable.append((number, marked[0], line.strip()[:200]))
 
