@@ -223,6 +223,9 @@ def test_the_command_line_picks_the_rules(capsys):
         "--max-concurrent-batches", "4")
     assert tight["max_concurrency"] > loose["max_concurrency"]
     assert engine("--disable-hybrid-kv-cache-manager")["num_kv_groups"] == 1
+    assert main(argv + ["--disable-hybrid-kv-cache-manager", "--engine", "vllm"]) == 0
+    command = json.loads(capsys.readouterr().out)["engine_command"]["argv"]
+    assert command[-1] == "--disable-hybrid-kv-cache-manager"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
