@@ -159,6 +159,16 @@ def test_an_unstated_setting_that_explains_a_difference_is_named(capsys, tmp_pat
         "on) (the log does not say)")
 
 
+def test_a_log_without_kv_memory_takes_the_blocks_its_kv_cache_size_stands_for(capsys):
+    """vLLM 0.9.0 logged no worker's KV memory: its 420,896 tokens are 26,306 blocks of 16,
+    and its concurrency then was those tokens over max_model_len (51.38x)."""
+    result = run_json(capsys, str(DATA / "gpu-0.9.0-llama-3.1-8b.log"))
+    assert result["release"] == "vLLM 0.9.0" and result["matches"], result["rows"]
+    assert any("the 26,306 to 26,306 blocks its KV cache size of 420,896 tokens stands for"
+               in n for n in result["notes"])
+    assert result["plan"]["engine"]["num_blocks"] == 26_306
+
+
 # MISSION problem 1: tp 8 x pp 2, max_model_len 1,000,000, in the shape of a vLLM 0.15 log.
 # The model (56 layers, 8 KV heads, head_dim 134, bf16) needs 28 layers x 536 bytes per
 # token = 13.98 GiB per rank at 1,000,000 tokens; vLLM reported the whole model's 223.68 GiB

@@ -1,30 +1,28 @@
-"""A vLLM start-up log against kvmem's plan of the same deployment, and what would do better.
+"""A vLLM start-up log against kvmem's plan of the same deployment.
 
-``compare_log(log, spec, model)`` rebuilds the deployment the log describes (release,
-layout, max_model_len, block size, KV dtype, batched tokens, each worker's KV memory),
-plans it under that release's rules (``kvmem.plan.vllm_rules``), and sets vLLM's figures
-beside kvmem's: per rank, and for the engine (KV cache size, maximum concurrency, the
-start-up check's need and estimate). A figure vLLM logged rounded (GiB to two decimals)
-is compared with kvmem's figures at both ends of its rounding interval. Where a figure
-differs, the settings the log does not state are varied to say which value explains it.
-Then what kvmem would do better, each planned and with the command to paste.
-Imports no torch.
+``compare_log(log, spec, model)`` plans the deployment the log describes
+(``kvmem.plan.log_deployment``) under that release's rules (``kvmem.plan.vllm_rules``)
+and sets vLLM's figures beside kvmem's: per rank, and for the engine (KV cache size,
+maximum concurrency, the start-up check's need, memory and estimate). A figure vLLM
+logged rounded (GiB to two decimals) is compared with kvmem's figures at both ends of its
+rounding interval. Where a figure differs, the settings the log does not state are varied
+to say which value explains it. Then what kvmem would do better
+(``kvmem.plan.log_advice``). Imports no torch.
 """
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvmem.errors import ConfigError
-from kvmem.plan.estimates import vllm_batch_defaults, vllm_cpu_defaults
-from kvmem.plan.flags import PLUGIN_POLICY_ENV
+from kvmem.plan.log_advice import Better, better
+from kvmem.plan.log_deployment import Deployment, deployment, plan_logged
 from kvmem.plan.partition import format_partition
-from kvmem.plan.planner import engine_geometry, plan
-from kvmem.plan.types import EngineSettings, Layout, Plan, RankProfile
+from kvmem.plan.planner import engine_geometry
+from kvmem.plan.types import Plan
 from kvmem.plan.vllm_log import VllmLog
-from kvmem.plan.vllm_release import CHECK_FIRST_GROUP, CHECK_GLOBAL, VllmRelease
-from kvmem.spec import ModelSpec, resolve_kv_dtype
+from kvmem.plan.vllm_release import CHECK_GLOBAL, VllmRelease
+from kvmem.spec import ModelSpec
 from kvmem.units import GiB, format_bytes
 
 
@@ -36,15 +34,6 @@ class Row:
     logged: str
     kvmem: str
     verdict: str  # "match", or where and why they differ
-
-
-@dataclass
-class Better:
-    """Something kvmem would do better, its figures and the command."""
-
-    what: str
-    figures: str
-    command: str
 
 
 @dataclass
@@ -68,147 +57,13 @@ class LogComparison:
                 "plan": self.plan.to_dict()}
 
 
-# ---------------------------------------------------------------------- the deployment
-@dataclass
-class _Deployment:
-    release: VllmRelease
-    layout: Layout
-    settings: EngineSettings
-    budgets: list[tuple[int, int]]  # each rank's KV memory: (low, high) bytes
-    notes: list[str]
-
-
-def _setting(log: VllmLog, key: str, config_key: str | None = None):
-    value = log.args.get(key)
-    if value is None and config_key:
-        raw = log.config.get(config_key)
-        value = int(raw) if raw is not None and raw.isdigit() else raw
-    return value
-
-
-def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> _Deployment:
-    notes: list[str] = []
-    if version is None and log.version is None:
-        from kvmem.plan.vllm_release import DEFAULT_VERSION
-
-        notes.append(f"the log names no vLLM version: vLLM {DEFAULT_VERSION}'s rules assumed")
-    release = VllmRelease.parse(version or log.version or "0.33")
-    if release.newer_than_known:
-        notes.append(f"vLLM {release.name} is newer than the releases whose rules kvmem "
-                     "read (0.9 to 0.33): 0.33's rules assumed")
-    tp = _setting(log, "tensor_parallel_size", "tensor_parallel_size") or 1
-    pp = _setting(log, "pipeline_parallel_size", "pipeline_parallel_size") or 1
-    device = "cpu" if log.config.get("device_config") == "cpu" else "gpu"
-    max_len = (log.max_model_len or _setting(log, "max_model_len", "max_seq_len")
-               or spec.max_position_embeddings)
-    if not isinstance(max_len, int):
-        raise ConfigError("the log does not say max_model_len and the model's config has no "
-                          "max_position_embeddings")
-    block = _setting(log, "block_size")
-    if block is None:
-        block = vllm_cpu_defaults(spec, tp * pp)[0] if device == "cpu" else 16
-        notes.append(f"block size {block}: vLLM's default on "
-                     f"{'its CPU build' if device == 'cpu' else 'GPUs'} (the log does not "
-                     "say)")
-    batched = log.max_num_batched_tokens or _setting(log, "max_num_batched_tokens")
-    if batched is None:
-        batched = vllm_batch_defaults(None)[0]
-        notes.append(f"max_num_batched_tokens {batched}: assumed (the log does not say); "
-                     "it decides sliding-window and chunked charges")
-    kv_dtype = resolve_kv_dtype(str(log.config.get("kv_cache_dtype") or "auto"),
-                                str(log.config.get("dtype") or spec.dtype))
-    hybrid = False if (log.hybrid_disabled or log.args.get("disable_hybrid_kv_cache_manager")) \
-        else None
-    batches = None
-    if log.args.get("async_scheduling") is False:
-        batches = pp
-    settings = EngineSettings(
-        gpu_memory_utilization=1.0, block_size=int(block), max_model_len=int(max_len),
-        max_num_seqs=int(log.args.get("max_num_seqs") or 256),
-        max_num_batched_tokens=int(batched), cuda_graphs=False, kv_cache_dtype=kv_dtype,
-        vllm_version=release.name, device=device, max_concurrent_batches=batches,
-        hybrid_kv_cache_manager=hybrid)
-    layout = Layout(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp))
-    return _Deployment(release, layout, settings, _budgets(log, tp * pp, tp, notes), notes)
-
-
-def _budgets(log: VllmLog, world: int, tp: int, notes: list[str]) -> list[tuple[int, int]]:
-    """Each rank's KV memory: a stated kv_cache_memory_bytes exactly, else each worker's
-    logged figure (its rounding interval)."""
-    stated = log.args.get("kv_cache_memory_bytes")
-    if isinstance(stated, int) and stated > 0:
-        return [(stated, stated)] * world
-    by_rank: dict[int, tuple[int, int]] = {}
-    for order, w in enumerate(log.workers):
-        if w.rank is not None:
-            rank = w.rank
-        elif w.pp_rank is not None or w.tp_rank is not None:
-            rank = (w.pp_rank or 0) * tp + (w.tp_rank or 0)
-        else:
-            rank = order
-        by_rank.setdefault(rank, w.bytes_range)
-    if not by_rank:
-        return []
-    missing = [r for r in range(world) if r not in by_rank]
-    if missing:
-        least = min(by_rank.values())
-        notes.append(f"the log gives the KV memory of {len(by_rank)} of {world} workers: "
-                     f"rank{'s' if len(missing) > 1 else ''} "
-                     f"{', '.join(map(str, missing))} taken as the least logged")
-        by_rank.update({r: least for r in missing})
-    return [by_rank[r] for r in range(world)]
-
-
-def _budgets_from_size(log: VllmLog, spec: ModelSpec, d: _Deployment) -> list[tuple[int, int]]:
-    """Without any worker's KV memory: the blocks the logged KV cache size stands for (the
-    size grows with the blocks), as every rank's budget."""
-    if not log.sizes:
-        raise ConfigError("the log gives no worker's KV cache memory (\"Available KV cache "
-                          "memory\"), no kv_cache_memory_bytes and no KV cache size: kvmem "
-                          "cannot size it")
-    tokens = log.sizes[0][2]
-    probe = _plan(spec, d, [1] * d.layout.world_size)
-    geometry = engine_geometry(spec, d.layout.tensor_parallel_size,
-                               d.layout.pipeline_parallel_size, probe.settings,
-                               probe.engine.kv_dtype)
-    first = probe.ranks[0].layers
-
-    def size(blocks: int) -> int:
-        return geometry.kv_cache_size(blocks, probe.engine.max_model_len, first)[0]
-
-    def least(target: int) -> int:  # the fewest blocks whose size reaches target
-        lo, hi = 0, 1
-        while size(hi) < target:
-            hi *= 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if size(mid) < target else (lo, mid)
-        return hi
-
-    low, high = least(tokens), least(tokens + 1) - 1
-    d.notes.append(f"the log gives no worker's KV memory: the {low:,} to {high:,} blocks its KV "
-                   f"cache size of {tokens:,} tokens stands for are taken as every rank's")
-    return [(low * r.bytes_per_block, (high + 1) * r.bytes_per_block - 1) for r in probe.ranks]
-
-
-def _plan(spec: ModelSpec, d: _Deployment, memory: list[int], policy: str = "uniform",
-          **changes) -> Plan:
-    layout = replace(d.layout, **{k: v for k, v in changes.items() if k == "layer_partition"})
-    settings = replace(d.settings, **{k: v for k, v in changes.items()
-                                      if k != "layer_partition"})
-    return plan(spec, layout, settings, policy,
-                profile=[RankProfile(0, 0, 0, 0, max(1, m)) for m in memory], suggest=False)
-
-
 # ---------------------------------------------------------------------- comparison
 def compare_log(log: VllmLog, spec: ModelSpec, model: str,
                 version: str | None = None) -> LogComparison:
     """vLLM's logged figures beside kvmem's plan of the logged deployment (module doc)."""
     d = deployment(log, spec, version)
-    if not d.budgets:
-        d.budgets = _budgets_from_size(log, spec, d)
-    low = _plan(spec, d, [b[0] for b in d.budgets])
-    high = _plan(spec, d, [b[1] for b in d.budgets])
+    low = plan_logged(spec, d, [b[0] for b in d.budgets])
+    high = plan_logged(spec, d, [b[1] for b in d.budgets])
     s, e = low.settings, low.engine
     geometry = engine_geometry(spec, d.layout.tensor_parallel_size,
                                d.layout.pipeline_parallel_size, s, e.kv_dtype)
@@ -231,7 +86,7 @@ def compare_log(log: VllmLog, spec: ModelSpec, model: str,
     for row in result.rows:
         if row.verdict != "match":
             row.verdict += _explain(log, spec, d, row)
-    result.better = _better(log, spec, d, low, model)
+    result.better = better(log, spec, d, low, model)
     return result
 
 
@@ -244,7 +99,7 @@ def _span(lo: str, hi: str) -> str:
     return lo if lo == hi else f"{lo} to {hi}"
 
 
-def _rank_rows(low: Plan, high: Plan, d: _Deployment, geometry) -> list[dict]:
+def _rank_rows(low: Plan, high: Plan, d: Deployment, geometry) -> list[dict]:
     rows = []
     for r, h, budget in zip(low.ranks, high.ranks, d.budgets, strict=True):
         layers = r.layers
@@ -295,7 +150,7 @@ def _size_rows(log: VllmLog, low: Plan, high: Plan, geometry) -> list[Row]:
     return rows
 
 
-def _check_rows(log: VllmLog, low: Plan, high: Plan, geometry, d: _Deployment) -> list[Row]:
+def _check_rows(log: VllmLog, low: Plan, high: Plan, geometry, d: Deployment) -> list[Row]:
     """The start-up check: vLLM's need and memory beside the release's own rule on the
     rank it stopped at (the first that fails; from 0.14 to 0.16 the smallest memory)."""
     _, length, need_gib, avail_gib, estimate = log.needed
@@ -323,7 +178,7 @@ def _check_rows(log: VllmLog, low: Plan, high: Plan, geometry, d: _Deployment) -
     return rows
 
 
-def _explain(log: VllmLog, spec: ModelSpec, d: _Deployment, row: Row) -> str:
+def _explain(log: VllmLog, spec: ModelSpec, d: Deployment, row: Row) -> str:
     """Which unstated setting, varied, makes kvmem's figure vLLM's (or that none does)."""
     memory = [b[0] for b in d.budgets]
     if row.what.startswith("KV cache needed"):
@@ -343,7 +198,7 @@ def _explain(log: VllmLog, spec: ModelSpec, d: _Deployment, row: Row) -> str:
     tries.append(("the hybrid KV cache manager off", {"hybrid_kv_cache_manager": False}))
     for what, change in tries:
         try:
-            p = _plan(spec, d, memory, **change)
+            p = plan_logged(spec, d, memory, **change)
         except ConfigError:
             continue
         if _agrees(log, p, row):
@@ -351,10 +206,10 @@ def _explain(log: VllmLog, spec: ModelSpec, d: _Deployment, row: Row) -> str:
     return ": no unstated setting explains it"
 
 
-def _explain_need(log: VllmLog, spec: ModelSpec, d: _Deployment, memory: list[int]) -> str:
+def _explain_need(log: VllmLog, spec: ModelSpec, d: Deployment, memory: list[int]) -> str:
     """A logged need that is a whole multiple of a rank's own: what it counted."""
     need_gib = log.needed[2]
-    per_rank = _plan(spec, d, memory, vllm_version="0.33")
+    per_rank = plan_logged(spec, d, memory, vllm_version="0.33")
     need = max(r.need_bytes_at_max_model_len - r.bytes_per_block for r in per_rank.ranks)
     tp, pp = d.layout.tensor_parallel_size, d.layout.pipeline_parallel_size
     for factor, what in ((tp * pp, f"all {tp * pp} ranks'"), (pp, f"all {pp} stages'"),
@@ -373,102 +228,3 @@ def _agrees(log: VllmLog, p: Plan, row: Row) -> bool:
     if row.what.startswith("maximum concurrency"):
         return any(v == f"{e.max_concurrency:.2f}" for _, _, v in log.concurrency)
     return False
-
-
-# ---------------------------------------------------------------------- better
-def _command(log: VllmLog, model: str, d: _Deployment, env: dict[str, str] | None = None,
-             **flags) -> str:
-    """The user's vLLM command as the log states it, with ``flags`` changed."""
-    s = d.settings
-    argv = {"tensor-parallel-size": d.layout.tensor_parallel_size,
-            "pipeline-parallel-size": d.layout.pipeline_parallel_size,
-            "max-model-len": s.max_model_len, "block-size": s.block_size,
-            "max-num-batched-tokens": s.max_num_batched_tokens}
-    for key in ("kv_cache_dtype", "gpu_memory_utilization", "kv_cache_memory_bytes",
-                "max_num_seqs"):
-        if key in log.args:
-            argv[key.replace("_", "-")] = log.args[key]
-    argv.update({k.replace("_", "-"): v for k, v in flags.items()})
-    words = [f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items()]
-    words += ["vllm", "serve", shlex.quote(model)]
-    for key, value in argv.items():
-        if value is not None:
-            words += [f"--{key}", shlex.quote(str(value))]
-    return " ".join(words)
-
-
-def _better(log: VllmLog, spec: ModelSpec, d: _Deployment, base: Plan,
-            model: str) -> list[Better]:
-    memory = [b[0] for b in d.budgets]
-    e, out = base.engine, []
-    if not e.fits:
-        out += _what_starts(log, spec, d, base, model)
-    if d.layout.pipeline_parallel_size > 1:
-        for policy in ("proportional", "optimal"):
-            p = _plan(spec, d, memory, policy)
-            if p.engine.num_blocks > e.num_blocks or p.engine.layer_partition != \
-                    e.layer_partition:
-                env = {PLUGIN_POLICY_ENV: policy}
-                if p.engine.layer_partition != e.layer_partition:
-                    env["VLLM_PP_LAYER_PARTITION"] = format_partition(p.engine.layer_partition)
-                out.append(Better(
-                    f"{policy} KV budgets (kvmem's vLLM plugin)",
-                    f"{p.engine.num_blocks:,} blocks, {p.engine.kv_cache_size_tokens:,} tokens"
-                    f", {p.engine.max_concurrency:.2f}x (now {e.num_blocks:,} blocks, "
-                    f"{e.max_concurrency:.2f}x) from the same KV memory",
-                    _command(log, model, d, env)))
-    longest = min(r.max_model_len_that_fits for r in base.ranks)
-    if e.fits and longest > e.max_model_len:
-        out.append(Better("a longer context", f"max_model_len up to {longest:,} fits every "
-                          "rank's KV memory", _command(log, model, d, max_model_len=longest)))
-    if base.engine.kv_dtype in ("bfloat16", "float16", "float32"):
-        p = _plan(spec, d, memory, kv_cache_dtype="fp8")
-        if p.engine.fits and (p.engine.num_blocks > e.num_blocks or not e.fits):
-            out.append(Better("an fp8 KV cache", f"{p.engine.num_blocks:,} blocks, "
-                              f"{p.engine.kv_cache_size_tokens:,} tokens, "
-                              f"{p.engine.max_concurrency:.2f}x",
-                              _command(log, model, d, kv_cache_dtype="fp8")))
-    return out
-
-
-def _needs(p: Plan) -> str:
-    """``ranks 0-7 need 13.98 GiB of 15.57 GiB; ...``: ranks with the same figures
-    together."""
-    runs: list[tuple[list[int], str]] = []
-    for r in p.ranks:
-        text = (f"{format_bytes(r.need_bytes_at_max_model_len)} of "
-                f"{format_bytes(r.kv_budget_bytes)}")
-        if runs and runs[-1][1] == text and runs[-1][0][-1] == r.rank - 1:
-            runs[-1][0].append(r.rank)
-        else:
-            runs.append(([r.rank], text))
-    parts = []
-    for ranks, text in runs:
-        who = f"rank {ranks[0]} needs" if len(ranks) == 1 else \
-            f"ranks {ranks[0]}-{ranks[-1]} need"
-        parts.append(f"{who} {text}")
-    return "; ".join(parts)
-
-
-def _what_starts(log: VllmLog, spec: ModelSpec, d: _Deployment, base: Plan,
-                 model: str) -> list[Better]:
-    """For a failed start: the per-rank need, and deployments that start."""
-    out = []
-    per_rank = _plan(spec, d, [b[0] for b in d.budgets],
-                     vllm_version=VllmRelease.parse("0.33").name)
-    needs = _needs(per_rank)
-    why = {CHECK_GLOBAL: f"vLLM {d.release.name} compares the whole model's need with the "
-                         "smallest worker's memory; from 0.17 each rank's own",
-           CHECK_FIRST_GROUP: f"vLLM {d.release.name} charges every KV cache group like the "
-                              "first; from 0.19 each its own"}.get(d.release.fit_check)
-    if per_rank.engine.fits:
-        out.append(Better("the same deployment, checked per rank",
-                          f"{needs}: every rank fits" + (f" ({why})" if why else ""),
-                          _command(log, model, d)))
-        return out
-    out.append(Better("per-rank need", needs, ""))
-    longest = min(r.max_model_len_that_fits for r in per_rank.ranks)
-    if longest:
-        out.append(Better("the longest context that starts", f"max_model_len {longest:,}",
-                          _command(log, model, d, max_model_len=longest)))
-    return out
