@@ -229,6 +229,18 @@ def test_a_model_outside_the_catalog_asks_for_its_config(capsys, tmp_path):
     assert "the log's model '/models/problem-1'" in err and "give its config.json" in err
 
 
+def test_reading_a_log_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvmem.cli import main; "
+            f"main(['plan', '--from-vllm-log', {str(DATA / 'gpu-0.29.0-gpt-oss-20b.log')!r}, "
+            "'--json']); sys.exit(3 if 'torch' in sys.modules else 0)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
 def test_parse_reads_ranks_from_worker_prefixes():
     log = parse_vllm_log(PROBLEM_1)
     assert [(w.pp_rank, w.tp_rank) for w in log.workers] == [(0, 0), (1, 0)]
