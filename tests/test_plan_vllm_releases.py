@@ -55,10 +55,18 @@ def groups(layers: str, version: str, **kw) -> list[tuple[str, tuple[int, ...]]]
 
 # ---------------------------------------------------------------------- releases
 @pytest.mark.parametrize(("text", "version"), [
-    ("0.32", (0, 32)), ("v0.11.0", (0, 11, 0)), ("0.10.1.1", (0, 10, 1, 1)),
+    ("0.32", (0, 32, 0)), ("v0.11.0", (0, 11, 0)), ("0.10.1.1", (0, 10, 1, 1)),
     ("0.32.0+cpu", (0, 32, 0)), ("0.11.0rc2", (0, 11, 0))])
 def test_release_names_read(text, version):
     assert VllmRelease.parse(text).version == version
+
+
+def test_a_minor_release_has_the_rules_of_its_first_patch():
+    # 0.11 is 0.11.0: interleaved groups (0.11.0), logs per worker (until 0.11.0)
+    assert VllmRelease.parse("0.11").interleaved_groups
+    assert VllmRelease.parse("0.11").logs_per_worker
+    assert VllmRelease.parse("0.11").name == "0.11"
+    assert groups("sssfsssf", "0.11") == groups("sssfsssf", "0.11.0")
 
 
 @pytest.mark.parametrize("text", ["0.8.5", "latest", "1", ""])

@@ -30,7 +30,13 @@ CHECK_NULL_BLOCK = "groups-null-block"  # the same, less the null block from the
 class VllmRelease:
     """A vLLM release and the KV cache rules it follows."""
 
-    version: tuple[int, ...]
+    version: tuple[int, ...]  # at least three parts: 0.11 is (0, 11, 0)
+    name: str = ""  # as given: "0.11", "0.10.1.1"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "version", (*self.version, 0, 0, 0)[:max(3, len(self.version))])
+        if not self.name:
+            object.__setattr__(self, "name", ".".join(map(str, self.version)))
 
     @classmethod
     def parse(cls, text: str) -> VllmRelease:
@@ -44,11 +50,7 @@ class VllmRelease:
         if version < OLDEST:
             raise ConfigError(f"vLLM {text}: kvmem knows the KV cache rules of vLLM 0.9 to "
                               f"{'.'.join(map(str, NEWEST))} (vLLM's V1 engine)")
-        return cls(version)
-
-    @property
-    def name(self) -> str:
-        return ".".join(map(str, self.version))
+        return cls(version, ".".join(map(str, version)))
 
     @property
     def newer_than_known(self) -> bool:

@@ -213,19 +213,21 @@ class VllmGeometry(Geometry):
     def num_groups(self) -> int:
         return len(self.global_groups)
 
-    def page_of(self, i: int) -> int:
-        """Layer i's page once pages are made equal (the largest page of the model)."""
-        largest = max(s.page for s in self.specs.values())
+    @cached_property
+    def pages(self) -> dict[int, int]:
+        """Each paged layer's page once pages are made equal (the model's largest page;
+        with one kind of layer each keeps its own, ``UniformTypeKVCacheSpecs``)."""
         kinds = {(s.kind, s.window) for s in self.specs.values()}
-        return self.specs[i].page if len(kinds) == 1 else largest
+        largest = max((s.page for s in self.specs.values()), default=0)
+        return {i: s.page if len(kinds) == 1 else largest for i, s in self.specs.items()}
 
     # ------------------------------------------------------------------ blocks
     def stage(self, layers: Sequence[int]) -> StageKV:
         held = set(layers)
         per_group = [[i for i in g.layers if i in held] for g in self.groups_of(layers)]
-        widest = max(per_group, key=lambda m: sum(self.page_of(i) for i in m), default=[])
-        block = sum(self.page_of(i) for i in widest)
-        page = max((self.page_of(i) for i in widest), default=0)
+        widest = max(per_group, key=lambda m: sum(self.pages[i] for i in m), default=[])
+        block = sum(self.pages[i] for i in widest)
+        page = max((self.pages[i] for i in widest), default=0)
         return self._stage_kv(layers, len(widest), page,
                               block if block != len(widest) * page else None)
 
