@@ -78,7 +78,8 @@ class LayerSpec:
 
     kind: str  # FULL, SLIDING, CHUNKED or MLA
     window: int | None  # sliding window or attention chunk size
-    page: int  # page_size_bytes at the engine's block size
+    page: int  # page_size_bytes at block_size
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,9 @@ class VllmGeometry(Geometry):
         if kind is None:
             return None
         if kind == CHUNKED and not self.release.chunked_local_spec:
-            return LayerSpec(FULL, None, page)
-        return LayerSpec(kind, lay.window if kind in (SLIDING, CHUNKED) else None, page)
+            kind = FULL
+        return LayerSpec(kind, lay.window if kind in (SLIDING, CHUNKED) else None, page,
+                         self.block_size)
 
     @cached_property
     def specs(self) -> dict[int, LayerSpec]:
@@ -150,7 +152,7 @@ class VllmGeometry(Geometry):
             if s is None:
                 continue
             if not self.hybrid and s.kind in (SLIDING, CHUNKED):
-                s = LayerSpec(FULL, None, s.page)
+                s = LayerSpec(FULL, None, s.page, s.block_size)
             out[i] = s
         return out
 
@@ -231,11 +233,10 @@ class VllmGeometry(Geometry):
         return self._stage_kv(layers, len(widest), page,
                               block if block != len(widest) * page else None)
 
-    def charge(self, group: VllmGroup | LayerSpec, seq_len: int,
-               block_size: int | None = None) -> int:
-        """Blocks one request of seq_len tokens is charged in a group (its spec's
-        ``max_memory_usage_bytes`` / ``page_size_bytes``)."""
-        bs = block_size or getattr(group, "block_size", self.block_size)
+    def charge(self, group: VllmGroup | LayerSpec, seq_len: int) -> int:
+        """Blocks one request of seq_len tokens is charged in a group, or by one layer's
+        spec (its ``max_memory_usage_bytes`` / ``page_size_bytes``)."""
+        bs = group.block_size
         if group.kind == SLIDING:
             return ceil(min(group.window - 1 + self.in_flight_tokens, seq_len) / bs) + 1
         if group.kind == CHUNKED:
