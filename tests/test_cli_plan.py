@@ -357,10 +357,10 @@ def test_a_cpu_deployment_takes_vllm_cpus_defaults_and_names_vllms_kv_size(capsy
     s, e = d["settings"], d["engine"]
     assert (s["block_size"], s["max_num_batched_tokens"], s["max_num_seqs"]) == (128, 4096, 256)
     assert not s["cuda_graphs"] and e["num_kv_groups"] > 1
-    assert e["vllm_kv_cache_tokens"] == int(e["max_concurrency"] * 8192) != e["tokens"]
+    assert e["kv_cache_size_tokens"] == int(e["max_concurrency"] * 8192) != e["tokens"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert f"vLLM's KV size     {e['vllm_kv_cache_tokens']:,} tokens" in out
+    assert f"KV cache size      {e['kv_cache_size_tokens']:,} tokens (as vLLM 0.33" in out
     assert "GPU memory not given" not in out and "vLLM's CPU build" in out
     given = _json(capsys, argv + ["--block-size", "64", "--max-num-batched-tokens", "512"])
     assert (given["settings"]["block_size"], given["settings"]["max_num_batched_tokens"]) == (

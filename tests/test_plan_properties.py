@@ -178,7 +178,9 @@ def test_optimal_matches_exhaustive_search_on_random_hybrid_deployments(model, t
     layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, gpus=gpus)
     engine = EngineSettings(kv_cache_memory_bytes=kv_bytes,
                             max_model_len=data.draw(st.sampled_from([4096, 32768])),
-                            max_num_seqs=data.draw(st.sampled_from([16, 256])))
+                            max_num_seqs=data.draw(st.sampled_from([16, 256])),
+                            # kvmem's engine, or vLLM's rules (global groups since 0.11)
+                            vllm_version=data.draw(st.sampled_from([None, "0.11", "0.33"])))
     found = plan(spec, layout, engine, policy="optimal").engine.num_blocks
     assert found == _exhaustive_best(spec, layout, engine)
 

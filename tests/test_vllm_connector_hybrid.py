@@ -282,7 +282,7 @@ def test_plan_gives_vllms_kv_cache_size_for_the_hybrid_model(runs, model) -> Non
          "--max-num-batched-tokens", "256", "--kv-cache-dtype", "fp32"],
         capture_output=True, text=True, check=True).stdout
     engine = json.loads(out)["engine"]
-    assert (engine["vllm_kv_cache_tokens"], f"{engine['max_concurrency']:.2f}") == (
+    assert (engine["kv_cache_size_tokens"], f"{engine['max_concurrency']:.2f}") == (
         int(logged[0][0].replace(",", "")), logged[0][1])
     assert engine["num_blocks"] == POOL_BLOCKS and engine["block_size"] == 128
     assert engine["tokens"] == POOL_BLOCKS * 128 // 6  # the blocks' tokens over 6 groups

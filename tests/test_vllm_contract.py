@@ -39,14 +39,16 @@ def contract(request) -> dict:
     return result
 
 
-def planned(pp: int, partition: list[int]):
+def planned(pp: int, partition: list[int], version: str):
+    """The plan the plugin makes, under the same vLLM release's rules."""
     config = json.loads((vllm_cpu.model_dir() / "config.json").read_text())
     return plan(spec_from_config(config), Layout(pipeline_parallel_size=pp,
                                                  layer_partition=partition),
                 EngineSettings(kv_cache_memory_bytes=GIB, gpu_memory_utilization=1.0,
                                block_size=128, max_model_len=1024, max_num_seqs=256,
                                max_num_batched_tokens=2048, cuda_graphs=False,
-                               kv_cache_dtype="fp32"), "proportional")
+                               kv_cache_dtype="fp32", vllm_version=version, device="cpu"),
+                "proportional")
 
 
 @pytest.mark.parametrize(("case", "pp", "partition"), [("pp1", 1, [30]), ("pp2", 2, [20, 10])])
@@ -56,12 +58,12 @@ def test_engine_core_sizes_each_worker_with_its_planned_budget(contract, case, p
     rank, the other arguments reach vLLM untouched, and vLLM makes of each budget the
     blocks and tensor bytes kvmem's plan predicts."""
     got = contract["plugin"][f"{case}_kvmem"]
-    kv_plan = planned(pp, partition)
+    kv_plan = planned(pp, partition, contract["vllm"])
     assert got["budgets"] == [r.kv_budget_bytes for r in kv_plan.ranks]
     assert got["blocks"] == [r.num_blocks for r in kv_plan.ranks]
     assert got["bytes"] == [r.num_blocks * r.bytes_per_block for r in kv_plan.ranks]
     assert got["scheduler_blocks"] == kv_plan.engine.num_blocks
-    assert got["tokens"] == kv_plan.engine.tokens
+    assert got["tokens"] == kv_plan.engine.kv_cache_size_tokens
     if contract["vllm"].startswith("0.33"):
         assert got["num_more_args"] == 1 and got["forwarded_groups_equal"]
     else:

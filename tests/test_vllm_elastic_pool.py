@@ -23,8 +23,6 @@ vLLM's base class in the scheduler role and the worker role, then:
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import vllm_cpu
 
@@ -252,13 +250,8 @@ print("KVMEM_RESULT " + json.dumps(out))
 @pytest.fixture(scope="module", params=("0.32", "0.33"))
 def result(request, tmp_path_factory):
     ledger = tmp_path_factory.mktemp("ledger")
-    run = vllm_cpu.run_script(SCRIPT, str(vllm_cpu.model_dir()), str(ledger),
-                              series=request.param, timeout=300).check()
-    line = [x for x in run.stdout.splitlines() if x.startswith("KVMEM_RESULT ")]
-    assert len(line) == 1, run.output[-6000:]
-    out = json.loads(line[0].removeprefix("KVMEM_RESULT "))
-    assert out["vllm"].startswith(request.param), out["vllm"]
-    return out
+    return vllm_cpu.run_for_json(SCRIPT, "KVMEM_RESULT", str(vllm_cpu.model_dir()),
+                                 str(ledger), series=request.param, timeout=300)
 
 
 def test_the_plugin_names_the_connector_in_vllms_config(result) -> None:

@@ -108,7 +108,7 @@ def planned(model: Path, *args: str) -> tuple[int, str]:
                           "--max-model-len", "2048", *args],
                          capture_output=True, text=True, check=True).stdout
     engine_plan = json.loads(out)["engine"]
-    return engine_plan["vllm_kv_cache_tokens"], f"{engine_plan['max_concurrency']:.2f}"
+    return engine_plan["kv_cache_size_tokens"], f"{engine_plan['max_concurrency']:.2f}"
 
 
 def rank_namespace(disk_dir: Path, rank: int, tp: int) -> Path:

@@ -127,6 +127,18 @@ def run_script(script: str, *args: str, env: dict[str, str] | None = None,
     return VllmRun(proc.returncode, stdout, stderr)
 
 
+def run_for_json(script: str, marker: str, *args: str, series: str = "0.32",
+                 timeout: float = 480) -> dict:
+    """Run ``script`` in the ``series`` venv and return the JSON object it printed on its
+    one line starting with ``marker``; it must name a vLLM of that series."""
+    run = run_script(script, *args, series=series, timeout=timeout).check()
+    lines = [x for x in run.stdout.splitlines() if x.startswith(marker + " ")]
+    assert len(lines) == 1, run.output[-6000:]
+    result = json.loads(lines[0].removeprefix(marker + " "))
+    assert result["vllm"].startswith(series), result["vllm"]
+    return result
+
+
 def _kill_group(pid: int) -> None:
     """End worker processes the script left behind (its group outlives it otherwise)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -24,6 +24,8 @@ examples:
       --kv-cache-memory-bytes 5GiB --max-model-len 40960 --kv-budget proportional
   kvmem plan qwen3-14b --pp 2 --gpu V100-16GB,V100-32GB --kv-budget optimal --engine vllm
   kvmem plan ./my-model-dir --tp 2 --gpu H100 --json
+  kvmem plan --from-vllm-log vllm-startup.log        (the logged model from the catalog)
+  vllm serve ... 2>&1 | kvmem plan --from-vllm-log - ./my-model-dir
 
 MODEL is a catalog name (see `kvmem models`), a config.json, or a model directory (with
 *.safetensors files there, weights are read exactly from their headers).
@@ -43,7 +45,12 @@ def _positive_int(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = _EPILOG
-    p.add_argument("model", metavar="MODEL", help="catalog name, config.json or model directory")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="catalog name, config.json or model directory (with --from-vllm-log: "
+                        "the logged model's, when kvmem's catalog lacks it)")
+    p.add_argument("--from-vllm-log", metavar="FILE",
+                   help="a vLLM start-up log (- for standard input): what vLLM logged beside "
+                        "kvmem's plan of that deployment, per rank, and what would do better")
     g = p.add_argument_group("layout")
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive_int, default=1,
                    metavar="N", help="tensor-parallel size (default 1)")
@@ -93,6 +100,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--weight-offload-gib", type=float, default=0.0, metavar="GiB",
                    help="weight GiB per GPU kept in CPU memory (vLLM's --cpu-offload-gb; "
                         "default 0)")
+    e.add_argument("--vllm-version", metavar="X.Y",
+                   help="size the KV cache by this vLLM release's rules (0.9 to 0.33: its "
+                        "groups, per-request charges, fit check and logged figures); "
+                        "default 0.33, or kvmem's own engine with --engine kvmem")
+    e.add_argument("--max-concurrent-batches", type=_positive_int, metavar="N",
+                   help="vLLM >= 0.26: batches in flight that sliding-window and chunked "
+                        "charges count (default: vLLM's, 2 with async scheduling on GPUs at "
+                        "pp 1, else pp)")
+    e.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="vLLM: charge sliding-window and chunked layers as full attention, "
+                        "as vLLM's flag of that name does")
     e.add_argument("--profile", metavar="FILE.json",
                    help="measured memory from `kvmem profile --output`: its weights, activation, "
                         "non-torch, CUDA-graph and total memory replace the estimates")
@@ -176,8 +194,24 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         max_num_batched_tokens=(batched if args.max_num_batched_tokens is None
                                 else args.max_num_batched_tokens),
         cuda_graphs=not (args.enforce_eager or cpu), reserve_cuda_graphs=args.reserve_cuda_graphs,
-        cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype)
+        cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype,
+        vllm_version=_rules_version(args), device=args.device,
+        max_concurrent_batches=args.max_concurrent_batches,
+        hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None)
     return layout, settings
+
+
+def _rules_version(args: argparse.Namespace) -> str | None:
+    """Whose rules size the KV cache: kvmem's engine (``--engine kvmem``), else the vLLM
+    release given (default ``kvmem.plan.vllm_release.DEFAULT_VERSION``)."""
+    from kvmem.plan.vllm_release import DEFAULT_VERSION, VllmRelease
+
+    if args.engine == "kvmem":
+        if args.vllm_version is not None:
+            raise ConfigError("--vllm-version names vLLM's rules; --engine kvmem plans "
+                              "kvmem's own engine")
+        return None
+    return VllmRelease.parse(args.vllm_version or DEFAULT_VERSION).name
 
 
 def _batch_defaults(layout, measured) -> tuple[int, int]:
@@ -378,6 +412,8 @@ def build(args: argparse.Namespace, spec=None) -> PlanRun:
     from kvmem.spec import load_spec
 
     local = spec is None
+    if local and args.model is None:
+        raise ConfigError("give MODEL (a catalog name, config.json or model directory)")
     spec = load_spec(args.model) if local else spec
     measured = None
     if args.profile:
@@ -427,6 +463,10 @@ def build(args: argparse.Namespace, spec=None) -> PlanRun:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_vllm_log is not None:
+        from kvmem.cli.plan_log import run_from_log
+
+        return run_from_log(args)
     result = build(args)
     if args.plot:
         from kvmem.plan.plot import save_plot

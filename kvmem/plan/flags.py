@@ -118,6 +118,8 @@ def _vllm_tail(plan: Plan) -> list[str]:
         argv += ["--cpu-offload-gb", f"{s.cpu_offload_bytes / (1 << 30):g}"]
     if not s.cuda_graphs:
         argv.append("--enforce-eager")
+    if s.hybrid_kv_cache_manager is False:
+        argv.append("--disable-hybrid-kv-cache-manager")
     return argv
 
 

@@ -1,13 +1,19 @@
-"""KV block geometry of a rank, exactly as the engine lays out its KV storage.
+"""KV block geometry of a rank: the rules an engine sizes its KV cache by.
 
-Layers are grouped by ``spec.kv_groups()``; the layer in slot j of every group shares one
-slot tensor ``[num_blocks, 2, block_size, kv_heads_on_rank, head_dim]`` (see
-``kvmem.memory.storage``). One block id therefore costs a page in every slot tensor of the
-rank, and block ids are shared by all groups (the scheduler's one block pool).
+``Geometry`` is what the planner asks of an engine: the bytes one block costs on a stage,
+the blocks one request holds, what the engine's start-up check needs, and the KV cache
+size and concurrency it reports. ``KVGeometry`` is kvmem's own engine: layers are grouped
+by ``spec.kv_groups()``; the layer in slot j of every group shares one slot tensor
+``[num_blocks, 2, block_size, kv_heads_on_rank, head_dim]`` (see ``kvmem.memory.storage``).
+One block id therefore costs a page in every slot tensor of the rank, and block ids are
+shared by all groups (the scheduler's one block pool). vLLM's rules, per release, are
+``kvmem.plan.vllm_rules.VllmGeometry``.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -21,14 +27,21 @@ class StageKV:
     kv_bytes_per_token: int
     state_bytes_per_request: int  # linear-attention layers
     kv_heads_on_rank: int
+    block_bytes: int | None = None  # when a block is not num_slots equal pages
 
     @property
     def bytes_per_block(self) -> int:
+        if self.block_bytes is not None:
+            return self.block_bytes
         return self.num_slots * self.slot_page_bytes
 
 
-class KVGeometry:
-    """Per-stage block sizes and per-request block demand for one model and engine config."""
+class Geometry(ABC):
+    """An engine's KV cache rules for one model and engine config."""
+
+    name: str
+    block_size: int
+    notes: list[str]
 
     def __init__(self, spec: ModelSpec, tp: int, kv_dtype_bytes: int, state_dtype_bytes: int,
                  block_size: int, max_num_batched_tokens: int) -> None:
@@ -38,14 +51,7 @@ class KVGeometry:
         self.state_dtype_bytes = state_dtype_bytes
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-
-    @cached_property
-    def groups(self) -> list[KVGroup]:
-        return self.spec.kv_groups()
-
-    @cached_property
-    def slots(self) -> dict[int, int]:
-        return self.spec.layer_slots()
+        self.notes = []
 
     @cached_property
     def layer_bytes_per_token(self) -> list[int]:
@@ -55,36 +61,113 @@ class KVGeometry:
     def layer_state_bytes(self) -> list[int]:
         return [lay.state_bytes(self.tp, self.state_dtype_bytes) for lay in self.spec.layers]
 
-    def stage(self, layers: range | list[int]) -> StageKV:
-        paged = [i for i in layers if i in self.slots]
-        page = self.block_size * max((self.layer_bytes_per_token[i] for i in paged), default=0)
-        heads = max((self.spec.layers[i].kv_heads_on_rank(self.tp) for i in paged), default=0)
+    def _stage_kv(self, layers: Sequence[int], num_slots: int, page: int,
+                  block_bytes: int | None = None) -> StageKV:
+        paged = [i for i in layers if self.spec.layers[i].kind.uses_blocks]
         return StageKV(
-            num_slots=len({self.slots[i] for i in paged}),
-            slot_page_bytes=page,
+            num_slots=num_slots, slot_page_bytes=page,
             kv_bytes_per_token=sum(self.layer_bytes_per_token[i] for i in layers),
             state_bytes_per_request=sum(self.layer_state_bytes[i] for i in layers),
-            kv_heads_on_rank=heads,
-        )
+            kv_heads_on_rank=max((self.spec.layers[i].kv_heads_on_rank(self.tp)
+                                  for i in paged), default=0),
+            block_bytes=block_bytes)
 
-    def blocks_per_request(self, seq_len: int) -> int:
-        """Blocks one request of seq_len tokens holds, over all KV groups."""
-        return sum(g.blocks_per_request(seq_len, self.block_size, self.max_num_batched_tokens)
-                   for g in self.groups)
+    @property
+    @abstractmethod
+    def num_groups(self) -> int:
+        """KV groups of the engine (each request has one block table per group)."""
 
-    def tokens(self, num_blocks: int) -> int:
-        """Token capacity of num_blocks blocks (hybrid models split blocks across groups)."""
-        return num_blocks * self.block_size // max(1, len(self.groups))
+    @abstractmethod
+    def stage(self, layers: Sequence[int]) -> StageKV:
+        """Block geometry of a pipeline stage holding ``layers``."""
 
-    def longest_fitting(self, num_blocks: int, limit: int) -> int:
-        """Largest seq_len <= limit whose blocks fit in num_blocks (0 if none)."""
-        if self.blocks_per_request(limit) <= num_blocks:
+    def grow(self, start: int, limit: int) -> Iterator[tuple[int, StageKV]]:
+        """(end, geometry of layers start..end-1) for end = start+1 .. limit."""
+        for end in range(start + 1, limit + 1):
+            yield end, self.stage(range(start, end))
+
+    @abstractmethod
+    def blocks_per_request(self, seq_len: int, layers: Sequence[int] | None = None) -> int:
+        """Blocks one request of seq_len tokens is charged, over all KV groups (of the
+        stage holding ``layers`` where groups are per stage)."""
+
+    @abstractmethod
+    def check_need(self, layers: Sequence[int], kv: StageKV, seq_len: int) -> int:
+        """KV bytes the engine's start-up check says one request of seq_len needs on the
+        stage holding ``layers``."""
+
+    def held_back(self, kv: StageKV) -> int:
+        """KV bytes the engine holds back from a rank's budget before that check (the
+        null block, which pads block tables)."""
+        return kv.bytes_per_block
+
+    def need_bytes(self, layers: Sequence[int], kv: StageKV, seq_len: int) -> int:
+        return self.check_need(layers, kv, seq_len) + self.held_back(kv)
+
+    def longest_fitting(self, layers: Sequence[int], kv: StageKV, kv_bytes: int,
+                        limit: int) -> int:
+        """Largest seq_len <= limit whose need fits in kv_bytes (0 if none)."""
+        def fits(n: int) -> bool:
+            return self.need_bytes(layers, kv, n) <= kv_bytes
+
+        if fits(limit):
             return limit
-        lo, hi = 0, limit  # blocks_per_request(lo) fits, (hi) does not
+        lo, hi = 0, limit  # lo fits (or is 0), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.blocks_per_request(mid) <= num_blocks:
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid
         return lo
+
+    def tokens(self, num_blocks: int) -> int:
+        """Token capacity of num_blocks blocks (hybrid models split blocks across groups)."""
+        return num_blocks * self.block_size // max(1, self.num_groups)
+
+    def kv_cache_size(self, num_blocks: int, seq_len: int,
+                      layers: Sequence[int] | None = None) -> tuple[int, float]:
+        """(KV cache size in tokens, maximum concurrency) as the engine reports them."""
+        per_request = self.blocks_per_request(seq_len, layers)
+        return self.tokens(num_blocks), num_blocks / per_request if per_request else 0.0
+
+
+class KVGeometry(Geometry):
+    """kvmem's engine: per-stage block sizes and per-request demand (module doc)."""
+
+    name = "kvmem"
+
+    @cached_property
+    def groups(self) -> list[KVGroup]:
+        return self.spec.kv_groups()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @cached_property
+    def slots(self) -> dict[int, int]:
+        return self.spec.layer_slots()
+
+    def stage(self, layers: Sequence[int]) -> StageKV:
+        paged = [i for i in layers if i in self.slots]
+        page = self.block_size * max((self.layer_bytes_per_token[i] for i in paged), default=0)
+        return self._stage_kv(layers, len({self.slots[i] for i in paged}), page)
+
+    def grow(self, start: int, limit: int) -> Iterator[tuple[int, StageKV]]:
+        # one layer at a time, updating the block geometry incrementally
+        slots: set[int] = set()
+        page = states = 0
+        for i in range(start, limit):
+            if i in self.slots:
+                slots.add(self.slots[i])
+                page = max(page, self.block_size * self.layer_bytes_per_token[i])
+            states += self.layer_state_bytes[i]
+            yield i + 1, StageKV(len(slots), page, 0, states, 0)
+
+    def blocks_per_request(self, seq_len: int, layers: Sequence[int] | None = None) -> int:
+        return sum(g.blocks_per_request(seq_len, self.block_size, self.max_num_batched_tokens)
+                   for g in self.groups)
+
+    def check_need(self, layers: Sequence[int], kv: StageKV, seq_len: int) -> int:
+        return self.blocks_per_request(seq_len) * kv.bytes_per_block

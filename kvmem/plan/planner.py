@@ -25,7 +25,7 @@ from pathlib import Path
 from kvmem.errors import ConfigError
 from kvmem.plan import estimates
 from kvmem.plan.alternatives import alternatives
-from kvmem.plan.geometry import KVGeometry, StageKV
+from kvmem.plan.geometry import Geometry, KVGeometry, StageKV
 from kvmem.plan.partition import (
     best_partition,
     even_partition,
@@ -44,6 +44,8 @@ from kvmem.plan.types import (
     RankProfile,
 )
 from kvmem.plan.validate import check_layout, check_settings, rank_memory, rank_profiles
+from kvmem.plan.vllm_release import VllmRelease
+from kvmem.plan.vllm_rules import VllmGeometry
 from kvmem.spec import ModelSpec, dtype_bytes
 from kvmem.spec.weights import weight_breakdown
 
@@ -65,6 +67,19 @@ def plan(spec: ModelSpec, layout: Layout, settings: EngineSettings, policy: str 
         result.alternatives = alternatives(planner, spec, result, policy,
                                            profiled=bool(profile))
     return result
+
+
+def engine_geometry(spec: ModelSpec, tp: int, pp: int, settings: EngineSettings,
+                    kv_dtype: str) -> Geometry:
+    """The rules the engine sizes its KV cache by: kvmem's own, or vLLM's release
+    ``settings.vllm_version``."""
+    args = (spec, tp, dtype_bytes(kv_dtype), dtype_bytes(spec.dtype), settings.block_size,
+            settings.max_num_batched_tokens)
+    if settings.vllm_version is None:
+        return KVGeometry(*args)
+    return VllmGeometry(*args, release=VllmRelease.parse(settings.vllm_version), pp=pp,
+                        device=settings.device, hybrid=settings.hybrid_kv_cache_manager,
+                        max_concurrent_batches=settings.max_concurrent_batches)
 
 
 def _with_batch_defaults(settings: EngineSettings, layout: Layout,
@@ -115,9 +130,7 @@ class _Planner:
                               "or an explicit kv_cache_memory_bytes")
         self.budget = [None if m is None else ceil(m * settings.gpu_memory_utilization)
                        for m in self.memory]
-        self.geometry = KVGeometry(spec, self.tp, dtype_bytes(self.kv_dtype),
-                                   dtype_bytes(spec.dtype), settings.block_size,
-                                   settings.max_num_batched_tokens)
+        self.geometry = engine_geometry(spec, self.tp, self.pp, settings, self.kv_dtype)
         self.weights = weight_breakdown(spec, self.tp, checkpoint_dir)
         self.explicit = settings.kv_cache_memory_bytes  # per GPU: no rank gets more
         self.limit = max(self.max_model_len, spec.max_position_embeddings or 0)
@@ -178,19 +191,11 @@ class _Planner:
             return self._stage_holds(blocks, stage, start, end, geo.stage(range(start, end)))
 
         def longest(stage: int, start: int, limit: int) -> int:
-            # grow the stage one layer at a time, updating its block geometry incrementally
-            slots: set[int] = set()
-            page = states = 0
-            end = start
-            for i in range(start, limit):
-                if i in geo.slots:
-                    slots.add(geo.slots[i])
-                    page = max(page, geo.block_size * geo.layer_bytes_per_token[i])
-                states += geo.layer_state_bytes[i]
-                kv = StageKV(len(slots), page, 0, states, 0)
-                if not self._stage_holds(blocks, stage, start, i + 1, kv):
+            end = start  # grow the stage one layer at a time
+            for stop, kv in geo.grow(start, limit):
+                if not self._stage_holds(blocks, stage, start, stop, kv):
                     break
-                end = i + 1
+                end = stop
             return end
 
         return greedy_partition(self.spec.num_layers, self.pp, longest, fits)
@@ -242,6 +247,7 @@ class _Planner:
                          f"{format_partition(default)}); pass it to the engine")
         if None in self.memory:
             notes.append("GPU memory not given: only kv_cache_memory_bytes sizes the KV cache")
+        notes.extend(self.geometry.notes)
         return Plan(self.spec.hf_id or self.spec.name, self.layout, self.settings, ranks,
                     engine, notes)
 
@@ -281,14 +287,16 @@ class _Planner:
         reserve = self.reserve(kv)
         per_block = kv.bytes_per_block
         states_fit = kv_budget >= reserve
-        # Block 0 is the null block (it pads block tables), so a request can use blocks - 1.
+        layers = stages[stage]
+        # Block 0 is the null block (it pads block tables), counted in the blocks.
         if per_block:
             blocks = (kv_budget - reserve) // per_block if states_fit else 0
-            longest = self.geometry.longest_fitting(max(0, blocks - 1), self.limit) \
-                if states_fit else 0
+            longest = self.geometry.longest_fitting(layers, kv, kv_budget - reserve,
+                                                    self.limit) if states_fit else 0
         else:  # no paged layers here: this rank never limits the blocks (set by _engine)
             blocks, longest = 0, self.limit if states_fit else 0
-        need = (self.geometry.blocks_per_request(self.max_model_len) + 1) * per_block + reserve
+        need = self.geometry.need_bytes(layers, kv, self.max_model_len) + reserve \
+            if per_block else reserve
         over = cap is not None and kv_budget > max(0, cap)
         return RankPlan(
             rank=rank, pp_stage=stage, tp_rank=rank % self.tp, layers=list(stages[stage]),
@@ -310,13 +318,15 @@ class _Planner:
         for r in ranks:  # ranks without paged layers hold whatever the others hold
             if not r.bytes_per_block:
                 r.num_blocks, r.tokens = blocks, self.geometry.tokens(blocks)
-        per_request = self.geometry.blocks_per_request(self.max_model_len)
+        # the scheduler's groups: the global ones, or rank 0's where each stage has its own
+        size, concurrency = self.geometry.kv_cache_size(
+            blocks, self.max_model_len, stage_layers(partition)[0])
         return EnginePlan(
             num_blocks=blocks, tokens=self.geometry.tokens(blocks),
-            max_concurrency=blocks / per_request if per_request else 0.0,
+            max_concurrency=concurrency, kv_cache_size_tokens=size, rules=self.geometry.name,
             fits=all(r.fits for r in ranks), max_model_len=self.max_model_len,
             max_model_len_that_fits=min(r.max_model_len_that_fits for r in ranks),
             layer_partition=list(partition), policy=self.policy,
             block_size=self.settings.block_size, kv_dtype=self.kv_dtype,
-            num_kv_groups=len(self.geometry.groups),
+            num_kv_groups=self.geometry.num_groups,
         )

@@ -22,7 +22,7 @@ def _layers(r: RankPlan) -> str:
 def rank_table(plan: Plan) -> Table:
     e = plan.engine
     table = Table(title=f"{plan.model}: KV cache per rank ({e.policy} budget, {e.kv_dtype}, "
-                        f"block {e.block_size}); memory columns in GiB",
+                        f"block {e.block_size}, {e.rules}'s rules); memory columns in GiB",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True)
     for col in ("rank", "pp", "tp", "layers", "memory", "weights", "act", "graphs", "other",
@@ -47,8 +47,7 @@ def summary_lines(plan: Plan) -> list[str]:
         f"engine blocks      {e.num_blocks:,} (minimum over ranks)",
         f"engine tokens      {e.tokens:,} (the blocks' tokens, shared over {e.num_kv_groups} "
         f"KV group{'s' if e.num_kv_groups != 1 else ''})",
-        f"vLLM's KV size     {e.vllm_kv_cache_tokens:,} tokens (vLLM's \"KV cache size\": "
-        f"concurrency x max_model_len)",
+        f"KV cache size      {e.kv_cache_size_tokens:,} tokens (as {e.rules} reports it)",
         f"concurrency        {e.max_concurrency:.2f}x requests of {e.max_model_len:,} tokens",
         f"max_model_len      {e.max_model_len:,}: {verdict}",
         f"longest that fits  {e.max_model_len_that_fits:,}",

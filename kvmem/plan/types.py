@@ -49,6 +49,12 @@ class EngineSettings:
     reserve_cuda_graphs: bool = False
     cpu_offload_bytes: int = 0  # weight bytes per GPU kept in CPU memory
     kv_cache_dtype: str = "auto"
+    # whose rules size the KV cache: None kvmem's engine, else a vLLM release ("0.32")
+    # (kvmem.plan.vllm_rules); the rest only matter under vLLM's rules
+    vllm_version: str | None = None
+    device: str = "gpu"  # "cpu": vLLM's CPU platform
+    max_concurrent_batches: int | None = None  # None: vLLM's default for the release
+    hybrid_kv_cache_manager: bool | None = None  # None: vLLM's default for the release
 
 
 @dataclass(frozen=True)
@@ -115,14 +121,12 @@ class EnginePlan:
     block_size: int
     kv_dtype: str
     num_kv_groups: int
-
-    @property
-    def vllm_kv_cache_tokens(self) -> int:
-        """What vLLM logs as its "KV cache size": the maximum concurrency times
-        max_model_len. For a hybrid model that is not ``tokens`` (the tokens the blocks hold
-        when shared out over the KV groups): a sliding-window group needs only its window's
-        blocks per request."""
-        return int(self.max_concurrency * self.max_model_len)
+    # The KV cache size the engine reports, in tokens: vLLM logs it as "KV cache size"
+    # (from 0.20.1 the concurrency times max_model_len, before the blocks shared over the
+    # groups), which for a hybrid model is not ``tokens``: a sliding-window group needs only
+    # its window's blocks per request.
+    kv_cache_size_tokens: int = 0
+    rules: str = "kvmem"  # whose rules: "kvmem" or "vLLM 0.32"
 
 
 @dataclass
@@ -143,9 +147,7 @@ class Plan:
             ranks.append(d)
         layout = asdict(self.layout)
         return {"model": self.model, "layout": layout, "settings": asdict(self.settings),
-                "ranks": ranks,
-                "engine": {**asdict(self.engine),
-                           "vllm_kv_cache_tokens": self.engine.vllm_kv_cache_tokens},
+                "ranks": ranks, "engine": asdict(self.engine),
                 "notes": list(self.notes),
                 "alternatives": list(self.alternatives)}
 

@@ -80,6 +80,10 @@ def check_settings(spec: ModelSpec, settings: EngineSettings, policy: str) -> tu
     _positive_int(settings.block_size, "block_size")
     _positive_int(settings.max_num_seqs, "max_num_seqs")
     _positive_int(settings.max_num_batched_tokens, "max_num_batched_tokens")
+    if settings.device not in ("gpu", "cpu"):
+        raise ConfigError(f"device must be 'gpu' or 'cpu', got {settings.device!r}")
+    if settings.max_concurrent_batches is not None:
+        _positive_int(settings.max_concurrent_batches, "max_concurrent_batches")
     offload = settings.cpu_offload_bytes
     if isinstance(offload, bool) or not isinstance(offload, int) or offload < 0:
         raise ConfigError(f"cpu_offload_bytes must be a non-negative integer, got {offload!r}")

@@ -8,7 +8,9 @@ inert unless ``KVMEM_VLLM_KV_BUDGET`` names a budget policy
 
 - the engine core's ``get_kv_cache_configs``: kvmem plans the real deployment (the model's
   config, tp, pp and the layer partition vLLM uses, ``kv_cache_memory_bytes`` or the KV
-  memory each worker measured, the KV dtype and block size of the layers' KV specs), runs
+  memory each worker measured, the KV dtype and block size of the layers' KV specs) by the
+  running vLLM's own rules (``kvmem.plan.vllm_rules``: its KV cache groups, what it charges
+  a request, its batches in flight and hybrid manager setting), runs
   its per-rank fit check (an error naming the rank, its need, its budget and the longest
   context that fits), and hands each worker's KV budget to vLLM in place of the memory the
   worker reported; every other argument (vLLM 0.33's ``global_kv_cache_groups``) is passed
@@ -119,6 +121,7 @@ def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
                     profile: list[RankProfile] | None = None) -> Plan:
     """kvmem's plan of the deployment ``vllm_config`` describes: its model, tp, pp, vLLM's
     own layer split, block size and KV dtype (the layers' KV specs' where given)."""
+    import vllm
     from vllm.distributed.utils import get_pp_indices
 
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
@@ -138,6 +141,11 @@ def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
         cuda_graphs=False,
         kv_cache_dtype=kv_dtype(vllm_config.cache_config.cache_dtype,
                                 layer_dtype if layer_dtype is not None else model.dtype),
+        # this vLLM's own rules: its groups, charges and fit check (kvmem.plan.vllm_rules)
+        vllm_version=vllm.__version__,
+        device="cpu" if vllm_config.device_config.device_type == "cpu" else "gpu",
+        max_concurrent_batches=getattr(vllm_config, "max_concurrent_batches", None),
+        hybrid_kv_cache_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
     )
     layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                     layer_partition=[end - start for start, end in bounds])

@@ -1,0 +1,51 @@
+"""A vLLM log beside kvmem's plan, as tables a person reads (``kvmem plan --from-vllm-log``)."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvmem.plan.from_log import LogComparison
+from kvmem.units import format_bytes
+
+
+def _table(title: str, columns: list[str]) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    return table
+
+
+def print_comparison(result: LogComparison, console: Console | None = None) -> None:
+    console = console or Console(width=None if Console().is_terminal else 200)
+    console.print(f"{result.release} log: {result.deployment}", highlight=False)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
+    ranks = _table(f"per rank: the KV memory vLLM logged; blocks and need by "
+                   f"{result.release}'s rules",
+                   ["rank", "pp", "tp", "layers", "KV memory", "bytes/block", "blocks",
+                    "need (vLLM's check)", "fits"])
+    for r in result.ranks:
+        held = f" + {format_bytes(r['held_back'])} null block" if r["held_back"] else ""
+        ranks.add_row(str(r["rank"]), str(r["pp"]), str(r["tp"]), r["layers"],
+                      r["kv_memory"], f"{r['bytes_per_block']:,}", r["blocks"],
+                      f"{format_bytes(r['need'])}{held}",
+                      "[green]yes[/]" if r["fits"] else "[red]no[/]")
+    console.print(ranks)
+    rows = _table("vLLM logged, kvmem computes", ["figure", "vLLM logged", "kvmem", "verdict"])
+    for row in result.rows:
+        verdict = row.verdict if row.verdict != "match" else "[green]match[/]"
+        rows.add_row(row.what, row.logged, row.kvmem, verdict)
+    if result.rows:
+        console.print(rows)
+    else:
+        console.print("the log has no KV cache size, concurrency or fit check line to compare",
+                      highlight=False)
+    if result.better:
+        console.print("\nwhat kvmem would do:", highlight=False)
+    for b in result.better:
+        console.print(f"- {b.what}: {b.figures}", highlight=False, markup=False)
+        if b.command:
+            console.print(f"  {b.command}", highlight=False, markup=False, soft_wrap=True)

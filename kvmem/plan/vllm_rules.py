@@ -1,0 +1,281 @@
+"""vLLM's KV cache rules: what vLLM charges, groups and reports, per release.
+
+``VllmGeometry`` answers the planner's questions (``kvmem.plan.geometry.Geometry``) as
+the vLLM release in ``kvmem.plan.vllm_release`` does, read in vLLM's own source:
+
+- **layer specs** (``Attention.get_kv_cache_spec`` / the model runner's
+  ``get_kv_cache_spec``): full attention ``FullAttentionSpec``, sliding window
+  ``SlidingWindowSpec``, chunked local ``ChunkedLocalAttentionSpec``, latent attention
+  ``MLAAttentionSpec``. A page (``page_size_bytes``) is block_size x the layer's bytes per
+  token on the rank (K and V of its KV heads; MLA one latent). Without the hybrid manager
+  (``unify_hybrid_kv_cache_specs``) sliding and chunked layers become full attention.
+- **per-request charge** (each spec's ``max_memory_usage_bytes`` / its page): full and MLA
+  ``cdiv(max_model_len, block_size)``; sliding window ``cdiv(min(window - 1 + T,
+  max_model_len), block_size) + 1`` (the window may start mid-block), chunked local
+  ``cdiv(min(chunk + T, max_model_len), block_size)``, where T is
+  ``max_num_batched_tokens`` (from 0.26 ``VllmConfig.max_in_flight_tokens``:
+  ``max_concurrent_batches`` times it).
+- **groups** (``_get_kv_cache_groups_uniform_page_size``; before 0.11
+  ``_get_kv_cache_config_uniform_page_size`` per worker): one group when every layer has
+  the same spec (or, from 0.11, the same kind: ``UniformTypeKVCacheSpecs``); otherwise each
+  kind is split into groups of the group size (the fewest layers of a kind, or the most
+  when the ratio rule of ``VllmRelease.group_size_ratio`` applies), the last padded. Group
+  i of a kind with n groups takes layers ``[i::n]`` from 0.11, consecutive runs before.
+  Groups overlay one another: one tensor per slot, shared by the layer at that slot in
+  every group, so a block costs ``max over groups of the pages of the group's layers on
+  the rank`` (``get_kv_cache_config_from_groups``, ``_get_kv_cache_bytes_per_block``).
+  Under pipeline parallelism a stage keeps its layers of every global group
+  (``_project_kv_cache_groups_to_worker``); before 0.11 each stage grouped its own.
+- **blocks** per worker ``budget // bytes per block``; the engine takes the smallest.
+- **reports**: the maximum concurrency ``blocks / the blocks one request is charged over
+  all groups`` (``get_max_concurrency_for_kv_cache_config``) and the KV cache size
+  (``update_kv_cache_capacity`` / ``_report_kv_cache_config``): ``int(concurrency x
+  max_model_len)`` from 0.20.1, ``blocks // groups x block_size`` before.
+- **fit check** (``_check_enough_kv_cache_memory`` with its need, see
+  ``VllmRelease.fit_check``).
+
+Linear-attention (Mamba-style) states are not vLLM's rules here: they are reserved per
+request as kvmem's engine does, and a note says so. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from math import ceil
+
+from kvmem.errors import ConfigError
+from kvmem.plan.geometry import Geometry, StageKV
+from kvmem.plan.vllm_release import (
+    CHECK_FIRST_GROUP,
+    CHECK_GLOBAL,
+    CHECK_LAYERS,
+    CHECK_NULL_BLOCK,
+    VllmRelease,
+)
+from kvmem.spec import AttentionKind, ModelSpec
+
+FULL, SLIDING, CHUNKED, MLA = "full", "sliding", "chunked", "mla"
+
+
+def default_concurrent_batches(release: VllmRelease, device: str, pp: int) -> int:
+    """``VllmConfig.max_concurrent_batches`` as vLLM sets it by default (only used from
+    0.26): pp, or 2 with asynchronous scheduling, which is on by default on GPUs and off
+    on vLLM's CPU platform (``CpuPlatform.check_and_update_config``). With pipeline
+    parallelism the V1 model runner keeps pp (0.31 to 0.33 fall back to it); 0.29 and 0.30
+    run it on the V2 model runner, which keeps pp + 1 batches in flight."""
+    if device == "cpu":
+        return pp
+    if pp == 1:
+        return 2
+    return pp + 1 if release.since(0, 29) and not release.since(0, 31) else pp
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's KV cache spec as vLLM builds it (the fields that decide its blocks)."""
+
+    kind: str  # FULL, SLIDING, CHUNKED or MLA
+    window: int | None  # sliding window or attention chunk size
+    page: int  # page_size_bytes at block_size
+    block_size: int
+
+
+@dataclass(frozen=True)
+class VllmGroup:
+    """A KV cache group: layers of one spec sharing one block table."""
+
+    kind: str
+    window: int | None
+    block_size: int
+    layers: tuple[int, ...]
+
+
+class VllmGeometry(Geometry):
+    """vLLM's rules for one model, engine config and release (see the module doc)."""
+
+    def __init__(self, spec: ModelSpec, tp: int, kv_dtype_bytes: int, state_dtype_bytes: int,
+                 block_size: int, max_num_batched_tokens: int, *, release: VllmRelease,
+                 pp: int = 1, device: str = "gpu", hybrid: bool | None = None,
+                 max_concurrent_batches: int | None = None) -> None:
+        super().__init__(spec, tp, kv_dtype_bytes, state_dtype_bytes, block_size,
+                         max_num_batched_tokens)
+        self.release = release
+        self.name = f"vLLM {release.name}"
+        self.device = device
+        self.hybrid = self._hybrid_default() if hybrid is None else hybrid
+        self.concurrent_batches = (default_concurrent_batches(release, device, pp)
+                                   if max_concurrent_batches is None
+                                   else max_concurrent_batches)
+        if any(lay.kind is AttentionKind.LINEAR for lay in spec.layers):
+            self.notes.append(f"vLLM's rules for linear-attention states are not modelled: "
+                              f"{self.name}'s blocks here count the attention layers, and "
+                              f"each running request's states are reserved as kvmem's "
+                              f"engine does")
+
+    def _hybrid_default(self) -> bool:
+        """Whether vLLM runs its hybrid KV cache manager by default (``VllmConfig``)."""
+        r = self.release
+        if not r.hybrid_manager or (self.device == "cpu" and not r.cpu_hybrid):
+            return False
+        chunked = any(lay.kind is AttentionKind.CHUNKED for lay in self.spec.layers)
+        return not (chunked and r.chunked_local_disables_hybrid)
+
+    # ------------------------------------------------------------------ layer specs
+    @property
+    def in_flight_tokens(self) -> int:
+        """Tokens scheduled but not yet settled that window charges count."""
+        batches = self.concurrent_batches if self.release.in_flight_batches else 1
+        return batches * self.max_num_batched_tokens
+
+    def raw_spec(self, i: int) -> LayerSpec | None:
+        """Layer i's spec as its attention layer reports it (None: no paged KV)."""
+        lay = self.spec.layers[i]
+        page = self.block_size * self.layer_bytes_per_token[i]
+        kind = {AttentionKind.FULL: FULL, AttentionKind.MLA: MLA,
+                AttentionKind.SLIDING: SLIDING, AttentionKind.CHUNKED: CHUNKED}.get(lay.kind)
+        if kind is None:
+            return None
+        if kind == CHUNKED and not self.release.chunked_local_spec:
+            kind = FULL
+        return LayerSpec(kind, lay.window if kind in (SLIDING, CHUNKED) else None, page,
+                         self.block_size)
+
+    @cached_property
+    def specs(self) -> dict[int, LayerSpec]:
+        """Layer -> spec after ``unify_hybrid_kv_cache_specs`` (without the hybrid manager
+        sliding and chunked layers are charged as full attention)."""
+        out = {}
+        for i in range(self.spec.num_layers):
+            s = self.raw_spec(i)
+            if s is None:
+                continue
+            if not self.hybrid and s.kind in (SLIDING, CHUNKED):
+                s = LayerSpec(FULL, None, s.page, s.block_size)
+            out[i] = s
+        return out
+
+    # ------------------------------------------------------------------ groups
+    def group_layers(self, layers: Sequence[int]) -> list[VllmGroup]:
+        """``get_kv_cache_groups`` over ``layers`` (the whole model from 0.11, a stage's
+        layers before)."""
+        specs = {i: self.specs[i] for i in layers if i in self.specs}
+        if not specs:
+            return []
+        kinds = {(s.kind, s.window) for s in specs.values()}
+        if len(kinds) == 1:  # _get_kv_cache_groups_uniform_spec / _uniform_type
+            (kind, window), = kinds
+            if len({s.page for s in specs.values()}) > 1 and not self.release.global_groups:
+                raise ConfigError(f"{self.name} cannot allocate this model's KV cache: its "
+                                  "layers' pages differ (vLLM raises NotImplementedError)")
+            return [VllmGroup(kind, window, self.block_size, tuple(specs))]
+        block_sizes = self._unified_block_sizes(specs)
+        by_spec: dict[LayerSpec, list[int]] = {}
+        for i, s in specs.items():
+            by_spec.setdefault(s, []).append(i)
+        counts = [len(members) for members in by_spec.values()]
+        size = min(counts)
+        ratio = self.release.group_size_ratio
+        if ratio is not None and max(counts) < size * ratio:
+            size = max(counts)
+        groups = []
+        for s, members in by_spec.items():
+            n = ceil(len(members) / size)
+            for g in range(n):
+                chunk = (members[g::n] if self.release.interleaved_groups
+                         else members[g * size:(g + 1) * size])
+                groups.append(VllmGroup(s.kind, s.window, block_sizes[s], tuple(chunk)))
+        return groups
+
+    def _unified_block_sizes(self, specs: dict[int, LayerSpec]) -> dict[LayerSpec, int]:
+        """Each spec's block size once pages are made equal (``unify_kv_cache_spec_page_
+        size``: a smaller page takes proportionally more tokens per block)."""
+        pages = {s.page for s in specs.values()}
+        largest = max(pages)
+        if len(pages) > 1 and (not self.release.unify_page_sizes
+                               or any(largest % p for p in pages)):
+            raise ConfigError(f"{self.name} cannot allocate this model's KV cache: its "
+                              f"layers' pages ({', '.join(map(str, sorted(pages)))} bytes) "
+                              "differ and cannot be made equal by block size")
+        return {s: self.block_size * largest // s.page for s in specs.values()}
+
+    @cached_property
+    def global_groups(self) -> list[VllmGroup]:
+        return self.group_layers(range(self.spec.num_layers))
+
+    def groups_of(self, layers: Sequence[int] | None) -> list[VllmGroup]:
+        """The groups a stage holding ``layers`` works with (global from 0.11; before, the
+        stage's own; None: the engine's, the global groups)."""
+        if layers is None or self.release.global_groups:
+            return self.global_groups
+        return self.group_layers(layers)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.global_groups)
+
+    @cached_property
+    def pages(self) -> dict[int, int]:
+        """Each paged layer's page once pages are made equal (the model's largest page;
+        with one kind of layer each keeps its own, ``UniformTypeKVCacheSpecs``)."""
+        kinds = {(s.kind, s.window) for s in self.specs.values()}
+        largest = max((s.page for s in self.specs.values()), default=0)
+        return {i: s.page if len(kinds) == 1 else largest for i, s in self.specs.items()}
+
+    # ------------------------------------------------------------------ blocks
+    def stage(self, layers: Sequence[int]) -> StageKV:
+        held = set(layers)
+        per_group = [[i for i in g.layers if i in held] for g in self.groups_of(layers)]
+        widest = max(per_group, key=lambda m: sum(self.pages[i] for i in m), default=[])
+        block = sum(self.pages[i] for i in widest)
+        page = max((self.pages[i] for i in widest), default=0)
+        return self._stage_kv(layers, len(widest), page,
+                              block if block != len(widest) * page else None)
+
+    def charge(self, group: VllmGroup | LayerSpec, seq_len: int) -> int:
+        """Blocks one request of seq_len tokens is charged in a group, or by one layer's
+        spec (its ``max_memory_usage_bytes`` / ``page_size_bytes``)."""
+        bs = group.block_size
+        if group.kind == SLIDING:
+            return ceil(min(group.window - 1 + self.in_flight_tokens, seq_len) / bs) + 1
+        if group.kind == CHUNKED:
+            return ceil(min(group.window + self.in_flight_tokens, seq_len) / bs)
+        return ceil(seq_len / bs)
+
+    def blocks_per_request(self, seq_len: int, layers: Sequence[int] | None = None) -> int:
+        return sum(self.charge(g, seq_len) for g in self.groups_of(layers))
+
+    def held_back(self, kv: StageKV) -> int:
+        """The null block, reserved before the check from 0.29 (``get_kv_cache_configs``)."""
+        return kv.bytes_per_block if self.release.fit_check == CHECK_NULL_BLOCK else 0
+
+    def check_need(self, layers: Sequence[int], kv: StageKV, seq_len: int) -> int:
+        """The need ``_check_enough_kv_cache_memory`` compares with a worker's memory."""
+        check = self.release.fit_check
+        if check == CHECK_LAYERS:  # each layer's own spec, before any grouping
+            return sum(self.charge(s, seq_len) * s.page
+                       for s in (self.raw_spec(i) for i in layers) if s is not None)
+        if check == CHECK_GLOBAL:  # the whole model, whatever the stage holds
+            layers, kv = range(self.spec.num_layers), self.stage(range(self.spec.num_layers))
+        groups = self.groups_of(layers)
+        if len(groups) == 1 and kv.block_bytes is not None:  # per-layer pages
+            return self.charge(groups[0], seq_len) * kv.bytes_per_block
+        if check in (CHECK_GLOBAL, CHECK_FIRST_GROUP):  # group 0's charge stands for all
+            return self.charge(groups[0], seq_len) * kv.bytes_per_block
+        return self.blocks_per_request(seq_len, layers) * kv.bytes_per_block
+
+    def kv_cache_size(self, num_blocks: int, seq_len: int,
+                      layers: Sequence[int] | None = None) -> tuple[int, float]:
+        """(KV cache size in tokens, maximum concurrency) as this release logs them, for a
+        stage holding ``layers`` (None: the engine's)."""
+        groups = self.groups_of(layers)
+        if not groups:
+            return 0, 0.0
+        if self.release.concurrency_from_tokens:  # 0.9.0
+            tokens = num_blocks * self.block_size
+            return tokens, tokens / seq_len
+        concurrency = num_blocks / sum(self.charge(g, seq_len) for g in groups)
+        if self.release.tokens_from_concurrency:
+            return int(concurrency * seq_len), concurrency
+        return num_blocks // len(groups) * min(g.block_size for g in groups), concurrency

