@@ -56,9 +56,10 @@ def summary(run: PlanRun) -> list[list[str]]:
 
 
 def vllm_log(run: PlanRun, device: str) -> str:
-    """vLLM's start-up line for this plan's KV cache (``device``: gpu or cpu)."""
+    """vLLM's start-up line for this plan's KV cache (``device``: gpu or cpu), in the form
+    vLLM 0.30 and later log it, with the figures of the release ``--vllm-version`` names."""
     e = run.plan.engine
-    return (f"{device.upper()} KV cache size: {e.vllm_kv_cache_tokens:,} tokens, Maximum "
+    return (f"{device.upper()} KV cache size: {e.kv_cache_size_tokens:,} tokens, Maximum "
             f"concurrency for {e.max_model_len:,} tokens per request: {e.max_concurrency:.2f}x")
 
 
