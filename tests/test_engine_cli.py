@@ -81,6 +81,33 @@ def test_serve_on_a_busy_port_fails_fast(model_dir):
     assert res.stderr.strip().startswith("kvmem: error: cannot listen on 127.0.0.1:")
 
 
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_serve_writes_an_ipv6_address_in_brackets(tmp_path, capsys):
+    """The URL printed for ``--port 0`` (before the model loads: an empty directory then
+    fails) and a busy port's error put an IPv6 literal in brackets."""
+    from kvmem.cli import main
+
+    assert main(["serve", str(tmp_path), "--host", "::1", "--port", "0"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("kvmem: listening on http://[::1]:"), out
+    int(out.strip().rsplit(":", 1)[1])  # the port follows the bracket
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.bind(("::1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--host", "::1", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvmem: error: cannot listen on [::1]:{port}:")
+
+
 @pytest.fixture(scope="module")
 def damaged_models(tmp_path_factory, model_dir):
     """GGUF files with the right magic and damage after it, and a checkpoint directory

@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=("critical", "error", "warning", "info", "debug"))
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 literal in brackets (``[::1]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -48,7 +53,7 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise KvmemError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise KvmemError(f"cannot listen on {host_port(host, port)}: {e.strerror}") from None
     return sock
 
 
@@ -101,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)  # fail before loading the model if the port is taken
     host, port = sock.getsockname()[:2]
     if args.port == 0:  # picked by the system: say which, whatever the log level
-        print(f"kvmem: listening on http://{host}:{port}", flush=True)
+        print(f"kvmem: listening on http://{host_port(host, port)}", flush=True)
     engine = LLMEngine(engine_config, parallel=parallel)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, api_key=args.api_key, max_request_bytes=max_request_bytes,
@@ -109,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
                      public_metrics=args.public_metrics)
     config = uvicorn.Config(app, log_level=args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + _CANCEL_MARGIN_S)
-    logging.getLogger("kvmem.serve").info("serving %s on http://%s:%d", engine.model_name,
-                                          host, port)
+    logging.getLogger("kvmem.serve").info("serving %s on http://%s", engine.model_name,
+                                          host_port(host, port))
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal to
     # the handlers that were installed before it started: make those a no-op so that a
     # requested shutdown exits 0 instead of dying by the signal.

@@ -172,7 +172,7 @@ class Scheduler:
             if offer and self.offload is not None:
                 self.offload.offer(request)  # holds its cached blocks until copied out
         elif self._loading.pop(rid, None) is not None:
-            self.offload.cancel(rid)  # waits for the load, frees its blocks
+            self.offload.cancel(rid)  # frees its blocks (those a load writes held until done)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)  # nothing when it holds no blocks

@@ -104,7 +104,8 @@ _OFFLOAD_COUNTERS = {
     "bytes_loaded": "Bytes loaded from this tier into the KV cache",
     "skipped_stores": "Stores dropped (tier full or busy, write error, tier disabled)",
     "not_admitted": "Stores the admission policy turned down",
-    "failed_loads": "Loads that failed (missing file, bad checksum, read error)",
+    "failed_loads": "Loads that failed (missing file, bad checksum, another namespace's file, "
+                    "read error)",
     "evictions": "KV blocks evicted from this tier",
     "skipped_files": "Entries of the disk tier's folder that are not its regular files "
                      "(directories, links), left alone",

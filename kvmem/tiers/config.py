@@ -18,10 +18,10 @@ from kvmem.errors import ConfigError
 from kvmem.units import GiB, format_bytes
 
 POLICIES = ("lru", "seen-twice")
-FORMAT_VERSION = 1  # bump when the on-disk block format changes
+FORMAT_VERSION = 2  # bump when the on-disk block format changes (2: bound to its namespace)
 # A disk entry is the file header (kvmem.tiers.disk_store), the key's name ("g<group>-" and
 # 32 hex digits for groups 0-9) and the block's bytes.
-DISK_ENTRY_OVERHEAD_BYTES = 40 + 35
+DISK_ENTRY_OVERHEAD_BYTES = 56 + 35
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,12 @@ class TierIdentity:
     num_slots: int
 
     def digest(self) -> str:
+        return self.digest_bytes().hex()
+
+    def digest_bytes(self) -> bytes:
+        """The 16-byte digest every disk block file of this identity carries."""
         record = {**asdict(self), "format": FORMAT_VERSION}
-        return xxhash.xxh3_128_hexdigest(json.dumps(record, sort_keys=True).encode())
+        return xxhash.xxh3_128_digest(json.dumps(record, sort_keys=True).encode())
 
     def namespace_dir(self, root: str | Path) -> Path:
         return Path(root) / f"kvmem-{self.digest()[:24]}"

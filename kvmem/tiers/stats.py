@@ -14,7 +14,7 @@ class TierStats:
     bytes_loaded: int = 0  # bytes read back from this tier into the KV pool
     skipped_stores: int = 0  # stores dropped: tier full, busy, disabled or a write error
     not_admitted: int = 0  # stores the admission policy turned down (first sighting)
-    failed_loads: int = 0  # missing file, checksum mismatch or read error
+    failed_loads: int = 0  # missing, damaged, of another namespace, or unreadable
     evictions: int = 0
     skipped_files: int = 0  # disk: entries found that are not its regular files (left alone)
     used_bytes: int = 0

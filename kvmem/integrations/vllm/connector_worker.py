@@ -162,9 +162,11 @@ class WorkerSide:
                           len(job.block_ids), job.request_id, LOAD_TIMEOUT_S)
             loaded = handle.num_loaded if handle.done.is_set() else 0
             if loaded < len(job.block_ids):
+                failed = sum(t.failed_loads for t in self.offload.stats().values())
                 log.warning("kvmem: %s: request %s: %d of %d blocks loaded (%s); vLLM "
-                            "recomputes the rest on every rank", self.place, job.request_id,
-                            loaded, len(job.block_ids), handle.error or "timed out")
+                            "recomputes the rest on every rank (failed loads on this rank: "
+                            "%d)", self.place, job.request_id, loaded, len(job.block_ids),
+                            handle.error or "timed out", failed)
                 self._load_errors.update(job.block_ids[loaded:])
         if meta.loads:
             self.offload.poll()
