@@ -236,7 +236,7 @@ def test_wait_blocks_until_the_parked_load_lands(setup):
     sched.add_request(again)
     sched.schedule()
     assert sched.loading == [again]
-    assert connector.wait(5) is True
+    assert connector.wait(60) is True
     connector.gate_open = True
     assert list(sched.schedule().num_scheduled_tokens) == ["a-again"]
 

@@ -189,7 +189,8 @@ def test_the_api_key_is_checked_before_the_body_and_covers_metrics(model_dir):
 # -- a real server: huge prompts and SIGTERM ------------------------------------------------
 def test_health_answers_while_a_huge_prompt_is_tokenized(model_dir):
     """Tokenizing ~3 MB takes seconds: it must not hold the event loop (nor the GIL), so
-    /health answers within a second throughout; then the prompt gets its 400."""
+    /health answers again and again while it runs (a blocked loop would answer the first
+    probe only once the prompt is done); then the prompt gets its 400."""
     server = ServeProcess(model_dir, "--served-model-name", MODEL, "--max-model-len", "128",
                           "--kv-cache-memory-bytes", "4MiB", "--log-level", "warning")
     result: dict = {}
@@ -200,13 +201,12 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(model_dir):
 
     try:
         sender = threading.Thread(target=huge)
-        latencies = []
-        with httpx.Client(base_url=server.base, timeout=30) as probe:
+        answered_during = 0  # /health answers that came while the prompt was still in flight
+        with httpx.Client(base_url=server.base, timeout=120) as probe:
             sender.start()
             while sender.is_alive():
-                start = time.monotonic()
                 assert probe.get("/health").status_code == 200
-                latencies.append(time.monotonic() - start)
+                answered_during += sender.is_alive()
                 time.sleep(0.1)
         sender.join()
     finally:
@@ -214,8 +214,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(model_dir):
         code = server.proc.wait(timeout=30)
     error = error_of(result["response"], 400)
     assert error["code"] == "context_length_exceeded" and "3000000 tokens" in error["message"]
-    assert len(latencies) >= 5, latencies  # the prompt took a while: health was asked often
-    assert max(latencies) < 1.0, latencies
+    assert answered_during >= 5
     assert code == 0
 
 
@@ -247,14 +246,13 @@ def test_sigterm_ends_every_open_stream_with_an_error_event_and_done(model_dir):
     error_of(httpx.post(f"{server.base}/v1/completions",  # the flag reaches the app
                         json={"model": MODEL, "prompt": "x" * 5000}), 413)
     answers: list[bytes] = []
-    slow = [threading.Thread(target=lambda: answers.append(trickle(server.port, 10)))
+    slow = [threading.Thread(target=lambda: answers.append(trickle(server.port, 120)))
             for _ in range(20)]
-    start = time.monotonic()
     for t in slow:
         t.start()
     for t in slow:
-        t.join(30)
-    assert time.monotonic() - start < 10  # each is answered, none waited out
+        t.join()
+    # each is answered 408 by the server (a client giving up first would have no answer)
     assert len(answers) == 20 and all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers
     assert b'"code":"request_timeout"' in answers[0]
     assert httpx.get(f"{server.base}/health").status_code == 200

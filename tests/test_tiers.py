@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -88,7 +87,7 @@ def manager_factory(tmp_path):
 def roundtrip(mgr, storage, src_ids, key_list, dst_ids):
     """Load ``key_list`` into ``dst_ids`` and wait for it."""
     handle = mgr.load("r", key_list, dst_ids)
-    assert handle.done.wait(10)
+    assert handle.done.wait(60)
     assert handle in mgr.poll()
     return handle
 
@@ -559,20 +558,42 @@ def test_shutdown_joins_threads_and_releases_every_hold(manager_factory):
     assert mgr.offer([4], keys(4)) == 0
 
 
+class GatedStores(Faults):
+    """Each store waits in ``before_store`` until the test lets it go, and the transfer
+    thread's order of stores and loads is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+        self.store_waiting = threading.Event()
+        self.go = threading.Event()
+
+    def before_store(self) -> None:
+        self.order.append("store")
+        self.store_waiting.set()
+        assert self.go.wait(60)
+
+    def before_read(self) -> None:
+        self.order.append("load")
+
+
 def test_loads_go_before_queued_stores(manager_factory):
-    mgr, storage, _ = manager_factory(cpu_blocks=8)
+    faults = GatedStores()
+    mgr, storage, _ = manager_factory(cpu_blocks=8, faults=faults)
+    faults.go.set()
     mgr.offer([1], keys(1))
     mgr.drain()
-    slow = Faults(store_delay_s=0.3)
-    mgr.engine.faults = slow
+    faults.go.clear()
+    faults.store_waiting.clear()
+    faults.order.clear()
     mgr.offer([2], keys(2))
+    assert faults.store_waiting.wait(60)  # the first store is running; the second is queued
     mgr.offer([3], keys(3))
-    time.sleep(0.05)  # the first slow store is running; the second is queued
-    start = time.monotonic()
     handle = mgr.load("r", keys(1), [9])
-    assert handle.done.wait(5)
-    assert time.monotonic() - start < 0.55  # waited for one store at most, not two
+    faults.go.set()
+    assert handle.done.wait(60) and handle.ok
     mgr.drain()
+    assert faults.order == ["store", "load", "store"]
 
 
 # -- configuration -----------------------------------------------------------------------
