@@ -77,6 +77,10 @@ def test_text_and_kvmem_command_show_the_tiers(capsys, tmp_path):
     (["--disk-offload-dir", "/tmp/x"], "needs --disk-offload-gib"),
     (["--cpu-offload-gib", "-2"], "--cpu-offload-gib must be a non-negative"),
     (["--weight-offload-gib", "-2"], "--weight-offload-gib must be a non-negative"),
+    (["--disk-offload-dir", "/etc/hostname", "--disk-offload-gib", "1"],
+     "--disk-offload-dir /etc/hostname is not a directory"),
+    (["--disk-offload-dir", "/etc/hostname/kv", "--disk-offload-gib", "1"],
+     "--disk-offload-dir /etc/hostname/kv cannot be created: /etc/hostname is not a directory"),
 ])
 def test_bad_offload_input_is_one_line_exit_2(capsys, argv, match):
     assert main(["plan", "qwen3-8b", *H100, *argv]) == 2

@@ -14,6 +14,9 @@ import json
 from pathlib import Path
 
 from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.elastic_config import LIMIT_ENV as VLLM_LIMIT_ENV
+from kvmem.integrations.vllm.elastic_config import MODE_ENV as VLLM_MODE_ENV
+from kvmem.memory.sizing import VllmElasticSizing
 from kvmem.plan.types import FitError
 
 _EPILOG = """\
@@ -173,6 +176,11 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
                                 else args.max_num_batched_tokens),
         cuda_graphs=not (args.enforce_eager or cpu), reserve_cuda_graphs=args.reserve_cuda_graphs,
         cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype)
+    seqs, batched = settings.max_num_seqs, settings.max_num_batched_tokens
+    if 1 <= batched < seqs:
+        raise ConfigError(f"--max-num-seqs {seqs:,} is more than --max-num-batched-tokens "
+                          f"{batched:,}: a step could not schedule a token for every running "
+                          "request (vLLM refuses this too)")
     return layout, settings
 
 
@@ -261,17 +269,32 @@ def _checkpoint_dir(model: str) -> Path | None:
 
 
 def _elastic(args: argparse.Namespace, result, spec):
-    """Each rank's elastic reservation and limit (kvmem.memory.sizing; no torch)."""
+    """The elastic reservation and limit (kvmem.memory.sizing; no torch): in kvmem's engine
+    each rank's (pages of 2 MiB granules on a GPU, of OS pages on CPU); in vLLM (``--engine
+    vllm``, or ``--device cpu``, which plans vLLM's CPU build) what its scheduler side does
+    with vLLM's own KV cache."""
     if args.kv_memory != "elastic":
         if args.kv_memory_limit is not None:
             raise ConfigError("--kv-memory-limit needs --kv-memory elastic")
         return None
-    from kvmem.memory.sizing import plan_elastic
+    from kvmem.memory.sizing import (
+        CPU_GRANULARITY,
+        CUDA_GRANULARITY,
+        plan_elastic,
+        plan_vllm_elastic,
+    )
     from kvmem.units import parse_size
 
+    if args.engine == "sglang":
+        raise ConfigError("--kv-memory elastic runs in kvmem's engine and in vLLM "
+                          "(KVMEM_VLLM_KV_MEMORY=elastic), not in SGLang")
     limit = (parse_size(args.kv_memory_limit, "--kv-memory-limit")
              if args.kv_memory_limit is not None else None)
-    return plan_elastic(result, spec, limit)
+    on_cpu = args.device == "cpu"
+    if args.engine == "vllm" or (on_cpu and args.engine is None):
+        return plan_vllm_elastic(result, spec, limit, on_cpu=on_cpu)
+    return plan_elastic(result, spec, limit,
+                        granularity=CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY)
 
 
 def _check_profile_matches(profiles, layout, settings, path: str) -> None:
@@ -326,16 +349,34 @@ def _elastic_fit_error(result, spec, sizings) -> str | None:
             "block); raise --kv-memory-limit or lower --max-model-len")
 
 
-def _print_elastic(sizings) -> None:
+def _print_elastic(sizings, on_cpu: bool) -> None:
     from kvmem.units import format_bytes
 
     lead = sizings[0]
+    granules = "OS pages" if on_cpu else "2 MiB granules"
     print(f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} on rank 0 "
           f"({lead.limit_blocks:,} blocks mapped at most), reservation {lead.max_blocks:,} "
-          f"blocks in pages of {lead.blocks_per_page} (2 MiB granularity)")
+          f"blocks in pages of {lead.blocks_per_page} ({granules})")
     for rank, s in enumerate(sizings):
         print(f"  rank {rank}: {format_bytes(s.reserved_bytes)} virtual, "
               f"{format_bytes(s.page_bytes)} per page")
+
+
+def _print_vllm_elastic(s, on_cpu: bool) -> None:
+    from kvmem.units import format_bytes
+
+    blocks = "block" if s.blocks_per_page == 1 else "blocks"
+    granule = (f"OS pages of {format_bytes(s.granularity)} on vLLM's CPU build" if on_cpu
+               else f"{format_bytes(s.granularity)} granules on each GPU")
+    print(f"elastic KV memory in vLLM ({VLLM_MODE_ENV}=elastic): vLLM's KV cache is the "
+          f"reservation, {s.reserved_blocks:,} blocks ({format_bytes(s.reserved_bytes)}), "
+          f"mapped in pages of {s.blocks_per_page} {blocks} ({format_bytes(s.page_bytes)}; "
+          f"{granule})")
+    where = ("every rank's KV, all in this host's memory" if on_cpu
+             else "rank 0's GPU; each GPU counts its own")
+    print(f"  limit {format_bytes(s.limit_bytes)}: {s.limit_blocks:,} blocks mapped at most "
+          f"({where}); one request of max_model_len maps {s.request_pages:,} pages "
+          "(incl. the null block's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -384,16 +425,30 @@ def run(args: argparse.Namespace) -> int:
 
         save_plot(result, args.plot)
     elastic = _elastic(args, result, spec)
-    elastic_error = _elastic_fit_error(result, spec, elastic) if elastic is not None else None
+    in_vllm = isinstance(elastic, VllmElasticSizing)
+    if in_vllm:
+        elastic_error = elastic.fit_error(result.engine.max_model_len)
+    else:
+        elastic_error = (_elastic_fit_error(result, spec, elastic) if elastic is not None
+                         else None)
     if elastic_error is not None:
         result.notes.append(elastic_error)
     if command is not None and args.engine == "kvmem" and elastic is not None:
         command.argv += ["--kv-memory", "elastic"]
         if args.kv_memory_limit is not None:
             command.argv += ["--kv-memory-limit", str(elastic[0].limit_bytes)]
+    if command is not None and in_vllm:
+        env = {VLLM_MODE_ENV: "elastic"}
+        if args.kv_memory_limit is not None:
+            env[VLLM_LIMIT_ENV] = str(elastic.limit_bytes)
+        for cmd in (command, command.plugin):
+            if cmd is not None:
+                cmd.env.update(env)
     if args.json:
         out = result.to_dict()
-        if elastic is not None:
+        if in_vllm:
+            out["kv_memory"] = {"kind": "elastic", "engine": "vllm", **elastic.to_dict()}
+        elif elastic is not None:
             out["kv_memory"] = {"kind": "elastic", "ranks": [s.to_dict() for s in elastic]}
         if offload_section is not None:
             out["kv_offload"] = offload_section
@@ -406,10 +461,12 @@ def run(args: argparse.Namespace) -> int:
         if offload_section is not None:
             result.notes.extend(_offload_notes(offload_section))
         print_plan(result, command, plot=args.plot)
-        if elastic is not None:
-            _print_elastic(elastic)
-    if args.check:
+        if in_vllm:
+            _print_vllm_elastic(elastic, on_cpu=args.device == "cpu")
+        elif elastic is not None:
+            _print_elastic(elastic, on_cpu=args.device == "cpu")
+    if args.check or result.engine.num_blocks == 0:  # not one block: no engine starts
         result.check_fit()
-        if elastic_error is not None:
-            raise FitError(elastic_error)
+    if args.check and elastic_error is not None:
+        raise FitError(elastic_error)
     return 0

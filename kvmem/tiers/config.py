@@ -62,6 +62,8 @@ class OffloadConfig:
             raise ConfigError("--disk-offload-dir needs --disk-offload-gib (its byte budget)")
         if self.max_inflight_store_blocks < 1:
             raise ConfigError("max_inflight_store_blocks must be at least 1")
+        if self.disk_dir:
+            check_disk_dir(self.disk_dir, self.names)
 
     @classmethod
     def from_gib(cls, cpu_offload_gib: float = 0.0, disk_offload_dir: str | None = None,
@@ -88,6 +90,19 @@ class OffloadConfig:
         if not parts:
             return "off"
         return ", ".join(parts) + f" ({self.policy})"
+
+
+def check_disk_dir(path: str, names: SettingNames = FLAG_NAMES) -> None:
+    """``path`` is a directory, or one that can be created: a file there (or in its place
+    on the way to it) is refused before anything is planned or loaded."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{names.disk_dir} {path} is not a directory")
+    while not target.exists() and target != target.parent:  # its nearest existing parent
+        target = target.parent
+    if not target.is_dir():
+        raise ConfigError(f"{names.disk_dir} {path} cannot be created: {target} is not a "
+                          "directory")
 
 
 @dataclass(frozen=True)
