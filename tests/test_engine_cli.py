@@ -59,7 +59,15 @@ def test_chat_reads_turns_from_stdin(model_dir):
 @pytest.mark.parametrize(("args", "message"), [
     (["generate", "x", "--model", "/no/such/model"], "not found"),
     (["generate", "x", "--temperature", "-2"], "temperature"),
-    (["generate", "x", "--max-num-seqs", "0"], "max_num_seqs"),
+    # the flags as typed, never EngineConfig's field names
+    (["generate", "x", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer"),
+    (["generate", "x", "--kv-memory-limit", "1GiB"], "--kv-memory-limit needs --kv-memory elastic"),
+    (["serve", "--cpu-kv-memory", "0"], "--cpu-kv-memory must be positive, got '0'"),
+    (["serve", "--distributed-timeout", "0"], "--distributed-timeout must be positive"),
+    # below a second every body would be answered 408 (1e-300 used to be accepted)
+    (["serve", "--request-body-timeout", "1e-300"], "from 1 to 86400 seconds, got 1e-300"),
+    (["serve", "--request-body-timeout", "0.5"], "from 1 to 86400 seconds, got 0.5"),
+    (["serve", "--request-head-timeout", "0"], "--request-head-timeout must be from 1 to 86400"),
     (["generate", "x", "--kv-cache-memory-bytes", "lots"], "cannot read 'lots'"),
     (["generate", "x", "--sample-seed", "99999999999999999999999"], "seed must be an integer in"),
     (["generate", "x", "--seed", "99999999999999999999999"], "seed must be an integer in"),

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve /metrics without the API key")
     g.add_argument("--max-request-bytes", default="16MiB", metavar="SIZE",
                    help="refuse request bodies larger than this with 413 (default: 16MiB)")
+    g.add_argument("--request-head-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="answer 408 and close a connection whose next request line and "
+                        "headers have not arrived within this many seconds (default: 60)")
     g.add_argument("--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="answer 408 to a request whose body has not arrived whole within "
                         "this many seconds (default: 60)")
@@ -86,14 +89,17 @@ def run(args: argparse.Namespace) -> int:
     from kvmem.engine.config import EngineConfig
     from kvmem.engine.llm_engine import LLMEngine
     from kvmem.serve import create_app
+    from kvmem.serve.head_timeout import head_timeout_protocol
     from kvmem.units import parse_size
 
     if not 0 <= args.port <= 65535:
         raise KvmemError(f"--port must be in 0..65535, got {args.port}")
     max_request_bytes = parse_size(args.max_request_bytes, "--max-request-bytes")
-    if not 0 < args.request_body_timeout <= 86400:  # nan and inf fail too
-        raise KvmemError(f"--request-body-timeout must be from 0 to 86400 seconds, got "
-                         f"{args.request_body_timeout}")
+    # a request needs some time to arrive: below a second ordinary clients would get 408
+    for flag, value in (("--request-head-timeout", args.request_head_timeout),
+                        ("--request-body-timeout", args.request_body_timeout)):
+        if not 1 <= value <= 86400:  # nan and inf fail too
+            raise KvmemError(f"{flag} must be from 1 to 86400 seconds, got {value:g}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_config = EngineConfig.from_args(args)
     parallel = None
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
                      request_body_timeout_s=args.request_body_timeout,
                      public_metrics=args.public_metrics)
     config = uvicorn.Config(app, log_level=args.log_level,
+                            http=head_timeout_protocol(args.request_head_timeout),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + _CANCEL_MARGIN_S)
     logging.getLogger("kvmem.serve").info("serving %s on http://%s", engine.model_name,
                                           host_port(host, port))

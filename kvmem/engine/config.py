@@ -7,6 +7,7 @@ in ``add_engine_arguments``, so every entry point takes the same options with th
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, fields
 
 from kvmem.engine.sampling_params import SEED_MAX, SEED_MIN
@@ -93,8 +94,7 @@ class EngineConfig:
                               f"(choose from {', '.join(KV_MEMORY_BACKENDS)})")
         if self.kv_memory_limit_bytes is not None:
             if self.kv_memory != "elastic":
-                raise ConfigError("--kv-memory-limit (kv_memory_limit_bytes) needs "
-                                  "--kv-memory elastic")
+                raise ConfigError("kv_memory_limit_bytes needs kv_memory elastic")
             self.kv_memory_limit_bytes = parse_size(self.kv_memory_limit_bytes,
                                                     "kv_memory_limit_bytes")
         if self.engine_name is not None and not self.engine_name.strip():
@@ -140,8 +140,23 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config of the CLI's flags; its errors name the flags the user typed
+        (``--kv-memory-limit``), not the fields (``kv_memory_limit_bytes``)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        try:
+            return cls(**{k: v for k, v in vars(args).items() if k in names})
+        except ConfigError as exc:
+            raise ConfigError(with_flag_names(str(exc))) from None
+
+
+def with_flag_names(message: str) -> str:
+    """``message`` with every EngineConfig field that has a flag named as that flag."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    flags = {a.dest: next(o for o in a.option_strings if o.startswith("--"))
+             for a in parser._actions if a.option_strings}
+    field = re.compile(r"\b(" + "|".join(sorted(flags, key=len, reverse=True)) + r")\b")
+    return field.sub(lambda m: flags[m[1]], message)
 
 
 def default_cpu_kv_memory_bytes() -> int:

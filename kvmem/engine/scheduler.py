@@ -219,7 +219,7 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 rid, list(request.all_token_ids), tuple(list(t) for t in tables),
                 request.num_computed_tokens, request.sampling_params,
-                request.num_prompt_tokens))
+                request.num_prompt_tokens, request.eos_token_ids))
         else:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 rid, request.all_token_ids[known:], allocation.new_block_ids,
