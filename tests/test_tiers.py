@@ -643,3 +643,35 @@ def test_weights_digest_sees_tensor_data_with_the_same_header(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(3 << 20))
     assert weights_digest([gguf]) != weights_digest([tmp_path / "model.safetensors"])
+
+
+class StuckReads(Faults):
+    """Every block read waits until ``go`` is set: a file system that hangs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.reading = threading.Event()
+
+    def before_read(self) -> None:
+        self.reading.set()
+        assert self.go.wait(60)
+
+
+def test_a_cancelled_load_writes_nothing_when_its_read_ends(manager_factory):
+    """A caller that gave up on a load (vLLM's worker after its bound, which then has vLLM
+    recompute the blocks) must not find the load's bytes landing in those blocks later,
+    when they may hold another request's KV."""
+    mgr, storage, _ = manager_factory(cpu_blocks=8)
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    stuck = StuckReads()
+    mgr.cpu.faults = stuck
+    reused = block(storage, 9)  # block 9 now holds something else
+    handle = mgr.load("r", keys(1), [9])
+    assert stuck.reading.wait(60)
+    handle.cancel()
+    stuck.go.set()
+    assert handle.done.wait(60)
+    assert handle.num_loaded == 0 and handle.error == "cancelled"
+    assert same_block(storage, 9, reused)

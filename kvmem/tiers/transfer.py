@@ -49,7 +49,8 @@ class LoadHandle:
 
     When ``done`` is set, the first ``num_loaded`` of ``block_ids`` hold their blocks'
     KV; the rest (after a failed or missing block) must be recomputed. ``error`` says why
-    a load stopped short.
+    a load stopped short. ``cancel()`` gives it up: nothing is written into the pool after
+    it returns.
     """
 
     request_id: str
@@ -59,6 +60,16 @@ class LoadHandle:
     done: threading.Event = field(default_factory=threading.Event)
     num_loaded: int = 0
     error: str | None = None
+    cancelled: bool = False
+    scatter_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """Give the load up (a caller that stopped waiting for it, and recomputes its
+        blocks): a copy into the pool under way is waited for, and a read still stuck in
+        the file system writes nothing into the pool when it ends, so the blocks, reused
+        meanwhile, are never overwritten with this load's bytes."""
+        with self.scatter_lock:
+            self.cancelled = True
 
     @property
     def ok(self) -> bool:
@@ -206,8 +217,11 @@ class TransferEngine:
                     error = str(exc)
                     break
                 loaded += 1
-            if loaded:
-                self.copier.scatter(handle.block_ids[:loaded], rows[:loaded])
+            with handle.scatter_lock:
+                if handle.cancelled:
+                    loaded, error = 0, "cancelled"
+                elif loaded:
+                    self.copier.scatter(handle.block_ids[:loaded], rows[:loaded])
         except Exception as exc:  # noqa: BLE001 - report as a failed load, recompute instead
             log.exception("offload: loading blocks into the KV pool failed")
             loaded, error = 0, f"load failed: {exc}"

@@ -158,6 +158,7 @@ class WorkerSide:
         for job in meta.loads:
             handle = self.offload.load(job.request_id, job.keys, job.block_ids)
             if not handle.done.wait(LOAD_TIMEOUT_S):
+                handle.cancel()  # vLLM recomputes these blocks: a late copy must not land
                 log.error("kvmem: load of %d blocks for %s did not finish in %.0f s",
                           len(job.block_ids), job.request_id, LOAD_TIMEOUT_S)
             loaded = handle.num_loaded if handle.done.is_set() else 0
