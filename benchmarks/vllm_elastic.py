@@ -54,7 +54,7 @@ class Sampler:
             entry = next((e for e in self.ledger.entries() if e.name == NAME), None)
             rss = {n: p.memory_info().rss for n, p in self.processes.items()}
             if entry is not None:
-                self.samples.append({"mapped": entry.mapped_bytes, "live": entry.used_bytes,
+                self.samples.append({"mapped": entry.mapped_bytes, "live": entry.live_bytes,
                                      **{f"rss_{n}": v for n, v in rss.items()}})
 
     def __enter__(self) -> Sampler:

@@ -52,9 +52,9 @@ def test_table_shows_ranks_and_engine_summary(capsys):
 
 
 def test_gpus_by_name_repeated_or_comma_list(capsys):
-    a = _json(capsys, ["plan", "qwen3-14b", "--pp", "2", "--gpu", "V100-16GB", "--gpu",
+    a = _json(capsys, ["plan", "qwen3-8b", "--pp", "2", "--gpu", "V100-16GB", "--gpu",
                        "V100-32GB"])
-    b = _json(capsys, ["plan", "qwen3-14b", "--pp", "2", "--gpu", "v100-16gb,V100-32GB"])
+    b = _json(capsys, ["plan", "qwen3-8b", "--pp", "2", "--gpu", "v100-16gb,V100-32GB"])
     assert a["ranks"] == b["ranks"]
     assert a["ranks"][0]["memory_bytes"] < a["ranks"][1]["memory_bytes"]
 
@@ -117,11 +117,21 @@ def test_vllm_default_partition_and_even_budgets_need_no_plugin_or_variable(caps
     assert cmd["argv"][cmd["argv"].index("--kv-cache-memory-bytes") + 1] == str(5 << 30)
 
 
-def test_a_plan_without_kv_blocks_says_its_command_will_not_start(capsys):
-    d = _json(capsys, ["plan", "Qwen/Qwen3-32B", "--pp", "2", "--layer-partition", "56,8",
-                       "--gpu", "RTX-3090", "--engine", "vllm"])
-    assert d["engine"]["num_blocks"] == 0
-    assert d["engine_command"]["notes"][0].startswith("this plan holds no KV blocks")
+@pytest.mark.parametrize("output", [["--json"], []])
+def test_a_plan_without_kv_blocks_is_reported_and_exits_2(capsys, output):
+    """Not one block fits: no engine would start, so the plan fails (without --check too)
+    after printing what it found and why."""
+    assert main(["plan", "Qwen/Qwen3-32B", "--pp", "2", "--layer-partition", "56,8",
+                 "--gpu", "RTX-3090", "--engine", "vllm", *output]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("kvmem: error: ") and "\n" not in err and "rank 0" in err
+    if output:
+        d = json.loads(captured.out)
+        assert d["engine"]["num_blocks"] == 0
+        assert d["engine_command"]["notes"][0].startswith("this plan holds no KV blocks")
+    else:
+        assert "0 B for KV cache" in captured.out or "does not fit" in captured.out
 
 
 def test_sglang_says_it_cannot_express_per_rank_budgets(capsys):
@@ -198,6 +208,8 @@ def test_check_fails_with_the_per_rank_message(capsys):
     (["plan", "qwen3-32b", "--gpu", "H100", "--gpu-memory-utilization", "1.5"], r"\(0, 1\]"),
     (["plan", "qwen3-32b", "--gpu", "H100", "--block-size", "-16"], "block_size"),
     (["plan", "qwen3-32b", "--gpu", "H100", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["plan", "qwen3-32b", "--gpu", "H100", "--max-num-seqs", "99999999999999999999"],
+     "--max-num-seqs 99,999,999,999,999,999,999 is more than --max-num-batched-tokens"),
     (["plan", "qwen3-32b"], "give each rank's GPU"),
     (["plan", "qwen3-32b", "--gpu", "H100", "--cpu-offload-gib", "-1"], "negative"),
     (["plan", "qwen3-32b", "--gpu", "H100", "--tp", "x"], "--tp.*not an integer: 'x'"),
@@ -246,6 +258,39 @@ def test_elastic_limit_that_holds_a_request_passes_the_check(capsys):
     assert main(ELASTIC + ["--kv-memory-limit", "10GiB", "--max-model-len", "8192",
                            "--check"]) == 0
     assert "elastic KV memory limit" not in capsys.readouterr().out
+
+
+VLLM_CPU_ELASTIC = ["plan", "smollm2", "--device", "cpu", "--engine", "vllm", "--kv-memory",
+                    "elastic", "--kv-cache-memory-bytes", "1GiB", "--max-model-len", "4096"]
+
+
+def test_elastic_in_vllms_cpu_build_is_planned_as_vllm_maps_it(capsys):
+    """vLLM's own KV cache is the reservation, mapped by OS pages: SmolLM2's 128-token
+    block of one layer (K and V of 3 heads of 64 in bf16: 98,304 bytes) fills whole 4 KiB
+    pages, so a page holds one block, not the 2 MiB granules of a GPU; the command turns
+    it on with kvmem's variable."""
+    d = _json(capsys, VLLM_CPU_ELASTIC + ["--kv-memory-limit", "100MiB"])
+    kv, engine = d["kv_memory"], d["engine"]
+    assert kv["engine"] == "vllm" and kv["granularity"] == 4096
+    assert kv["blocks_per_page"] == 1 and kv["reserved_blocks"] == engine["num_blocks"]
+    assert kv["page_bytes"] == kv["block_bytes"] == d["ranks"][0]["bytes_per_block"]
+    assert kv["limit_blocks"] == (100 << 20) // kv["page_bytes"]
+    assert kv["request_pages"] == 4096 // 128 + 1
+    assert d["engine_command"]["env"] == {"KVMEM_VLLM_KV_MEMORY": "elastic",
+                                          "KVMEM_VLLM_KV_MEMORY_LIMIT": str(100 << 20)}
+    assert main(VLLM_CPU_ELASTIC) == 0
+    out = capsys.readouterr().out
+    assert "mapped in pages of 1 block" in out and "OS pages of 4.00 KiB" in out
+    assert "2 MiB" not in out
+
+
+def test_elastic_in_vllm_fails_the_check_where_vllm_would_refuse(capsys):
+    """50 MiB maps 17 one-block pages; a 4,096-token request needs 32 and the null
+    block's (vLLM's scheduler side refuses to start with the same figures)."""
+    assert main(VLLM_CPU_ELASTIC + ["--kv-memory-limit", "50MiB", "--check"]) == 2
+    assert "needs 33 (incl. the null block's)" in capsys.readouterr().err
+    assert main(VLLM_CPU_ELASTIC[:5] + ["sglang"] + VLLM_CPU_ELASTIC[6:]) == 2
+    assert "not in SGLang" in capsys.readouterr().err
 
 
 BASE_CONFIG = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,

@@ -145,7 +145,7 @@ def test_parallel_tokens_match_plain(tiny, reference, tp, pp):
 def test_limit_too_small_for_one_request_is_a_clear_error(tiny):
     with pytest.raises(ConfigError, match=r"KV memory limit .* max_model_len 128 needs 9 "):
         LLM(str(tiny), kv_memory="elastic", kv_memory_limit_bytes="64KiB", **OPTIONS)
-    with pytest.raises(ConfigError, match="--kv-memory-limit .* needs --kv-memory elastic"):
+    with pytest.raises(ConfigError, match="kv_memory_limit_bytes needs kv_memory elastic"):
         EngineConfig(kv_memory_limit_bytes="1GiB")
     with pytest.raises(ConfigError, match="unknown kv_memory 'paged'"):
         EngineConfig(kv_memory="paged")

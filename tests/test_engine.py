@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_checkpoint
 
-from kvmem.engine.errors import PromptTooLongError
+from kvmem.engine.errors import InvalidRequestError, PromptTooLongError
 from kvmem.engine.llm import LLM
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.spec import spec_from_config
@@ -175,6 +175,35 @@ def test_stop_token_ids_and_eos(tiny_llama, tmp_path):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
     assert eos_llm.generate([[7, 3, 9]], params)[0].token_ids == tokens[:stop_at + 1]
     assert eos_llm.generate([[7, 3, 9]], GREEDY)[0].token_ids == tokens
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(tiny_llama):
+    """vLLM's min_tokens: a logit bias makes EOS (258), then a stop token id, the greedy
+    choice at every position; until min_tokens are generated neither is picked nor ends
+    the request, and no stop string ends it either (it used to be ignored: 200 and
+    nothing done)."""
+    _, llm = tiny_llama
+    eos = SamplingParams(max_tokens=10, temperature=0, logit_bias={258: 100})
+    assert llm.generate([[7, 3, 9]], eos)[0].token_ids == [258]
+    held = llm.generate([[7, 3, 9]], SamplingParams(max_tokens=10, temperature=0,
+                                                    logit_bias={258: 100}, min_tokens=4))[0]
+    assert len(held.token_ids) == 5 and 258 not in held.token_ids[:4]
+    assert held.token_ids[4] == 258 and held.outputs[0].finish_reason == "stop"
+    stop = SamplingParams(max_tokens=10, temperature=0, logit_bias={42: 100},
+                          stop_token_ids=[42], min_tokens=3)
+    out = llm.generate([[7, 3, 9]], stop)[0]
+    assert len(out.token_ids) == 4 and out.token_ids[3] == 42 and 42 not in out.token_ids[:3]
+    plain = llm.generate([[7, 3, 9]], SamplingParams(max_tokens=6, temperature=0,
+                                                     ignore_eos=True))[0]
+    first = plain.outputs[0].text[:1]  # a stop string the first tokens' text completes
+    early = llm.generate([[7, 3, 9]], SamplingParams(max_tokens=6, temperature=0,
+                                                     ignore_eos=True, stop=[first]))[0]
+    assert len(early.token_ids) < 6 and early.outputs[0].finish_reason == "stop"
+    late = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop=[first],
+                          min_tokens=6)
+    assert llm.generate([[7, 3, 9]], late)[0].token_ids == plain.token_ids
+    with pytest.raises(InvalidRequestError, match="min_tokens must be at most max_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
 
 
 def test_abort_frees_blocks(tiny_llama):

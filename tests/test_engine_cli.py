@@ -59,7 +59,15 @@ def test_chat_reads_turns_from_stdin(model_dir):
 @pytest.mark.parametrize(("args", "message"), [
     (["generate", "x", "--model", "/no/such/model"], "not found"),
     (["generate", "x", "--temperature", "-2"], "temperature"),
-    (["generate", "x", "--max-num-seqs", "0"], "max_num_seqs"),
+    # the flags as typed, never EngineConfig's field names
+    (["generate", "x", "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer"),
+    (["generate", "x", "--kv-memory-limit", "1GiB"], "--kv-memory-limit needs --kv-memory elastic"),
+    (["serve", "--cpu-kv-memory", "0"], "--cpu-kv-memory must be positive, got '0'"),
+    (["serve", "--distributed-timeout", "0"], "--distributed-timeout must be positive"),
+    # below a second every body would be answered 408 (1e-300 used to be accepted)
+    (["serve", "--request-body-timeout", "1e-300"], "from 1 to 86400 seconds, got 1e-300"),
+    (["serve", "--request-body-timeout", "0.5"], "from 1 to 86400 seconds, got 0.5"),
+    (["serve", "--request-head-timeout", "0"], "--request-head-timeout must be from 1 to 86400"),
     (["generate", "x", "--kv-cache-memory-bytes", "lots"], "cannot read 'lots'"),
     (["generate", "x", "--sample-seed", "99999999999999999999999"], "seed must be an integer in"),
     (["generate", "x", "--seed", "99999999999999999999999"], "seed must be an integer in"),
@@ -79,6 +87,33 @@ def test_serve_on_a_busy_port_fails_fast(model_dir):
         res = kvmem("serve", str(model_dir), "--port", str(port))
     assert res.returncode == 2
     assert res.stderr.strip().startswith("kvmem: error: cannot listen on 127.0.0.1:")
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_serve_writes_an_ipv6_address_in_brackets(tmp_path, capsys):
+    """The URL printed for ``--port 0`` (before the model loads: an empty directory then
+    fails) and a busy port's error put an IPv6 literal in brackets."""
+    from kvmem.cli import main
+
+    assert main(["serve", str(tmp_path), "--host", "::1", "--port", "0"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("kvmem: listening on http://[::1]:"), out
+    int(out.strip().rsplit(":", 1)[1])  # the port follows the bracket
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.bind(("::1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--host", "::1", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvmem: error: cannot listen on [::1]:{port}:")
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
+import os
 import random
 import subprocess
 import sys
@@ -17,10 +19,12 @@ from dataclasses import dataclass
 import pytest
 from tiny_models import make_tiny_checkpoint
 
+from kvmem.cache.hashing import hash_request_tokens
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.tiers import Faults, OffloadConfig
+from kvmem.tiers.blocks import key_name
 from kvmem.tiers.faults import NO_FAULTS
 
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp32
@@ -191,6 +195,7 @@ def test_soak_random_requests_with_faults(tmp_path, tiny_model):
 
 _RESTART_SCRIPT = """
 import json, sys
+from kvmem.cache.hashing import hash_request_tokens
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
@@ -309,32 +314,61 @@ def test_hybrid_failed_load_still_gives_exact_tokens(hybrid_run, fail_at):
     assert usage.used == 0 and usage.held == 0
 
 
-def test_disk_tier_is_keyed_by_the_weights_not_the_model_path(tmp_path, monkeypatch):
+def test_disk_tier_is_keyed_by_the_weights_not_the_model_path(tmp_path, monkeypatch, caplog):
     """Two random checkpoints reached by the same relative path share one disk directory:
-    the second must not read the first's KV, and gives its own no-offload tokens."""
+    the second must not read the first's KV, and gives its own no-offload tokens. Then the
+    first's block files are copied over the second's (a restore or a sync tool mixing the
+    namespaces), and one of the second's is replaced by a FIFO while its engine runs: each
+    is a failed load that is counted and logged, and the tokens do not change."""
     for name, seed in (("a", 1), ("b", 2)):
         make_tiny_checkpoint(tmp_path / name, "llama", seed=seed)
     prompt = list(range(40, 90))
     disk = OffloadConfig(disk_dir=str(tmp_path / "tier"), disk_bytes=64 << 20)
 
-    def run(where: str, offload: bool):
+    def run(where: str, offload: bool, damage=lambda engine: None):
         monkeypatch.chdir(tmp_path / where)
         engine = make_engine(num_blocks=16, max_model_len=128, model="tiny-llama",
                              bytes_per_token=TINY_BYTES_PER_TOKEN,
                              offload=disk if offload else None)
         connector = engine.offload
         try:
+            damage(engine)
             request, out = run_one(engine, "r", prompt)
-            hits = connector.stats()["disk"].hits if connector else 0
+            stats = connector.stats()["disk"] if connector else None
         finally:
             if connector is not None:
                 connector.shutdown(flush=True)
-        return request.num_cached_tokens, hits, out.outputs[0].token_ids
+        return (request.num_cached_tokens, stats.hits if stats else 0,
+                out.outputs[0].token_ids), stats
 
     run("a", offload=True)
-    assert run("a", offload=True)[:2] == (48, 3)  # the same weights do reuse the tier
-    expected = run("b", offload=False)[2]
-    assert run("b", offload=True) == (0, 0, expected)
+    assert run("a", offload=True)[0][:2] == (48, 3)  # the same weights do reuse the tier
+    [ns_a] = (tmp_path / "tier").iterdir()
+    expected = run("b", offload=False)[0][2]
+    assert run("b", offload=True)[0] == (0, 0, expected)
+    [ns_b] = set((tmp_path / "tier").iterdir()) - {ns_a}
+
+    for source in ns_a.glob("*/*.kvb"):
+        (ns_b / source.parent.name / source.name).write_bytes(source.read_bytes())
+    with caplog.at_level(logging.WARNING, logger="kvmem.tiers"):
+        (cached, hits, tokens), stats = run("b", offload=True)
+    assert (tokens, stats.failed_loads) == (expected, 1)
+    assert "belongs to another tier" in caplog.text
+
+    run("b", offload=True)  # b's own blocks again
+
+    def fifo_in_place_of_the_second_block(engine):
+        path = engine.offload.offload.disk.path_of(
+            key_name((0, hash_request_tokens(prompt, 16)[1])))
+        path.unlink()
+        os.mkfifo(path)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvmem.tiers"):
+        (cached, hits, tokens), stats = run("b", offload=True,
+                                            damage=fifo_in_place_of_the_second_block)
+    assert (cached, tokens, stats.failed_loads) == (16, expected, 1)
+    assert "not a regular file" in caplog.text
 
 
 def test_tier_misses_count_every_block_past_the_pool_hit(tmp_path, tiny_model):

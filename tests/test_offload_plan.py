@@ -13,7 +13,7 @@ import torch
 from kvmem.cli import main
 from kvmem.memory.storage import SlotShape, TensorKVStorage
 from kvmem.tiers import OffloadConfig, OffloadManager
-from kvmem.tiers.config import tier_capacity
+from kvmem.tiers.config import DISK_ENTRY_OVERHEAD_BYTES, tier_capacity
 from kvmem.units import GiB
 
 H100 = ["--gpu", "H100"]
@@ -77,6 +77,10 @@ def test_text_and_kvmem_command_show_the_tiers(capsys, tmp_path):
     (["--disk-offload-dir", "/tmp/x"], "needs --disk-offload-gib"),
     (["--cpu-offload-gib", "-2"], "--cpu-offload-gib must be a non-negative"),
     (["--weight-offload-gib", "-2"], "--weight-offload-gib must be a non-negative"),
+    (["--disk-offload-dir", "/etc/hostname", "--disk-offload-gib", "1"],
+     "--disk-offload-dir /etc/hostname is not a directory"),
+    (["--disk-offload-dir", "/etc/hostname/kv", "--disk-offload-gib", "1"],
+     "--disk-offload-dir /etc/hostname/kv cannot be created: /etc/hostname is not a directory"),
 ])
 def test_bad_offload_input_is_one_line_exit_2(capsys, argv, match):
     assert main(["plan", "qwen3-8b", *H100, *argv]) == 2
@@ -109,7 +113,7 @@ def test_capacity_is_what_the_stores_really_hold(tmp_path):
     storage = TensorKVStorage(40, 3, shape, torch.float32)
     row = 3 * shape.elements_per_block * 4
     config = OffloadConfig(cpu_bytes=7 * row + row - 1, disk_dir=str(tmp_path),
-                           disk_bytes=5 * row + 6 * 75 - 1 + row)
+                           disk_bytes=6 * (row + DISK_ENTRY_OVERHEAD_BYTES) - 1)
     capacity = {t.tier: t for t in tier_capacity(config, row, shape.block_size)}
     assert capacity["cpu"].num_blocks == 7 and capacity["disk"].num_blocks == 5
     mgr = OffloadManager(config, storage, 3, _Holder(), model="m", layout="l")

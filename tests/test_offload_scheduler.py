@@ -7,6 +7,8 @@ that the block manager takes all-or-nothing and makes findable only after the lo
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from kvmem.engine.scheduler import Scheduler
 from kvmem.engine.step import ModelRunnerOutput
 from kvmem.memory.storage import SlotShape, TensorKVStorage
 from kvmem.spec import AttentionKind, KVGroup
-from kvmem.tiers import OffloadConfig, OffloadConnector, OffloadManager
+from kvmem.tiers import Faults, OffloadConfig, OffloadConnector, OffloadManager
 
 BLOCK = 4
 SHAPE = SlotShape(num_kv=2, block_size=BLOCK, num_heads=1, head_dim=4)
@@ -143,6 +145,38 @@ def test_aborting_a_parked_request_frees_its_blocks(setup):
     assert sched.kv_cache_manager.usage().used == 0
 
 
+class StuckRead(Faults):
+    """Every block read waits until ``go`` is set: a tier's file system that hangs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def before_read(self) -> None:
+        self.go.wait(60)
+
+
+def test_aborting_a_request_whose_load_hangs_does_not_wait_for_it(setup):
+    """The step that aborts a request loading from a tier that hangs goes on at once; the
+    blocks the load writes into stay held (not reused) until the load is done."""
+    sched, connector = setup()
+    store_and_forget(sched, connector, req("a", 13))
+    stuck = StuckRead()
+    for tier in connector.offload.tiers:
+        tier.faults = stuck
+    again = req("a-again", 13)
+    sched.add_request(again)
+    sched.schedule()
+    assert sched.loading == [again]
+    assert sched.abort_requests(["a-again"]) == [again]  # returns while the read hangs
+    usage = sched.kv_cache_manager.usage()
+    assert not stuck.go.is_set() and usage.used == 0 and usage.held == 3
+    stuck.go.set()
+    connector.gate_open = True
+    sched.schedule()
+    assert sched.kv_cache_manager.usage().held == 0
+
+
 def test_a_load_that_fails_in_the_tiers_code_fails_its_request_alone(setup, monkeypatch):
     """Completing a load raises for one request: it fails (its blocks freed, its stage
     tier_load) and the request beside it is admitted from its own load as usual."""
@@ -202,7 +236,7 @@ def test_wait_blocks_until_the_parked_load_lands(setup):
     sched.add_request(again)
     sched.schedule()
     assert sched.loading == [again]
-    assert connector.wait(5) is True
+    assert connector.wait(60) is True
     connector.gate_open = True
     assert list(sched.schedule().num_scheduled_tokens) == ["a-again"]
 

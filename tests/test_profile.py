@@ -115,6 +115,15 @@ def test_to_rank_profile_carries_the_measured_figures():
 
 # ------------------------------------------------------------------ CPU measurement
 def test_cpu_meter_sees_an_allocation_at_its_peak():
+    """With /proc/self/clear_refs the meter reads the kernel's high-water mark of resident
+    memory (VmHWM), reset just before: it holds every page of an allocation touched and
+    freed inside, however briefly it lived, less pages the kernel took back from the
+    process meanwhile (file-backed ones, on a machine short of memory: 36 KiB in one loaded
+    CI run) and plus what else grew; the bounds allow for both."""
+    import kvmem.engine.profiler as profiler
+
+    if not profiler._reset_high_water_mark():
+        pytest.skip("/proc/self/clear_refs is not writable here (the sampling test covers it)")
     meter = CPUMeter(torch.device("cpu"))
     meter.start()
     size = 64 * MiB
@@ -123,20 +132,34 @@ def test_cpu_meter_sees_an_allocation_at_its_peak():
         torch.ones(size // 4, dtype=torch.float32)  # touched, then freed before returning
 
     peak = meter.peak(allocate)
-    assert size <= peak < size + 32 * MiB
+    assert size * 0.9 <= peak < size + 32 * MiB
 
 
 def test_cpu_meter_falls_back_to_sampling(monkeypatch):
+    """Without clear_refs the meter samples the resident size on a thread: it sees an
+    allocation that lives while a sample is taken (however long the thread takes to be
+    scheduled on a loaded machine), so the allocation here is held until two samples
+    have started after it."""
     import kvmem.engine.profiler as profiler
 
     monkeypatch.setattr(profiler, "_reset_high_water_mark", lambda: False)
+    samples = []
+    rss = profiler._rss
+
+    def counted_rss() -> int:
+        samples.append(None)
+        return rss()
+
+    monkeypatch.setattr(profiler, "_rss", counted_rss)
     meter = CPUMeter(torch.device("cpu"))
     meter.start()
     size = 64 * MiB
 
     def allocate_and_hold() -> None:
         x = torch.ones(size // 4, dtype=torch.float32)
-        time.sleep(0.05)  # long enough for the sampling thread to see it
+        seen = len(samples)
+        while len(samples) < seen + 2:  # the second began after the first ended
+            time.sleep(0.001)
         del x
 
     assert size * 0.9 <= meter.peak(allocate_and_hold) < size + 32 * MiB
@@ -314,9 +337,8 @@ def test_profile_command_errors_are_one_line(tmp_path, capsys):
 def test_profile_refuses_before_loading_what_it_cannot_do(tmp_path, capsys, flags, says):
     """Settings a profile would get wrong or ignore, and an --output that could not be
     written, fail with one line and exit 2 before any weights load."""
-    start = time.monotonic()
+    # the model does not exist: reaching it would fail with another message
     assert main(["profile", str(tmp_path / "not-loaded"), "--device", "cpu", *flags]) == 2
-    assert time.monotonic() - start < 5
     err = capsys.readouterr().err
     assert err.startswith("kvmem: error:") and err.count("\n") == 1 and says in err
 

@@ -242,7 +242,7 @@ def test_token_ids_the_model_does_not_have_are_refused_before_a_step(tmp_path):
     """A tokenizer larger than the model's vocabulary (here 200 embeddings for a 259-token
     tokenizer) turns text into ids the model's embedding cannot look up: a step with that
     request would fail for every request in it. Such a prompt is a 400, and so are more
-    top logprobs than the vocabulary has."""
+    top logprobs than the vocabulary has, and stop token ids the model cannot produce."""
     from kvmem.engine.config import EngineConfig
     from kvmem.engine.errors import InvalidRequestError
     from kvmem.engine.llm_engine import LLMEngine
@@ -257,6 +257,10 @@ def test_token_ids_the_model_does_not_have_are_refused_before_a_step(tmp_path):
     with pytest.raises(InvalidRequestError, match="at most the vocabulary size") as e:
         engine.make_request("r2", [3, 4, 5], SamplingParams(max_tokens=2, logprobs=17))
     assert e.value.param == "logprobs"
+    with pytest.raises(InvalidRequestError, match="below the vocabulary size") as e:
+        engine.make_request("r2", [3, 4, 5], SamplingParams(max_tokens=2, stop_token_ids=[16]))
+    assert e.value.param == "stop_token_ids"
+    engine.make_request("r2", [3, 4, 5], SamplingParams(max_tokens=2, stop_token_ids=[15]))
     engine.add_request("r3", [3, 4, 5], SamplingParams(max_tokens=2, logprobs=16))
     while engine.has_unfinished_requests():
         outputs = engine.step()

@@ -277,7 +277,7 @@ def test_a_client_that_hangs_up_aborts_its_non_streaming_request(model_dir):
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{base}/v1/{route}", timeout=httpx.Timeout(5, read=0.3), json={
                     "model": MODEL, "max_tokens": 8000, "ignore_eos": True, **body})
-            deadline = time.monotonic() + 3
+            deadline = time.monotonic() + 60  # ends as soon as it is counted
             while scrape(base)[aborted] < n and time.monotonic() < deadline:
                 time.sleep(0.05)
             values = scrape(base)
@@ -373,7 +373,7 @@ def test_a_request_cancelled_at_shutdown_gets_a_503_and_is_aborted(model_dir):
     engine.start()
     try:
         response = asyncio.run(cancelled_request())
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 60  # ends as soon as it is counted
         while engine.snapshot.finished_requests.get("abort", 0) == 0 and \
                 time.monotonic() < deadline:
             time.sleep(0.02)

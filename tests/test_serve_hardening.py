@@ -189,7 +189,8 @@ def test_the_api_key_is_checked_before_the_body_and_covers_metrics(model_dir):
 # -- a real server: huge prompts and SIGTERM ------------------------------------------------
 def test_health_answers_while_a_huge_prompt_is_tokenized(model_dir):
     """Tokenizing ~3 MB takes seconds: it must not hold the event loop (nor the GIL), so
-    /health answers within a second throughout; then the prompt gets its 400."""
+    /health answers again and again while it runs (a blocked loop would answer the first
+    probe only once the prompt is done); then the prompt gets its 400."""
     server = ServeProcess(model_dir, "--served-model-name", MODEL, "--max-model-len", "128",
                           "--kv-cache-memory-bytes", "4MiB", "--log-level", "warning")
     result: dict = {}
@@ -200,13 +201,12 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(model_dir):
 
     try:
         sender = threading.Thread(target=huge)
-        latencies = []
-        with httpx.Client(base_url=server.base, timeout=30) as probe:
+        answered_during = 0  # /health answers that came while the prompt was still in flight
+        with httpx.Client(base_url=server.base, timeout=120) as probe:
             sender.start()
             while sender.is_alive():
-                start = time.monotonic()
                 assert probe.get("/health").status_code == 200
-                latencies.append(time.monotonic() - start)
+                answered_during += sender.is_alive()
                 time.sleep(0.1)
         sender.join()
     finally:
@@ -214,19 +214,22 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(model_dir):
         code = server.proc.wait(timeout=30)
     error = error_of(result["response"], 400)
     assert error["code"] == "context_length_exceeded" and "3000000 tokens" in error["message"]
-    assert len(latencies) >= 5, latencies  # the prompt took a while: health was asked often
-    assert max(latencies) < 1.0, latencies
+    assert answered_during >= 5
     assert code == 0
 
 
-def trickle(port: int, wait_s: float) -> bytes:
-    """Send a request whose body never arrives whole (one byte of 100); what the server
-    answers within ``wait_s``."""
+BODY_NEVER_WHOLE = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+HEAD_NEVER_WHOLE = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app"
+
+
+def trickle(port: int, wait_s: float, sent: bytes = BODY_NEVER_WHOLE) -> bytes:
+    """Send the start of a request that never arrives whole (by default its head and one
+    byte of its body of 100); what the server answers within ``wait_s``."""
     import socket
 
     with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        s.sendall(sent)
         answer = b""
         try:
             while chunk := s.recv(4096):
@@ -239,24 +242,26 @@ def trickle(port: int, wait_s: float) -> bytes:
 def test_sigterm_ends_every_open_stream_with_an_error_event_and_done(model_dir):
     """Streams still running after the graceful-shutdown time get a final OpenAI-style
     error event and ``data: [DONE]``; the process exits 0 with no traceback in its log.
-    Before that, on the same server: bodies that trickle in are answered 408 once their time
-    limit passes (they used to stay open indefinitely), and the server serves on."""
+    Before that, on the same server: bodies and heads (request line and headers) that
+    trickle in are answered 408 once their time limit passes (they used to stay open
+    indefinitely), and the server serves on."""
     server = ServeProcess(model_dir, "--served-model-name", MODEL, "--max-model-len", "8192",
                           "--kv-cache-memory-bytes", "8MiB", "--max-request-bytes", "4KiB",
-                          "--request-body-timeout", "1")
+                          "--request-body-timeout", "1", "--request-head-timeout", "1")
     error_of(httpx.post(f"{server.base}/v1/completions",  # the flag reaches the app
                         json={"model": MODEL, "prompt": "x" * 5000}), 413)
     answers: list[bytes] = []
-    slow = [threading.Thread(target=lambda: answers.append(trickle(server.port, 10)))
-            for _ in range(20)]
-    start = time.monotonic()
+    slow = [threading.Thread(target=lambda sent=sent: answers.append(
+        trickle(server.port, 120, sent))) for sent in [BODY_NEVER_WHOLE] * 10 + [
+            HEAD_NEVER_WHOLE] * 10]
     for t in slow:
         t.start()
     for t in slow:
-        t.join(30)
-    assert time.monotonic() - start < 10  # each is answered, none waited out
+        t.join()
+    # each is answered 408 by the server (a client giving up first would have no answer)
     assert len(answers) == 20 and all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers
-    assert b'"code":"request_timeout"' in answers[0]
+    assert all(b'"code":"request_timeout"' in a for a in answers)
+    assert sum(b"request head did not arrive within 1 s" in a for a in answers) == 10
     assert httpx.get(f"{server.base}/health").status_code == 200
     bodies = [("completions", {"prompt": "go"}), ("completions", {"prompt": "again"}),
               ("chat/completions", {"messages": [{"role": "user", "content": "go"}]})]

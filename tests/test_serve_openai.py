@@ -354,3 +354,30 @@ def test_n_samples_streaming_and_not(client, http):
                         ({"best_of": 3, "stream": True}, "best_of")):
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_min_tokens_and_the_fields_clients_send(client, http):
+    """vLLM's ``min_tokens`` (``extra_body``, as the openai client sends it) holds back EOS
+    (here made the greedy choice by a logit bias, 258): it used to answer 200 and do
+    nothing. A field kvmem does not serve is a 400 naming it, not ignored; OpenAI's
+    bookkeeping fields pass."""
+    eos_first = dict(model=MODEL, temperature=0, max_tokens=8, logit_bias={"258": 100})
+    assert client.completions.create(prompt=[5, 6, 7], **eos_first).usage.completion_tokens == 1
+    out = client.completions.create(prompt=[5, 6, 7], **eos_first, extra_body={"min_tokens": 5})
+    assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], **eos_first, user="u1", store=False,
+        metadata={"team": "a"}, service_tier="auto", extra_body={"min_tokens": 3})
+    assert chat.usage.completion_tokens == 4
+    for route, body in (("completions", {"prompt": "hi"}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for field, value in (("response_format", {"type": "json_object"}),
+                             ("tools", []), ("max_token", 4), ("min_tokenz", 2)):
+            response = http.post(f"/v1/{route}", json={"model": MODEL, **body, field: value})
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == field, (route, field)
+            assert error["message"] == (f"{field}: not a field kvmem serves (the fields are "
+                                        "in /openapi.json)")
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                  "max_tokens": 2, "min_tokens": 3})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens"

@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -89,7 +88,7 @@ def manager_factory(tmp_path):
 def roundtrip(mgr, storage, src_ids, key_list, dst_ids):
     """Load ``key_list`` into ``dst_ids`` and wait for it."""
     handle = mgr.load("r", key_list, dst_ids)
-    assert handle.done.wait(10)
+    assert handle.done.wait(60)
     assert handle in mgr.poll()
     return handle
 
@@ -334,6 +333,86 @@ def test_corrupted_files_are_caught_by_checksum(manager_factory):
     assert mgr.stats()["disk"].failed_load_causes == {"checksum": 1}
 
 
+def test_block_files_swapped_between_ranks_fail_their_loads(manager_factory, tmp_path):
+    """Two tensor-parallel ranks' tiers in one folder name their files alike; a file
+    swapped into the other rank's namespace (a copy, a restore, a sync tool) carries the
+    namespace its checksum covers, so it fails the load there instead of loading the other
+    rank's KV; the rank keeps the blocks before it and recomputes from there."""
+    shared = tmp_path / "shared"
+    ranks = [_disk_only_chain(manager_factory, layout=f"tp2-rank{r}", disk_dir=shared,
+                              storage=make_storage(seed=r)) for r in (0, 1)]
+    paths = [mgr.disk.path_of(key_name(keys(2)[0])) for mgr, _ in ranks]
+    assert paths[0] != paths[1] and paths[0].name == paths[1].name
+    swapped = [p.read_bytes() for p in reversed(paths)]
+    for path, data in zip(paths, swapped, strict=True):
+        path.write_bytes(data)
+    for mgr, storage in ranks:
+        expected = block(storage, 1)
+        handle = roundtrip(mgr, storage, [], keys(1, 2, 3), [11, 12, 13])
+        assert handle.num_loaded == 1 and "belongs to another tier" in handle.error
+        assert same_block(storage, 11, expected)
+        assert mgr.stats()["disk"].failed_loads == 1
+        assert mgr.lookup(keys(1, 2, 3)) == 1  # the foreign file is dropped (and removed)
+    assert not any(p.exists() for p in paths)
+
+
+def test_a_fifo_in_place_of_a_block_file_fails_its_load_without_waiting(manager_factory):
+    """A FIFO named like a block file (put there after the start-up scan) used to block
+    the transfer thread in open() for ever, and with it every later load."""
+    mgr, storage = _disk_only_chain(manager_factory)
+    path = mgr.disk.path_of(key_name(keys(2)[0]))
+    path.unlink()
+    os.mkfifo(path)
+    handle = roundtrip(mgr, storage, [], keys(1, 2, 3), [11, 12, 13])
+    assert handle.num_loaded == 1 and "not a regular file" in handle.error
+    assert mgr.stats()["disk"].failed_loads == 1
+    assert roundtrip(mgr, storage, [], keys(1), [14]).ok  # the next load runs as usual
+
+
+def test_a_fifo_at_a_temporary_name_skips_that_store(manager_factory):
+    """The disk writer does not wait on a FIFO where it writes a block's temporary file:
+    that store is skipped and the next one lands."""
+    mgr, _, _ = manager_factory(cpu_blocks=1, disk_blocks=8)
+    path = mgr.disk.path_of(key_name(keys(5)[0]))
+    path.parent.mkdir(mode=0o700)
+    os.mkfifo(path.with_name(f"{path.name}.{os.getpid()}.tmp"))
+    mgr.offer([5], keys(5))
+    mgr.drain(timeout=30)
+    mgr.offer([6], keys(6))
+    mgr.drain(timeout=30)
+    disk = mgr.stats()["disk"]
+    assert disk.skipped_stores == 1 and disk.stored_blocks == 1 and disk.enabled
+    assert mgr.disk.contains(key_name(keys(6)[0])) and not path.exists()
+
+
+def test_no_file_is_removed_under_the_tier_lock(manager_factory, monkeypatch):
+    """The scheduler's thread takes a tier's lock (``pin``, stats): the disk writer
+    removes the file of a block it evicts after releasing the lock, so a slow file system
+    never stops the step. The removal waits here until ``stats()`` has returned."""
+    from kvmem.tiers import disk_store
+
+    mgr, _, _ = manager_factory(cpu_blocks=1, disk_blocks=1)
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    removing, stats_returned, waited_in_vain = threading.Event(), threading.Event(), []
+    remove = disk_store._remove
+
+    def slow_remove(path):
+        removing.set()
+        if not stats_returned.wait(30):
+            waited_in_vain.append(path)
+        remove(path)
+
+    monkeypatch.setattr(disk_store, "_remove", slow_remove)
+    mgr.offer([2], keys(2))  # evicts block 1 from the one-block disk tier
+    assert removing.wait(30)
+    assert mgr.stats()["disk"].evictions == 1
+    stats_returned.set()
+    mgr.drain()
+    assert waited_in_vain == [] and mgr.disk.contains(key_name(keys(2)[0]))
+    assert not mgr.disk.path_of(key_name(keys(1)[0])).exists()
+
+
 def test_full_disk_skips_the_store_and_leaves_no_partial_file(manager_factory):
     mgr, storage, _ = manager_factory(cpu_blocks=4, disk_blocks=8,
                                       faults=Faults(disk_full=True))
@@ -487,20 +566,42 @@ def test_shutdown_joins_threads_and_releases_every_hold(manager_factory):
     assert mgr.offer([4], keys(4)) == 0
 
 
+class GatedStores(Faults):
+    """Each store waits in ``before_store`` until the test lets it go, and the transfer
+    thread's order of stores and loads is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+        self.store_waiting = threading.Event()
+        self.go = threading.Event()
+
+    def before_store(self) -> None:
+        self.order.append("store")
+        self.store_waiting.set()
+        assert self.go.wait(60)
+
+    def before_read(self) -> None:
+        self.order.append("load")
+
+
 def test_loads_go_before_queued_stores(manager_factory):
-    mgr, storage, _ = manager_factory(cpu_blocks=8)
+    faults = GatedStores()
+    mgr, storage, _ = manager_factory(cpu_blocks=8, faults=faults)
+    faults.go.set()
     mgr.offer([1], keys(1))
     mgr.drain()
-    slow = Faults(store_delay_s=0.3)
-    mgr.engine.faults = slow
+    faults.go.clear()
+    faults.store_waiting.clear()
+    faults.order.clear()
     mgr.offer([2], keys(2))
+    assert faults.store_waiting.wait(60)  # the first store is running; the second is queued
     mgr.offer([3], keys(3))
-    time.sleep(0.05)  # the first slow store is running; the second is queued
-    start = time.monotonic()
     handle = mgr.load("r", keys(1), [9])
-    assert handle.done.wait(5)
-    assert time.monotonic() - start < 0.55  # waited for one store at most, not two
+    faults.go.set()
+    assert handle.done.wait(60) and handle.ok
     mgr.drain()
+    assert faults.order == ["store", "load", "store"]
 
 
 # -- configuration -----------------------------------------------------------------------
@@ -613,3 +714,35 @@ def test_prefill_step_tokens_and_block_tokens():
     # two full-attention groups (0, 2) share a position's 16 tokens; a window group's
     # blocks stand for none
     assert block_tokens([0, 1, 2, 0], [0, 2], 16) == [8.0, 0.0, 8.0, 8.0]
+
+
+class StuckReads(Faults):
+    """Every block read waits until ``go`` is set: a file system that hangs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.reading = threading.Event()
+
+    def before_read(self) -> None:
+        self.reading.set()
+        assert self.go.wait(60)
+
+
+def test_a_cancelled_load_writes_nothing_when_its_read_ends(manager_factory):
+    """A caller that gave up on a load (vLLM's worker after its bound, which then has vLLM
+    recompute the blocks) must not find the load's bytes landing in those blocks later,
+    when they may hold another request's KV."""
+    mgr, storage, _ = manager_factory(cpu_blocks=8)
+    mgr.offer([1], keys(1))
+    mgr.drain()
+    stuck = StuckReads()
+    mgr.cpu.faults = stuck
+    reused = block(storage, 9)  # block 9 now holds something else
+    handle = mgr.load("r", keys(1), [9])
+    assert stuck.reading.wait(60)
+    handle.cancel()
+    stuck.go.set()
+    assert handle.done.wait(60)
+    assert handle.num_loaded == 0 and handle.error == "cancelled"
+    assert same_block(storage, 9, reused)

@@ -129,17 +129,65 @@ def test_require_without_vllm_is_one_line(monkeypatch):
     with pytest.raises(ConfigError) as err:
         compat.require("connector")
     assert str(err.value) == ("kvmem's vLLM connector needs vLLM, which cannot be imported "
-                              "here")
+                              "here (ModuleNotFoundError: import of vllm halted; None in "
+                              "sys.modules)")
 
 
 def test_vllm_check_without_vllm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)
     assert main(["vllm-check"]) == 1
     out = capsys.readouterr().out
-    assert out.startswith("vLLM: cannot be imported here (kvmem's integration is tested "
-                          "with 0.32.x, 0.33.x)")
+    assert out.startswith("vLLM: cannot be imported here (ModuleNotFoundError: import of vllm "
+                          "halted; None in sys.modules); kvmem's integration is tested with "
+                          "0.32.x, 0.33.x")
     assert "no   plugin" in out and "no   connector" in out
     assert main(["vllm-check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["vllm"] is None and not any(f["works"] for f in report["features"])
-    assert report["tested"] == ["0.32", "0.33"] and "sleep mode" in report["notes"][0]
+    assert report["vllm"] is None and [f["name"] for f in report["features"] if f["works"]] == [
+        "environment"]  # kvmem's own settings are read without vLLM
+    assert report["tested"] == ["0.32", "0.33"] and "sleep mode" in report["notes"][-1]
+
+
+@pytest.mark.parametrize(("init", "says"), [
+    ("raise ImportError('libcudart.so.12: cannot open shared object file')",
+     "ImportError: libcudart.so.12: cannot open shared object file"),
+    ("import sys; sys.exit(3)", "importing vllm called sys.exit(3)"),
+])
+def test_vllm_check_says_why_vllm_does_not_import(tmp_path, monkeypatch, capsys, init, says):
+    """A vLLM whose import fails (a missing CUDA library) or exits (a build that finds no
+    device) is reported with its reason; the exit used to end the check with no output."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(init + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    assert main(["vllm-check"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"vLLM: cannot be imported here ({says}); ")
+    assert f"vLLM cannot be imported ({says})" in out
+    with pytest.raises(ConfigError, match=re.escape(f"cannot be imported here ({says})")):
+        compat.require("connector")
+
+
+def test_vllm_check_reads_kvmems_settings_as_vllm_would(monkeypatch, capsys):
+    """It used to say nothing of KVMEM_VLLM_KV_MEMORY=bogus, which vLLM then refuses."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    for name, value in (("KVMEM_VLLM_KV_MEMORY", "bogus"), ("KVMEM_VLLM_KV_BUDGET", "fair"),
+                        ("KVMEM_VLLM_KV_MEMORY_LIMT", "1GiB")):
+        monkeypatch.setenv(name, value)
+    assert main(["vllm-check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    env = report["features"][-1]
+    assert report["notes"][0].startswith("KVMEM_VLLM_KV_MEMORY_LIMT is set but is not one of "
+                                         "kvmem's settings")
+    assert env["name"] == "environment" and not env["works"]
+    assert env["reasons"] == [
+        "KVMEM_VLLM_KV_BUDGET='fair': choose one of uniform, proportional, optimal (or leave "
+        "it unset)",
+        "KVMEM_VLLM_KV_MEMORY='bogus': the only value is 'elastic' (or leave it unset)"]
+    for name in ("KVMEM_VLLM_KV_BUDGET", "KVMEM_VLLM_KV_MEMORY_LIMT"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KVMEM_VLLM_KV_MEMORY", "elastic")
+    monkeypatch.setenv("KVMEM_VLLM_KV_MEMORY_LIMIT", "1GiB")
+    main(["vllm-check"])
+    assert re.search(r"yes  environment .*KVMEM_VLLM_KV_MEMORY=elastic, "
+                     r"KVMEM_VLLM_KV_MEMORY_LIMIT=1GiB", capsys.readouterr().out)

@@ -46,6 +46,7 @@ TP_KV_BYTES = 22 * 4 * BLOCK * 1 * 32 * 2 * 4 + 4096  # 22 blocks: 4 layers, 1 h
 PP_KV_BYTES = 22 * 20 * BLOCK * 3 * 64 * 2 * 4  # 22 blocks of the 20-layer stage per rank
 PP_PLUGIN_KV_BYTES = 22 * 30 * BLOCK * 3 * 64 * 2 * 4  # the column's total, split 2:1
 CORRUPT_BLOCK = 7  # C's block whose file on rank 1's disk gets one byte flipped
+SWAPPED_BLOCK = 4  # B's block whose files the two ranks' disk folders swap
 
 SCRIPT = r"""
 import json, sys
@@ -119,12 +120,24 @@ def rank_namespace(disk_dir: Path, rank: int, tp: int) -> Path:
     return found[0]
 
 
-def corrupt_block(namespace: Path, tokens: list[int], index: int) -> None:
+def block_file(namespace: Path, tokens: list[int], index: int) -> Path:
     name = key_name((0, hash_request_tokens(tokens, BLOCK)[index]))
-    path = next(namespace.glob(f"*/{name}.kvb"))
+    return next(namespace.glob(f"*/{name}.kvb"))
+
+
+def corrupt_block(namespace: Path, tokens: list[int], index: int) -> None:
+    path = block_file(namespace, tokens, index)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def swap_block(namespaces: list[Path], tokens: list[int], index: int) -> None:
+    """Swap two ranks' files of one block: the same name, each the other rank's KV."""
+    first, second = (block_file(ns, tokens, index) for ns in namespaces)
+    data = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(data)
 
 
 # ---------------------------------------------------------------------- tensor parallel
@@ -151,13 +164,15 @@ def tp2_one_head(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def tp2_two_heads(tmp_path_factory) -> dict:
     """With 2 KV heads, also the disk runs: C's block 7 on rank 1's disk first loses its
-    checksum (so that rank's load fails there), then a fresh tp 2 process with only the
-    disk tier, then a tp 1 process over the same directory."""
+    checksum (so that rank's load fails there) and B's block 4 swaps files between the
+    ranks' folders, then a fresh tp 2 process with only the disk tier, then a tp 1 process
+    over the same directory."""
     runs = tp2_engines(tmp_path_factory.mktemp("tp2-kv2"), 2)
     disk = runs["disk_dir"]
     corrupt_block(rank_namespace(disk, 1, 2), prompts(320)["C"], CORRUPT_BLOCK)
+    swap_block([rank_namespace(disk, r, 2) for r in (0, 1)], prompts(320)["B"], SWAPPED_BLOCK)
     disk_only = {"disk_offload_dir": str(disk), "disk_offload_gib": 0.25}
-    runs["disk"] = engine(runs["model"], tp=2, kv_bytes=TP_KV_BYTES, vocab=320, order="AC",
+    runs["disk"] = engine(runs["model"], tp=2, kv_bytes=TP_KV_BYTES, vocab=320, order="ACB",
                           extra=disk_only)
     runs["tp1"] = engine(runs["model"], kv_bytes=2 * TP_KV_BYTES, vocab=320, order="A",
                          extra=disk_only)
@@ -204,10 +219,26 @@ def test_tp2_fresh_process_serves_from_disk_and_a_failed_rank_recomputes(tp2_two
     assert re.search(r"kvmem: rank 1 \(pp stage 0, tp rank 1\): request \S+: 7 of 15 blocks "
                      r"loaded \(.*checksum mismatch.*\); vLLM recomputes the rest", log), \
         log[-6000:]
-    assert not re.search(r"kvmem: rank 0 .*blocks loaded", log)
+    assert not re.search(r"kvmem: rank 0 .*: 7 of 15 blocks loaded", log)
     # vLLM counts C's hit as scheduled (all 15 blocks); the tokens show the recompute
     assert disk["C"][0]["cached"] == 1920
     assert disk["C"][0]["tokens"] == plain["C"][0]["tokens"]
+
+
+def test_tp2_block_files_swapped_between_ranks_fail_and_recompute(tp2_two_heads):
+    """Each rank's file of B's block 4 holds the other rank's KV head under the same name:
+    both ranks refuse it (its checksum covers the namespace: weights, layout, rank), count
+    it and log it, and vLLM recomputes from block 4 with plain vLLM's tokens (before, the
+    swapped blocks loaded silently and changed them)."""
+    plain, disk = by_name(tp2_two_heads["plain"][0]), by_name(tp2_two_heads["disk"][0])
+    log = tp2_two_heads["disk"][1]
+    for rank in (0, 1):
+        # rank 1's first failed load was C's corrupt block: this is its second
+        assert re.search(rf"kvmem: rank {rank} \(pp stage 0, tp rank {rank}\): request \S+: "
+                         rf"4 of 15 blocks loaded \(.*belongs to another tier.*\); vLLM "
+                         rf"recomputes the rest on every rank \(failed loads on this rank: "
+                         rf"{rank + 1}\)", log), log[-6000:]
+    assert disk["B"][0]["tokens"] == plain["B"][0]["tokens"]
 
 
 def test_tp2_disk_never_feeds_tp1(tp2_two_heads):

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.elastic.config import LIMIT_ENV as VLLM_LIMIT_ENV
+from kvmem.integrations.vllm.elastic.config import MODE_ENV as VLLM_MODE_ENV
+from kvmem.memory.sizing import VllmElasticSizing
 from kvmem.plan.flags import EngineCommand
 from kvmem.plan.types import FitError, Plan
 
@@ -198,6 +201,11 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         vllm_version=_rules_version(args), device=args.device,
         max_concurrent_batches=args.max_concurrent_batches,
         hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None)
+    seqs, batched = settings.max_num_seqs, settings.max_num_batched_tokens
+    if seqs is not None and batched is not None and 1 <= batched < seqs:
+        raise ConfigError(f"--max-num-seqs {seqs:,} is more than --max-num-batched-tokens "
+                          f"{batched:,}: a step could not schedule a token for every running "
+                          "request (vLLM refuses this too)")
     return layout, settings
 
 
@@ -299,17 +307,32 @@ def _checkpoint_dir(model: str) -> Path | None:
 
 
 def _elastic(args: argparse.Namespace, result, spec):
-    """Each rank's elastic reservation and limit (kvmem.memory.sizing; no torch)."""
+    """The elastic reservation and limit (kvmem.memory.sizing; no torch): in kvmem's engine
+    each rank's (pages of 2 MiB granules on a GPU, of OS pages on CPU); in vLLM (``--engine
+    vllm``, or ``--device cpu``, which plans vLLM's CPU build) what its scheduler side does
+    with vLLM's own KV cache."""
     if args.kv_memory != "elastic":
         if args.kv_memory_limit is not None:
             raise ConfigError("--kv-memory-limit needs --kv-memory elastic")
         return None
-    from kvmem.memory.sizing import plan_elastic
+    from kvmem.memory.sizing import (
+        CPU_GRANULARITY,
+        CUDA_GRANULARITY,
+        plan_elastic,
+        plan_vllm_elastic,
+    )
     from kvmem.units import parse_size
 
+    if args.engine == "sglang":
+        raise ConfigError("--kv-memory elastic runs in kvmem's engine and in vLLM "
+                          "(KVMEM_VLLM_KV_MEMORY=elastic), not in SGLang")
     limit = (parse_size(args.kv_memory_limit, "--kv-memory-limit")
              if args.kv_memory_limit is not None else None)
-    return plan_elastic(result, spec, limit)
+    on_cpu = args.device == "cpu"
+    if args.engine == "vllm" or (on_cpu and args.engine is None):
+        return plan_vllm_elastic(result, spec, limit, on_cpu=on_cpu)
+    return plan_elastic(result, spec, limit,
+                        granularity=CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY)
 
 
 def _check_profile_matches(profiles, layout, settings, path: str) -> None:
@@ -364,16 +387,32 @@ def _elastic_fit_error(result, spec, sizings) -> str | None:
             "block); raise --kv-memory-limit or lower --max-model-len")
 
 
-def elastic_lines(sizings) -> list[str]:
-    """The elastic reservation and limit, in words, one line per rank after the first."""
+def elastic_lines(elastic, on_cpu: bool) -> list[str]:
+    """The elastic reservation and limit, in words: kvmem's engine (each rank's sizing) or
+    vLLM's (a ``VllmElasticSizing``)."""
     from kvmem.units import format_bytes
 
-    lead = sizings[0]
+    if isinstance(elastic, VllmElasticSizing):
+        s = elastic
+        blocks = "block" if s.blocks_per_page == 1 else "blocks"
+        granule = (f"OS pages of {format_bytes(s.granularity)} on vLLM's CPU build" if on_cpu
+                   else f"{format_bytes(s.granularity)} granules on each GPU")
+        where = ("every rank's KV, all in this host's memory" if on_cpu
+                 else "rank 0's GPU; each GPU counts its own")
+        return [f"elastic KV memory in vLLM ({VLLM_MODE_ENV}=elastic): vLLM's KV cache is the "
+                f"reservation, {s.reserved_blocks:,} blocks ({format_bytes(s.reserved_bytes)}), "
+                f"mapped in pages of {s.blocks_per_page} {blocks} ({format_bytes(s.page_bytes)}"
+                f"; {granule})",
+                f"  limit {format_bytes(s.limit_bytes)}: {s.limit_blocks:,} blocks mapped at "
+                f"most ({where}); one request of max_model_len maps {s.request_pages:,} pages "
+                "(incl. the null block's)"]
+    lead = elastic[0]
+    granules = "OS pages" if on_cpu else "2 MiB granules"
     return [f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} on rank 0 "
             f"({lead.limit_blocks:,} blocks mapped at most), reservation {lead.max_blocks:,} "
-            f"blocks in pages of {lead.blocks_per_page} (2 MiB granularity)",
+            f"blocks in pages of {lead.blocks_per_page} ({granules})",
             *(f"  rank {rank}: {format_bytes(s.reserved_bytes)} virtual, "
-              f"{format_bytes(s.page_bytes)} per page" for rank, s in enumerate(sizings))]
+              f"{format_bytes(s.page_bytes)} per page" for rank, s in enumerate(elastic))]
 
 
 @dataclass
@@ -383,13 +422,16 @@ class PlanRun:
     plan: Plan
     command: EngineCommand | None  # with --engine
     offload: dict | None  # the kv_offload section, with offload tiers
-    elastic: list | None  # each rank's elastic sizing, with --kv-memory elastic
+    elastic: list | VllmElasticSizing | None  # with --kv-memory elastic: each rank's sizing
+    # in kvmem's engine, or vLLM's
     elastic_error: str | None  # why one request cannot run under the elastic limit
 
     def document(self) -> dict:
         """The object `kvmem plan --json` prints."""
         out = self.plan.to_dict()
-        if self.elastic is not None:
+        if isinstance(self.elastic, VllmElasticSizing):
+            out["kv_memory"] = {"kind": "elastic", "engine": "vllm", **self.elastic.to_dict()}
+        elif self.elastic is not None:
             out["kv_memory"] = {"kind": "elastic", "ranks": [s.to_dict() for s in self.elastic]}
         if self.offload is not None:
             out["kv_offload"] = self.offload
@@ -452,13 +494,25 @@ def build(args: argparse.Namespace, spec=None) -> PlanRun:
             command.notes.append("the KV offload tiers are kvmem's; configure this engine's "
                                  "own KV offloading separately")
     elastic = _elastic(args, result, spec)
-    elastic_error = _elastic_fit_error(result, spec, elastic) if elastic is not None else None
+    in_vllm = isinstance(elastic, VllmElasticSizing)
+    if in_vllm:
+        elastic_error = elastic.fit_error(result.engine.max_model_len)
+    else:
+        elastic_error = (_elastic_fit_error(result, spec, elastic) if elastic is not None
+                         else None)
     if elastic_error is not None:
         result.notes.append(elastic_error)
     if command is not None and args.engine == "kvmem" and elastic is not None:
         command.argv += ["--kv-memory", "elastic"]
         if args.kv_memory_limit is not None:
             command.argv += ["--kv-memory-limit", str(elastic[0].limit_bytes)]
+    if command is not None and in_vllm:
+        env = {VLLM_MODE_ENV: "elastic"}
+        if args.kv_memory_limit is not None:
+            env[VLLM_LIMIT_ENV] = str(elastic.limit_bytes)
+        for cmd in (command, command.plugin):
+            if cmd is not None:
+                cmd.env.update(env)
     return PlanRun(result, command, offload_section, elastic, elastic_error)
 
 
@@ -480,9 +534,9 @@ def run(args: argparse.Namespace) -> int:
         result.plan.notes.extend(result.offload_notes())
         print_plan(result.plan, result.command, plot=args.plot)
         if result.elastic is not None:
-            print("\n".join(elastic_lines(result.elastic)))
-    if args.check:
+            print("\n".join(elastic_lines(result.elastic, on_cpu=args.device == "cpu")))
+    if args.check or result.plan.engine.num_blocks == 0:  # not one block: no engine starts
         result.plan.check_fit()
-        if result.elastic_error is not None:
-            raise FitError(result.elastic_error)
+    if args.check and result.elastic_error is not None:
+        raise FitError(result.elastic_error)
     return 0

@@ -33,11 +33,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve /metrics without the API key")
     g.add_argument("--max-request-bytes", default="16MiB", metavar="SIZE",
                    help="refuse request bodies larger than this with 413 (default: 16MiB)")
+    g.add_argument("--request-head-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="answer 408 and close a connection whose next request line and "
+                        "headers have not arrived within this many seconds (default: 60)")
     g.add_argument("--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="answer 408 to a request whose body has not arrived whole within "
                         "this many seconds (default: 60)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 literal in brackets (``[::1]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -48,7 +56,7 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise KvmemError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise KvmemError(f"cannot listen on {host_port(host, port)}: {e.strerror}") from None
     return sock
 
 
@@ -81,14 +89,17 @@ def run(args: argparse.Namespace) -> int:
     from kvmem.engine.config import EngineConfig
     from kvmem.engine.llm_engine import LLMEngine
     from kvmem.serve import create_app
+    from kvmem.serve.head_timeout import head_timeout_protocol
     from kvmem.units import parse_size
 
     if not 0 <= args.port <= 65535:
         raise KvmemError(f"--port must be in 0..65535, got {args.port}")
     max_request_bytes = parse_size(args.max_request_bytes, "--max-request-bytes")
-    if not 0 < args.request_body_timeout <= 86400:  # nan and inf fail too
-        raise KvmemError(f"--request-body-timeout must be from 0 to 86400 seconds, got "
-                         f"{args.request_body_timeout}")
+    # a request needs some time to arrive: below a second ordinary clients would get 408
+    for flag, value in (("--request-head-timeout", args.request_head_timeout),
+                        ("--request-body-timeout", args.request_body_timeout)):
+        if not 1 <= value <= 86400:  # nan and inf fail too
+            raise KvmemError(f"{flag} must be from 1 to 86400 seconds, got {value:g}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_config = EngineConfig.from_args(args)
     parallel = None
@@ -101,16 +112,17 @@ def run(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)  # fail before loading the model if the port is taken
     host, port = sock.getsockname()[:2]
     if args.port == 0:  # picked by the system: say which, whatever the log level
-        print(f"kvmem: listening on http://{host}:{port}", flush=True)
+        print(f"kvmem: listening on http://{host_port(host, port)}", flush=True)
     engine = LLMEngine(engine_config, parallel=parallel)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, api_key=args.api_key, max_request_bytes=max_request_bytes,
                      request_body_timeout_s=args.request_body_timeout,
                      public_metrics=args.public_metrics)
     config = uvicorn.Config(app, log_level=args.log_level,
+                            http=head_timeout_protocol(args.request_head_timeout),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + _CANCEL_MARGIN_S)
-    logging.getLogger("kvmem.serve").info("serving %s on http://%s:%d", engine.model_name,
-                                          host, port)
+    logging.getLogger("kvmem.serve").info("serving %s on http://%s", engine.model_name,
+                                          host_port(host, port))
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal to
     # the handlers that were installed before it started: make those a no-op so that a
     # requested shutdown exits 0 instead of dying by the signal.

@@ -7,6 +7,7 @@ in ``add_engine_arguments``, so every entry point takes the same options with th
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, fields
 
 from kvmem.engine.sampling_params import SEED_MAX, SEED_MIN
@@ -92,17 +93,17 @@ class EngineConfig:
         if self.kv_memory not in KV_MEMORY_BACKENDS:
             raise ConfigError(f"unknown kv_memory {self.kv_memory!r} "
                               f"(choose from {', '.join(KV_MEMORY_BACKENDS)})")
-        for field_name, flag in (("kv_memory_limit_bytes", "--kv-memory-limit"),
-                                 ("kv_memory_floor_bytes", "--kv-memory-min")):
+        for field_name in ("kv_memory_limit_bytes", "kv_memory_floor_bytes"):
             value = getattr(self, field_name)
             if value is None:
                 continue
             if self.kv_memory != "elastic":
-                raise ConfigError(f"{flag} ({field_name}) needs --kv-memory elastic")
+                raise ConfigError(f"{field_name} needs kv_memory elastic")
             setattr(self, field_name, parse_size(value, field_name))
         floor, ceiling = self.kv_memory_floor_bytes, self.kv_memory_limit_bytes
         if floor is not None and ceiling is not None and floor > ceiling:
-            raise ConfigError(f"--kv-memory-min {floor} is above --kv-memory-limit {ceiling}")
+            raise ConfigError(f"kv_memory_floor_bytes {floor} is above kv_memory_limit_bytes "
+                              f"{ceiling}")
         if self.engine_name is not None:
             from kvmem.memory.ledger import check_engine_name
 
@@ -148,8 +149,23 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config of the CLI's flags; its errors name the flags the user typed
+        (``--kv-memory-limit``), not the fields (``kv_memory_limit_bytes``)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        try:
+            return cls(**{k: v for k, v in vars(args).items() if k in names})
+        except ConfigError as exc:
+            raise ConfigError(with_flag_names(str(exc))) from None
+
+
+def with_flag_names(message: str) -> str:
+    """``message`` with every EngineConfig field that has a flag named as that flag."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    flags = {a.dest: next(o for o in a.option_strings if o.startswith("--"))
+             for a in parser._actions if a.option_strings}
+    field = re.compile(r"\b(" + "|".join(sorted(flags, key=len, reverse=True)) + r")\b")
+    return field.sub(lambda m: flags[m[1]], message)
 
 
 def default_cpu_kv_memory_bytes() -> int:

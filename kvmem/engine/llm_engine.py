@@ -241,9 +241,10 @@ class LLMEngine:
 
     def _check_supported(self, params: SamplingParams) -> None:
         vocab = self.spec.vocab_size
-        if any(t >= vocab for t in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size "
-                                      f"({vocab})", param="logit_bias")
+        for name in ("logit_bias", "stop_token_ids"):  # ids the model can never produce
+            if any(t >= vocab for t in getattr(params, name)):
+                raise InvalidRequestError(f"{name} token ids must be below the vocabulary "
+                                          f"size ({vocab})", param=name)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab:
                 raise InvalidRequestError(f"{name} must be at most the vocabulary size "

@@ -61,6 +61,15 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     num_prompt_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def min_tokens_ban(self) -> list[int] | None:
+        """The token ids the sampler must not pick yet: EOS (unless ignored) and the stop
+        token ids, while fewer than ``min_tokens`` tokens are generated."""
+        p = self.sampling_params
+        if len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens:
+            return None
+        return [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)] or None
 
 
 class ModelRunner:
@@ -107,7 +116,8 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 list(new.token_ids), [list(t) for t in new.block_ids], [0] * len(new.block_ids),
-                new.num_computed_tokens, new.sampling_params, new.num_prompt_tokens)
+                new.num_computed_tokens, new.sampling_params, new.num_prompt_tokens,
+                new.eos_token_ids)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
@@ -206,7 +216,8 @@ class ModelRunner:
         # only penalties read the histories: no per-step copy of every context otherwise
         histories = [(s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
                      if s.sampling_params.has_penalties else ((), ()) for s in states]
-        samples = self.sampler(logits, params, generators, histories)
+        samples = self.sampler(logits, params, generators, histories,
+                               [s.min_tokens_ban() for s in states])
         for row, exc in samples.failures.items():
             failures[request_ids[row]] = _logged(request_ids[row], exc)
         return samples.token_ids

@@ -82,8 +82,10 @@ class OutputProcessor:
             with request_stage("detokenize"):
                 request.output_text += self._detokenizers[request.request_id].step(token)
             by_token = request.status is RequestStatus.FINISHED_STOPPED  # EOS, stop token id
-            with request_stage("stop"):
-                stopped = bool(request.sampling_params.stop) and not by_token and \
+            params = request.sampling_params
+            with request_stage("stop"):  # no stop string before min_tokens (vLLM's rule)
+                stopped = bool(params.stop) and not by_token and \
+                    request.num_output_tokens >= params.min_tokens and \
                     self._check_stop_strings(request, previous_len)
         except RequestFailed as exc:
             logger.error("request %s: %s", request.request_id, exc, exc_info=exc.__cause__)

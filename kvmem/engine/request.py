@@ -116,9 +116,10 @@ class Request:
         rule (EOS, a stop token id, max_tokens, max_model_len); stop strings need text and
         are the detokenizer's."""
         params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        early = self.num_output_tokens < params.min_tokens  # the sampler bans both then
+        if not params.ignore_eos and token_id in self.eos_token_ids and not early:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
+        if token_id in params.stop_token_ids and not early:
             self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:

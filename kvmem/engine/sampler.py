@@ -111,23 +111,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
-                 histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None
-                 ) -> Samples:
+                 histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+                 banned: Sequence[Sequence[int] | None] | None = None) -> Samples:
         """``logits`` float32 ``[N, vocab]`` (left unchanged); ``generators[i]`` is row i's own
         generator or None; ``histories[i]`` row i's (prompt, output) token ids, which
-        penalties need."""
+        penalties need; ``banned[i]`` token ids row i must not pick (``min_tokens``)."""
+        banned = banned or [None] * len(params)
         token_ids = logits.argmax(dim=-1)
-        if all(p.greedy and not p.processes_logits for p in params):  # the common fast path
+        if all(p.greedy and not p.processes_logits and not b
+               for p, b in zip(params, banned, strict=True)):  # the common fast path
             return Samples(token_ids.tolist())
         if histories is None and any(p.has_penalties for p in params):
             raise ValueError("penalties need the token histories")
         failures = {}
         for i, p in enumerate(params):
-            if p.greedy and not p.processes_logits:
+            if p.greedy and not p.processes_logits and not banned[i]:
                 continue
             try:
                 token_ids[i] = self._sample_row(logits[i], p, generators[i],
-                                                histories[i] if histories else ((), ()))
+                                                histories[i] if histories else ((), ()),
+                                                banned[i])
             except RequestFailed as exc:
                 failures[i] = exc
                 token_ids[i] = FAILED
@@ -135,9 +138,13 @@ class Sampler:
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams,
                     generator: torch.Generator | None,
-                    history: tuple[Sequence[int], Sequence[int]]) -> torch.Tensor:
+                    history: tuple[Sequence[int], Sequence[int]],
+                    banned: Sequence[int] | None = None) -> torch.Tensor:
         """Row's token id as a 0-d tensor: read back with the batch's, one device sync."""
         row = logits.float().clone()
+        if banned:  # ids the model has (an EOS id of a larger tokenizer is not in the row)
+            ids = [t for t in banned if t < row.numel()]
+            row[torch.tensor(ids, dtype=torch.long, device=row.device)] = float("-inf")
         if p.logit_bias:
             with request_stage("logit_bias"):
                 apply_logit_bias(row, p.logit_bias)

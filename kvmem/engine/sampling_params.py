@@ -38,7 +38,9 @@ class SamplingParams:
     of tokens seen in the prompt or output (transformers' RepetitionPenaltyLogitsProcessor);
     ``presence_penalty`` / ``frequency_penalty`` subtract a constant / a per-occurrence
     amount for tokens already generated (the OpenAI definition, output tokens only);
-    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one.
+    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one;
+    ``min_tokens`` (vLLM's): until that many tokens are generated, EOS (unless
+    ``ignore_eos``) and ``stop_token_ids`` cannot be sampled and stop strings do not stop.
 
     ``logprobs``: return the sampled token's log-probability and the ``logprobs`` most likely
     alternatives at every generated position; ``prompt_logprobs`` the same for every prompt
@@ -47,6 +49,7 @@ class SamplingParams:
     """
 
     max_tokens: int | None = 16
+    min_tokens: int = 0
     n: int = 1
     best_of: int | None = None
     temperature: float = 1.0
@@ -79,6 +82,10 @@ class SamplingParams:
 
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be a number in [0, 100]")
         # checked as the sampler computes with it: 1e-46 is positive, its float32 is 0

@@ -182,7 +182,7 @@ class Scheduler:
             if offer and self.offload is not None:
                 self.offload.offer(request)  # holds its cached blocks until copied out
         elif self._loading.pop(rid, None) is not None:
-            self.offload.cancel(rid)  # waits for the load, frees its blocks
+            self.offload.cancel(rid)  # frees its blocks (those a load writes held until done)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)  # nothing when it holds no blocks
@@ -231,7 +231,7 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 rid, list(request.all_token_ids), tuple(list(t) for t in tables),
                 request.num_computed_tokens, request.sampling_params,
-                request.num_prompt_tokens))
+                request.num_prompt_tokens, request.eos_token_ids))
         else:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 rid, request.all_token_ids[known:], allocation.new_block_ids,

@@ -38,6 +38,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     num_prompt_tokens: int = 0  # the first token_ids: penalties tell prompt from output
+    eos_token_ids: tuple[int, ...] = ()  # min_tokens keeps them from being sampled
 
 
 @dataclass

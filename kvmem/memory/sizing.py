@@ -25,6 +25,7 @@ from math import ceil, lcm
 from kvmem.errors import ConfigError
 from kvmem.memory.pages import PageGeometry, blocks_per_page_for
 from kvmem.spec.layout import AttentionKind, KVGroup
+from kvmem.units import format_bytes
 
 CUDA_GRANULARITY = 2 << 20  # the usual cuMemGetAllocationGranularity on current GPUs
 
@@ -106,3 +107,67 @@ def plan_elastic(plan, spec, limit_bytes: int | None = None,
                            granularity=granularity, blocks_per_page=k,
                            max_blocks=first.max_blocks) if r is not leader else first
             for r in paged]
+
+
+CPU_GRANULARITY = 4096  # the OS page vLLM's CPU build maps (x86-64 Linux)
+
+
+@dataclass(frozen=True)
+class VllmElasticSizing:
+    """What ``KVMEM_VLLM_KV_MEMORY=elastic`` makes of a planned vLLM deployment, as its
+    scheduler side sizes it (``kvmem.integrations.vllm.elastic_connector``): vLLM's own KV
+    cache is the reservation, mapped in pages of whole blocks that fill whole granules
+    (the OS page on vLLM's CPU build, the driver's 2 MiB granule on a GPU)."""
+
+    granularity: int
+    blocks_per_page: int
+    reserved_blocks: int  # vLLM's KV cache blocks, in whole pages
+    block_bytes: int  # per block, as the ledger counts it: every rank's on one host (CPU),
+    # rank 0's on its GPU (each GPU is its own ledger's device)
+    page_bytes: int
+    reserved_bytes: int
+    limit_bytes: int  # default: the whole reservation
+    limit_blocks: int  # blocks the limit can back, in whole pages
+    request_pages: int  # pages one request of max_model_len maps, + the null block's page
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    def fit_error(self, max_model_len: int) -> str | None:
+        """Why vLLM would refuse to start under this limit, if it would (its figures)."""
+        pages = self.limit_bytes // self.page_bytes
+        if pages >= self.request_pages:
+            return None
+        return (f"the elastic KV memory limit {format_bytes(self.limit_bytes)} holds "
+                f"{pages:,} pages of {self.blocks_per_page} blocks but one request of "
+                f"max_model_len "
+                f"{max_model_len:,} needs {self.request_pages:,} (incl. the null block's); "
+                "raise --kv-memory-limit or lower --max-model-len")
+
+
+def plan_vllm_elastic(plan, spec, limit_bytes: int | None = None, *,
+                      on_cpu: bool) -> VllmElasticSizing:
+    """The elastic KV memory of a ``kvmem.plan`` result deployed on vLLM (``on_cpu``: its
+    CPU build, where every rank's KV lives in the one host's memory)."""
+    settings, engine = plan.settings, plan.engine
+    paged = [r for r in plan.ranks if r.num_slots and r.slot_page_bytes]
+    if not paged:
+        raise ConfigError("an elastic KV cache needs at least one paged layer")
+    granularity = CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY
+    # vLLM lays each layer's blocks out one after another: a block of one layer is the
+    # stride every page must cover in whole granules
+    k = lcm(*(blocks_per_page_for(r.slot_page_bytes, granularity) for r in paged))
+    reserved_blocks = engine.num_blocks // k * k
+    block_bytes = sum(r.bytes_per_block for r in paged) if on_cpu else paged[0].bytes_per_block
+    page_bytes = k * block_bytes
+    reserved = reserved_blocks * block_bytes
+    limit = limit_bytes or reserved
+    request = useful_blocks(spec.kv_groups(), max_model_len=engine.max_model_len,
+                            block_size=engine.block_size,
+                            max_num_batched_tokens=settings.max_num_batched_tokens,
+                            max_num_seqs=1) - 1  # without the null block
+    return VllmElasticSizing(
+        granularity=granularity, blocks_per_page=k, reserved_blocks=reserved_blocks,
+        block_bytes=block_bytes, page_bytes=page_bytes, reserved_bytes=reserved,
+        limit_bytes=limit, limit_blocks=min(limit // page_bytes * k, reserved_blocks),
+        request_pages=ceil(request / k) + 1)

@@ -411,6 +411,9 @@ def _install_error_handlers(app: FastAPI) -> None:
             return error_response(f"malformed JSON body: {first.get('msg', '')}", 400,
                                   code="invalid_json")
         param, in_union = field_path(first.get("loc", ()))
+        if first.get("type") == "extra_forbidden":
+            return error_response(f"{param}: not a field kvmem serves (the fields are in "
+                                  "/openapi.json)", 400, param)
         msg = str(first.get("msg", "bad body"))
         if in_union:  # pydantic reports one error per type the field accepts: name none
             msg = f"not one of the accepted types ({msg.lower()}, ...)"

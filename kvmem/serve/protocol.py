@@ -2,7 +2,10 @@
 
 Types are strict, as the OpenAI API's are: ``"max_tokens": "4"``, ``"n": true`` or
 ``"stream": "yes"`` are 400 errors naming the field, not coerced (an integer is still a
-valid float).
+valid float). A field kvmem does not serve is a 400 naming it too (``response_format``,
+``tools``, a misspelt ``max_token``): ignoring it would answer something the client did
+not ask for. OpenAI's bookkeeping fields that change nothing in the output (``user``,
+``metadata``, ``store``, ``service_tier``) are accepted.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     # The ranges are SamplingParams' (which checks them again, for every caller); stating
     # them here puts them in the OpenAPI schema.
@@ -46,6 +49,8 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # extension
     ignore_eos: bool = False  # extension
+    min_tokens: int = Field(0, ge=0)  # extension (vLLM): no EOS, stop ids or strings before
+    include_stop_str_in_output: bool = False  # extension (vLLM)
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -55,7 +60,11 @@ class _SamplingFields(BaseModel):
     # token id (as a string) -> bias
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprob tokens as token_id:N
+    # OpenAI's bookkeeping: accepted, and nothing in the answer depends on them
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     def check_supported(self) -> None:
         pass
@@ -75,7 +84,8 @@ class _SamplingFields(BaseModel):
             min_p=self.min_p or 0.0,
             n=self.n, best_of=getattr(self, "best_of", None),
             seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None

@@ -18,10 +18,10 @@ from kvmem.errors import ConfigError
 from kvmem.units import GiB, format_bytes
 
 POLICIES = ("lru", "seen-twice")
-FORMAT_VERSION = 1  # bump when the on-disk block format changes
+FORMAT_VERSION = 2  # bump when the on-disk block format changes (2: bound to its namespace)
 # A disk entry is the file header (kvmem.tiers.disk_store), the key's name ("g<group>-" and
 # 32 hex digits for groups 0-9) and the block's bytes.
-DISK_ENTRY_OVERHEAD_BYTES = 40 + 35
+DISK_ENTRY_OVERHEAD_BYTES = 56 + 35
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ class OffloadConfig:
             raise ConfigError("--disk-offload-dir needs --disk-offload-gib (its byte budget)")
         if self.max_inflight_store_blocks < 1:
             raise ConfigError("max_inflight_store_blocks must be at least 1")
+        if self.disk_dir:
+            check_disk_dir(self.disk_dir, self.names)
 
     @classmethod
     def from_gib(cls, cpu_offload_gib: float = 0.0, disk_offload_dir: str | None = None,
@@ -90,6 +92,19 @@ class OffloadConfig:
         return ", ".join(parts) + f" ({self.policy})"
 
 
+def check_disk_dir(path: str, names: SettingNames = FLAG_NAMES) -> None:
+    """``path`` is a directory, or one that can be created: a file there (or in its place
+    on the way to it) is refused before anything is planned or loaded."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{names.disk_dir} {path} is not a directory")
+    while not target.exists() and target != target.parent:  # its nearest existing parent
+        target = target.parent
+    if not target.is_dir():
+        raise ConfigError(f"{names.disk_dir} {path} cannot be created: {target} is not a "
+                          "directory")
+
+
 @dataclass(frozen=True)
 class TierIdentity:
     """What a stored block depends on besides its tokens.
@@ -108,8 +123,12 @@ class TierIdentity:
     num_slots: int
 
     def digest(self) -> str:
+        return self.digest_bytes().hex()
+
+    def digest_bytes(self) -> bytes:
+        """The 16-byte digest every disk block file of this identity carries."""
         record = {**asdict(self), "format": FORMAT_VERSION}
-        return xxhash.xxh3_128_hexdigest(json.dumps(record, sort_keys=True).encode())
+        return xxhash.xxh3_128_digest(json.dumps(record, sort_keys=True).encode())
 
     def namespace_dir(self, root: str | Path) -> Path:
         return Path(root) / f"kvmem-{self.digest()[:24]}"

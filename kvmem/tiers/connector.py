@@ -12,7 +12,9 @@ keeps its requests (those waiting for a load too) and calls the connector at fou
   the request back until the load is reported done);
 - ``poll()`` at the start of every step: finishes transfers and reports each load that is
   done as (request id, computed tokens): how far the request's KV is now valid;
-- ``cancel(request_id)`` for a request whose load is in flight and that is aborted.
+- ``cancel(request_id)`` for a request whose load is in flight and that is aborted: it
+  never waits for the load (a tier's file-system call must not stop the step); the blocks
+  the load writes into stay held until it is done.
 
 The hit must be valid for every KV group, by each group's own rule (``kvmem.cache``'s
 managers, here looking blocks up in the pool and then the tiers): full attention needs
@@ -84,6 +86,8 @@ class OffloadConnector:
         every = [g for g, group in enumerate(kv_cache_manager.groups)
                  if group.kind in (AttentionKind.FULL, AttentionKind.MLA)]
         self._counted = every or list(range(len(kv_cache_manager.groups)))
+        # loads of cancelled requests still running: their blocks are held until done
+        self._abandoned: set[LoadHandle] = set()
         kv_cache_manager.pool.evict_listener = self._on_evict
 
     def _on_evict(self, block_id: int, block_hash: bytes) -> None:
@@ -165,6 +169,7 @@ class OffloadConnector:
         for handle in self.offload.poll():
             load = self._loads.pop(handle.request_id, None)
             if load is None:  # cancelled meanwhile
+                self._let_go(handle)
                 continue
             request, _, loads = load
             rid = request.request_id
@@ -216,17 +221,28 @@ class OffloadConnector:
         """Whether stores hold pool blocks until a ``poll`` sees them copied: an idle
         engine still has that step to take (elastic memory cannot give their pages back
         before)."""
-        return self.offload.held_blocks > 0
+        return self.offload.held_blocks > 0 or bool(self._abandoned)
 
     def cancel(self, request_id: str) -> bool:
-        """Drop the load of a request (e.g. aborted): waits for it, frees its blocks. False
-        if no load of ``request_id`` is in flight."""
+        """Drop the load of a request (e.g. aborted) and free its blocks, without waiting:
+        the blocks a load still in flight writes into are held (neither free nor
+        evictable) until a later ``poll`` sees it done. False if no load of
+        ``request_id`` is in flight."""
         load = self._loads.pop(request_id, None)
         if load is None:
             return False
-        load[1].done.wait()
+        handle = load[1]
+        if not handle.done.is_set():
+            self.kv.hold(handle.block_ids)
+            self._abandoned.add(handle)
         self.kv.free(request_id)
         return True
+
+    def _let_go(self, handle: LoadHandle) -> None:
+        """A cancelled request's load is done: its blocks may be reused."""
+        if handle in self._abandoned:
+            self._abandoned.discard(handle)
+            self.kv.release(handle.block_ids)
 
     def stats(self) -> dict[str, Any]:
         """``TierStats`` of each tier by name ("cpu", "disk")."""
@@ -236,4 +252,6 @@ class OffloadConnector:
         """Cancel loads in flight and stop the tiers (finishing queued stores when ``flush``)."""
         for request_id in list(self._loads):
             self.cancel(request_id)
-        self.offload.shutdown(flush=flush)
+        self.offload.shutdown(flush=flush)  # ends every load (one stuck in a read is left)
+        for handle in [h for h in self._abandoned if h.done.is_set()]:
+            self._let_go(handle)

@@ -2,17 +2,23 @@
 
 Layout: ``<dir>/kvmem-<digest>/<name[:2]>/<name>.kvb`` with ``identity.json`` beside the
 block folders saying which model and layout the digest stands for. A block file is a fixed
-header (magic, format version, name length, payload length, xxh3-128 checksum of the
-payload), the block's name, then the payload. Files are written to a temporary name and
+header (magic, format version, name length, payload length, checksum, namespace digest),
+the block's name, then the payload. The checksum (xxh3-128) covers everything after it:
+the namespace, the name and the payload, so a file is bound to the tier that wrote it
+(weights, layout, rank) and to its block. Files are written to a temporary name and
 renamed, so a crash leaves either a whole file or none; every load checks the header, the
-name and the checksum. On start-up the namespace is scanned, so blocks written by an
-earlier process with the same identity are found again (oldest first in LRU order).
-A directory that disappears disables the tier with a warning.
+namespace, the name and the checksum, and a file copied from another rank's or model's
+folder under the same name fails its load (counted in ``failed_loads``, recomputed). On
+start-up the namespace is scanned, so blocks written by an earlier process with the same
+identity are found again (oldest first in LRU order). A directory that disappears
+disables the tier with a warning.
 
 Only regular files are the tier's. Whatever else the folder holds under a block's or a
-temporary file's name (a directory, a symbolic link, a device) is left alone, counted
-(``skipped_files``) and logged; no link inside the tier's folder is ever followed, for
-reading or for writing.
+temporary file's name (a directory, a symbolic link, a FIFO, a device) is left alone,
+counted (``skipped_files``) and logged; no link inside the tier's folder is ever followed,
+for reading or for writing, and every file is opened without blocking (``O_NONBLOCK``) and
+used only when ``fstat`` says it is a regular file, so a FIFO put in a block's place fails
+that load instead of waiting for a writer.
 
 Blocks encode users' prompts: the namespace and its folders are created 0700 and files
 0600 whatever the umask, and a namespace left with wider modes is narrowed on start-up.
@@ -25,7 +31,9 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -35,12 +43,15 @@ from kvmem.errors import ConfigError
 from kvmem.tiers.config import FLAG_NAMES, FORMAT_VERSION, SettingNames, TierIdentity
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
-from kvmem.tiers.stats import CHECKSUM
+from kvmem.tiers.stats import CHECKSUM, NAMESPACE
 from kvmem.tiers.store import BlockStore, Entry, IndexListener, LoadError
 from kvmem.units import GiB, format_bytes
 
 MAGIC = b"KVMEMBLK"
-_HEADER = struct.Struct("<8sIIQ16s")  # magic, version, name length, payload length, checksum
+# magic, version, name length, payload length, checksum, namespace digest; the checksum
+# covers the bytes after it (namespace, name, payload)
+_HEADER = struct.Struct("<8sIIQ16s16s")
+_CHECKED_FROM = _HEADER.size - 16
 log = logging.getLogger("kvmem.tiers")
 
 SUFFIX = ".kvb"
@@ -59,6 +70,11 @@ class DiskStore(BlockStore):
         super().__init__(budget_bytes, policy, faults, on_change)
         self.block_nbytes = block_nbytes
         self.root = identity.namespace_dir(root)
+        self.namespace = identity.digest_bytes()
+        # files of freed entries, removed after the lock (``_after_unlock``); removals and
+        # the renames that put a block file in place take turns under ``_files_lock``
+        self._doomed: list[tuple[str, Path]] = []
+        self._files_lock = threading.Lock()
         check_disk_budget(budget_bytes, Path(root), names)
         try:
             if Path(root).exists() and not Path(root).is_dir():
@@ -111,7 +127,7 @@ class DiskStore(BlockStore):
             log.warning("disk offload tier %s: skipped %d entries that are not regular files "
                         "(%s%s); they are left alone", self.root, len(skipped),
                         ", ".join(skipped[:5]), ", ..." if len(skipped) > 5 else "")
-        with self._lock:
+        with self._changing():
             self.stats.skipped_files += len(skipped)
             for _, name in sorted(found):
                 entry = Entry(name, self._entry_bytes(name), self.path_of(name), ready=True,
@@ -132,8 +148,11 @@ class DiskStore(BlockStore):
     def _write(self, entry: Entry, row: torch.Tensor) -> None:
         payload = row.numpy()
         name = entry.name.encode()
+        checksum = xxhash.xxh3_128(self.namespace)
+        checksum.update(name)
+        checksum.update(payload)
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(name), payload.nbytes,
-                              xxhash.xxh3_128_digest(payload))
+                              checksum.digest(), self.namespace)
         path: Path = entry.handle
         path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
         if not _is_real_dir(path.parent):  # a link would lead out of the tier's folder
@@ -145,7 +164,8 @@ class DiskStore(BlockStore):
                 f.write(header)
                 f.write(name)
                 f.write(memoryview(payload))
-            os.replace(tmp, path)
+            with self._files_lock:
+                os.replace(tmp, path)
             self.faults.after_write(path)
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -153,25 +173,37 @@ class DiskStore(BlockStore):
 
     def _read(self, entry: Entry, out: torch.Tensor) -> None:
         data = bytearray(entry.nbytes)
-        with os.fdopen(os.open(entry.handle, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        with _open_regular(entry.handle, os.O_RDONLY) as f:
+            if os.fstat(f.fileno()).st_size != entry.nbytes:
+                raise LoadError(f"file size differs from the expected {entry.nbytes} bytes")
             size = f.readinto(data)
             trailing = f.read(1)
         if size != entry.nbytes or trailing:
             raise LoadError(f"file size differs from the expected {entry.nbytes} bytes")
-        magic, version, name_len, payload_len, checksum = _HEADER.unpack_from(data)
+        magic, version, name_len, payload_len, checksum, namespace = _HEADER.unpack_from(data)
         start = _HEADER.size + name_len
         if magic != MAGIC or version != FORMAT_VERSION or payload_len != self.block_nbytes:
             raise LoadError("not a block file of this format")
+        if namespace != self.namespace:
+            raise LoadError(f"file belongs to another tier (namespace {namespace.hex()[:24]}: "
+                            "another model, layout or rank), copied into this one", NAMESPACE)
         if data[_HEADER.size:start].decode(errors="replace") != entry.name:
             raise LoadError("file holds another block")
-        payload = memoryview(data)[start:]
-        if xxhash.xxh3_128_digest(payload) != checksum:
+        if xxhash.xxh3_128_digest(memoryview(data)[_CHECKED_FROM:]) != checksum:
             raise LoadError("checksum mismatch", CHECKSUM)
         out.copy_(torch.frombuffer(data, dtype=torch.uint8, offset=start))
 
     def _release(self, entry: Entry) -> None:
         if self._enabled:
-            _remove(entry.handle)
+            self._doomed.append((entry.name, entry.handle))
+
+    def _after_unlock(self) -> None:
+        with self._files_lock:
+            with self._lock:  # a block stored again meanwhile keeps its (new) file
+                doomed = [path for name, path in self._doomed if name not in self._entries]
+                self._doomed = []
+            for path in doomed:
+                _remove(path)
 
     def _io_failed(self, exc: OSError) -> None:
         if not self.root.is_dir():
@@ -223,14 +255,30 @@ def _write_replacing(path: Path, data: bytes) -> None:
         raise
 
 
-def _private_file(path: Path):
-    """``path`` opened for writing, created (or truncated) with mode 0600 whatever the umask;
-    a link at ``path`` is not followed (ELOOP)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+def _open_regular(path: str | Path, flags: int, mode: int = FILE_MODE):
+    """``path`` opened with ``flags`` as a file object, only if it is a regular file: a link
+    at ``path`` is not followed (ELOOP), and the open does not block, so a FIFO or a device
+    put there is refused (ENXIO for a FIFO nobody reads, else EINVAL after ``fstat``)
+    instead of waiting for a writer or a reader."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
     try:
-        os.fchmod(fd, FILE_MODE)  # O_CREAT's mode is narrowed by the umask, never widened;
-        # a file that existed keeps its mode unless changed here
-        return os.fdopen(fd, "wb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb" if (flags & os.O_ACCMODE) == os.O_RDONLY else "wb")
     except BaseException:
         os.close(fd)
+        raise
+
+
+def _private_file(path: Path):
+    """``path`` opened for writing, created (or truncated) with mode 0600 whatever the umask;
+    only a regular file is written (``_open_regular``)."""
+    f = _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.fchmod(f.fileno(), FILE_MODE)  # O_CREAT's mode is narrowed by the umask, never
+        # widened; a file that existed keeps its mode unless changed here
+        return f
+    except BaseException:
+        f.close()
         raise

@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 MISSING = "missing"  # no longer there: evicted since the lookup, or its file removed
 CHECKSUM = "checksum"  # the bytes read back do not match their checksum
 FORMAT = "format"  # not a block file of this format, of this size, or of this block
+NAMESPACE = "namespace"  # a block file of another tier: another model, layout or rank
 IO = "io"  # the read failed (OSError)
 DISABLED = "disabled"  # the tier was turned off (e.g. its directory vanished)
 ERROR = "error"  # copying into the KV cache failed
-FAILED_LOAD_CAUSES = (MISSING, CHECKSUM, FORMAT, IO, DISABLED, ERROR)
+FAILED_LOAD_CAUSES = (MISSING, CHECKSUM, FORMAT, NAMESPACE, IO, DISABLED, ERROR)
 
 
 @dataclass

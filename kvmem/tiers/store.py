@@ -6,6 +6,11 @@ half-written block. A load pins its entries first, and a pinned entry is never e
 an entry that fails to load leaves the index at once and gives its space back when the
 last pin goes. ``used_bytes`` is the exact sum of the entries' sizes at every moment.
 
+The lock guards only memory: the scheduler's thread takes it (``pin``, ``record_lookup``),
+so no file-system call runs under it. What an entry frees under the lock (a disk tier's
+file) is let go by ``_after_unlock``, on the thread that freed it (a tier thread), once
+the lock is released.
+
 An optional ``on_change(tier, name, present)`` hears every change of the index (a block
 becoming readable, or leaving), under the tier's lock: a process that cannot see the
 tier (vLLM's scheduler, beside a worker's tiers) keeps its own view of it from these.
@@ -19,7 +24,8 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,7 +150,7 @@ class BlockStore(ABC):
             return entry
 
     def unpin(self, entry: Entry) -> None:
-        with self._lock:
+        with self._changing():
             entry.pins -= 1
             if entry.dropped and entry.pins == 0:
                 self._free(entry)
@@ -160,7 +166,7 @@ class BlockStore(ABC):
         except (LoadError, OSError) as exc:
             cause = exc.cause if isinstance(exc, LoadError) else \
                 causes.MISSING if isinstance(exc, FileNotFoundError) else causes.IO
-            with self._lock:
+            with self._changing():
                 self.stats.record_failed_load(cause)
                 self._forget(entry)
             if isinstance(exc, OSError):
@@ -175,7 +181,7 @@ class BlockStore(ABC):
     # -- stores ---------------------------------------------------------------------------
     def put(self, name: str, row: torch.Tensor) -> bool:
         """Store one host row under ``name``; False (and counted) when it was not stored."""
-        with self._lock:
+        with self._changing():
             if not self._enabled:
                 self.stats.skipped_stores += 1
                 return False
@@ -196,7 +202,7 @@ class BlockStore(ABC):
         try:
             self._write(entry, row)
         except OSError as exc:
-            with self._lock:
+            with self._changing():
                 self.stats.skipped_stores += 1
                 self._forget(entry)
             self._io_failed(exc)
@@ -216,7 +222,7 @@ class BlockStore(ABC):
 
     def disable(self, reason: str) -> None:
         """Stop using this tier (e.g. its directory vanished); its entries are forgotten."""
-        with self._lock:
+        with self._changing():
             if not self._enabled:
                 return
             self._enabled = False
@@ -225,6 +231,13 @@ class BlockStore(ABC):
         log.warning("%s offload tier disabled: %s", self.name, reason)
 
     # -- internals (lock held) ------------------------------------------------------------
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock, for a change that may free entries; what they free is let go after."""
+        with self._lock:
+            yield
+        self._after_unlock()
+
     def _make_room(self, nbytes: int) -> bool:
         if nbytes > self.capacity_bytes:
             return False
@@ -259,6 +272,10 @@ class BlockStore(ABC):
     def _io_failed(self, exc: OSError) -> None:  # noqa: B027 - optional hook
         """Called (lock not held) after an OSError; a tier may disable itself here."""
 
+    def _after_unlock(self) -> None:  # noqa: B027 - optional hook
+        """Called (lock not held) after a change that may have freed entries: let go of
+        what ``_release`` set aside (a disk tier removes the files here)."""
+
     @abstractmethod
     def _entry_bytes(self, name: str) -> int:
         ...
@@ -277,4 +294,4 @@ class BlockStore(ABC):
 
     @abstractmethod
     def _release(self, entry: Entry) -> None:
-        ...
+        """Give an entry's space back (lock held: memory only; see ``_after_unlock``)."""

@@ -53,7 +53,8 @@ class LoadHandle:
     KV; the rest (after a failed or missing block) must be recomputed. ``error`` says why
     a load stopped short. ``tiers`` names the tier each found block loads from;
     ``block_tokens`` the prompt tokens each block stands for (counted as its tier's hit
-    tokens once it is loaded intact).
+    tokens once it is loaded intact). ``cancel()`` gives it up: nothing is written into the
+    pool after it returns.
     """
 
     request_id: str
@@ -65,6 +66,16 @@ class LoadHandle:
     done: threading.Event = field(default_factory=threading.Event)
     num_loaded: int = 0
     error: str | None = None
+    cancelled: bool = False
+    scatter_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """Give the load up (a caller that stopped waiting for it, and recomputes its
+        blocks): a copy into the pool under way is waited for, and a read still stuck in
+        the file system writes nothing into the pool when it ends, so the blocks, reused
+        meanwhile, are never overwritten with this load's bytes."""
+        with self.scatter_lock:
+            self.cancelled = True
 
     @property
     def ok(self) -> bool:
@@ -219,10 +230,13 @@ class TransferEngine:
                     break
                 read_seconds.append(time.perf_counter() - start)
                 loaded += 1
-            if loaded:
-                start = time.perf_counter()
-                self.copier.scatter(handle.block_ids[:loaded], rows[:loaded])
-                self._record_loaded(handle, read_seconds, time.perf_counter() - start)
+            with handle.scatter_lock:
+                if handle.cancelled:
+                    loaded, error = 0, "cancelled"
+                elif loaded:
+                    start = time.perf_counter()
+                    self.copier.scatter(handle.block_ids[:loaded], rows[:loaded])
+                    self._record_loaded(handle, read_seconds, time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - report as a failed load, recompute instead
             log.exception("offload: loading blocks into the KV pool failed")
             if handle.sources:

@@ -93,7 +93,8 @@ def page_view(run: PlanRun, device: str) -> dict:
         "ranks": rank_rows(run),
         "summary": summary(run),
         "vllm_log": vllm_log(run, device),
-        "elastic": elastic_lines(run.elastic) if run.elastic is not None else [],
+        "elastic": (elastic_lines(run.elastic, on_cpu=device == "cpu")
+                    if run.elastic is not None else []),
         "commands": commands(run),
         "warnings": warnings(run),
         "alternatives": list(run.plan.alternatives),

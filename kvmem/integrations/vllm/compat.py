@@ -211,7 +211,7 @@ def _resolve(path: str) -> Any:
     module_name, _, qualname = path.partition(":")
     try:
         obj = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure means: not usable
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure means: not usable
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise Missing(f"cannot import {module_name} ({type(exc).__name__}: {first})") from None
     done = module_name
@@ -330,12 +330,25 @@ def missing_calls(calls: tuple[tuple[str, str], ...]) -> list[str]:
     return found
 
 
+def vllm_import_error() -> str | None:
+    """Why ``import vllm`` fails here, in one line (its exception, or the exit it called
+    while importing); None when it imports."""
+    try:
+        import vllm  # noqa: F401
+    except SystemExit as exc:  # some builds exit when they find no usable device
+        return f"importing vllm called sys.exit({exc.code!r})"
+    except Exception as exc:  # noqa: BLE001 - not installed, or broken: both mean no vLLM
+        text = str(exc).strip()
+        return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return None
+
+
 def vllm_version() -> str | None:
     """The installed vLLM's version, None when vLLM cannot be imported."""
-    try:
-        import vllm
-    except Exception:  # noqa: BLE001 - not installed, or broken: both mean no vLLM
+    if vllm_import_error() is not None:
         return None
+    import vllm
+
     return str(getattr(vllm, "__version__", "unknown"))
 
 
@@ -346,9 +359,11 @@ def tested(version: str) -> bool:
 
 def require(feature: str) -> str:
     """vLLM's version when ``feature`` can run on it; ConfigError (one line) otherwise."""
+    error = vllm_import_error()
+    if error is not None:
+        raise ConfigError(f"kvmem's vLLM {feature} needs vLLM, which cannot be imported here "
+                          f"({error})")
     version = vllm_version()
-    if version is None:
-        raise ConfigError(f"kvmem's vLLM {feature} needs vLLM, which cannot be imported here")
     found = problems(feature)
     if found:
         more = f" (and {len(found) - 1} more; see `kvmem vllm-check`)" if len(found) > 1 else ""
@@ -380,17 +395,18 @@ def device_type() -> str | None:
         from vllm.platforms import current_platform
 
         return str(current_platform.device_type) or None
-    except Exception:  # noqa: BLE001 - no usable platform
+    except (Exception, SystemExit):  # noqa: BLE001 - no usable platform
         return None
 
 
 def report() -> tuple[str | None, list[FeatureStatus]]:
     """The installed vLLM's version and, for each part of the integration, whether it
     works and why not."""
-    version = vllm_version()
-    if version is None:
-        return None, [FeatureStatus(name, desc, False, ("vLLM cannot be imported",))
+    error = vllm_import_error()
+    if error is not None:
+        return None, [FeatureStatus(name, desc, False, (f"vLLM cannot be imported ({error})",))
                       for name, (desc, _) in FEATURES.items()]
+    version = vllm_version()
     statuses = []
     for name, (desc, _) in FEATURES.items():
         found = problems(name)

@@ -219,13 +219,16 @@ class WorkerSide:
             # blocks gone since the scheduler's lookup are misses in every tier
             self.offload.record_lookups(handle.tiers, len(job.keys) - len(handle.tiers))
             if not handle.done.wait(LOAD_TIMEOUT_S):
+                handle.cancel()  # vLLM recomputes these blocks: a late copy must not land
                 log.error("kvmem: load of %d blocks for %s did not finish in %.0f s",
                           len(job.block_ids), job.request_id, LOAD_TIMEOUT_S)
             loaded = handle.num_loaded if handle.done.is_set() else 0
             if loaded < len(job.block_ids):
+                failed = sum(t.failed_loads for t in self.offload.stats().values())
                 log.warning("kvmem: %s: request %s: %d of %d blocks loaded (%s); vLLM "
-                            "recomputes the rest on every rank", self.place, job.request_id,
-                            loaded, len(job.block_ids), handle.error or "timed out")
+                            "recomputes the rest on every rank (failed loads on this rank: "
+                            "%d)", self.place, job.request_id, loaded, len(job.block_ids),
+                            handle.error or "timed out", failed)
                 self._load_errors.update(job.block_ids[loaded:])
         if meta.loads:
             self.offload.poll()
