@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -428,3 +429,28 @@ def test_engine_names_are_printable_and_shown_as_text(tmp_path, capsys):
     assert main(["top", "--ledger-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "[/x]" in out and "[bold red]y[/]" in out
+
+
+def test_an_engine_killed_and_not_yet_waited_for_gives_its_room_at_once(tmp_path):
+    """kill -9 of an engine whose parent has not reaped it yet (a zombie) holds no memory:
+    the others get its room at their next look at the ledger."""
+    code = ("import sys, time; from kvmem.memory.ledger import Ledger; "
+            "b = Ledger(sys.argv[1]).register('held'); b.try_acquire(900); "
+            "print('in', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "l.json")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "in"
+        ledger = Ledger(tmp_path / "l.json")
+        ledger.set_total_limit(1000)
+        other = ledger.register("other")
+        assert not other.try_acquire(500)
+        proc.kill()  # not waited for: a zombie until the end of this test
+        deadline = time.monotonic() + 60
+        while not other.try_acquire(500):
+            assert time.monotonic() < deadline, "the killed engine's room never came back"
+            time.sleep(0.01)
+        assert [e.name for e in ledger.entries()] == ["other"]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -116,13 +116,19 @@ def check_engine_name(name: str) -> str:
 
 
 def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet waited for by its
+    parent, holds no memory and does not)."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True  # no /proc here: the signal said it exists
+    return stat_line[stat_line.rfind(b")") + 2:][:1] != b"Z"
 
 
 # -- validation ------------------------------------------------------------------------

