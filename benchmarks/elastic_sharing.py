@@ -178,19 +178,37 @@ async def burst(server: Server, batch: list[list[int]], max_tokens: int,
 
 
 class LedgerSampler:
-    """Every engine's mapped bytes, every 20 ms."""
+    """Every engine's mapped bytes, and what it waits for, every 20 ms."""
 
     def __init__(self, ledger_dir: str) -> None:
         self.ledger_dir = ledger_dir
         self.samples: list[tuple[float, dict[str, int]]] = []
+        self.waits: list[tuple[float, dict[str, int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             for d in control.devices(self.ledger_dir):
-                self.samples.append((time.monotonic(),
-                                     {e.name: e.mapped_bytes for e in d.engines}))
+                now = time.monotonic()
+                self.samples.append((now, {e.name: e.mapped_bytes for e in d.engines}))
+                self.waits.append((now, {e.name: e.wanted_bytes for e in d.engines}))
+
+    def waited_s(self, name: str) -> float:
+        """Seconds ``name`` was waiting for memory the total kept from it."""
+        return sum(b - a for (a, w), (b, _) in zip(self.waits, self.waits[1:], strict=False)
+                   if w.get(name, 0) > 0)
+
+    def timeline(self, step_s: float = 1.0) -> list[dict[str, int]]:
+        """Mapped MiB of each engine at every ``step_s``."""
+        if not self.samples:
+            return []
+        start, out, next_at = self.samples[0][0], [], self.samples[0][0]
+        for at, held in self.samples:
+            if at >= next_at:
+                out.append({"t": round(at - start, 1), **{n: v >> 20 for n, v in held.items()}})
+                next_at += step_s
+        return out
 
     def __enter__(self) -> LedgerSampler:
         self._thread.start()
@@ -239,19 +257,28 @@ def main() -> None:
         asyncio.run(burst(b, burst_b[:2], 4, running))  # warm-up: B's first forward
         asyncio.run(burst(a, [burst_b[0]], 4, running))  # and A's (not in its cache later)
 
+        preempted = (r"kvmem_preemptions_total" if args.engine == "kvmem"
+                     else r"vllm:num_preemptions_total")
+        before_alone = b.metric(preempted)
         alone = asyncio.run(burst(b, burst_b, args.max_tokens, running))
+        alone_again = asyncio.run(burst(b, burst_b, args.max_tokens, running))  # the noise
+        after_alone = b.metric(preempted)
         first = asyncio.run(burst(a, burst_a, args.max_tokens, running))
         time.sleep(1.0)  # A is idle from here on, holding its prompts as prefix cache
         before = entry(ledger_dir, "A")
         with LedgerSampler(ledger_dir) as sampler:
             shared = asyncio.run(burst(b, burst_b, args.max_tokens, running))
         after = entry(ledger_dir, "A")
+        preempted_shared = b.metric(preempted) - after_alone
         loaded_metric = r"kvmem_offload_bytes_loaded(_total)?\{.*tier=\"cpu\""
         loaded = a.metric(loaded_metric)
         again = asyncio.run(burst(a, burst_a[:1], args.max_tokens, running))
         out.update({
-            "b_alone_tok_s": alone["tok_s"], "b_shared_tok_s": shared["tok_s"],
-            "b_ratio": shared["tok_s"] / alone["tok_s"],
+            "b_alone_tok_s": alone["tok_s"], "b_alone_again_tok_s": alone_again["tok_s"],
+            "b_shared_tok_s": shared["tok_s"],
+            "b_ratio": shared["tok_s"] / max(alone["tok_s"], alone_again["tok_s"]),
+            "b_preempted_alone": (after_alone - before_alone) / 2,
+            "b_preempted_shared": preempted_shared,
             "b_alone_full_batch_s": alone["full_batch_s"],
             "b_shared_full_batch_s": shared["full_batch_s"],
             "b_same_texts": shared["texts"] == alone["texts"],
@@ -260,6 +287,8 @@ def main() -> None:
             "a_reclaims": after.reclaims,
             "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
             "samples": len(sampler.samples),
+            "b_waited_for_memory_s": sampler.waited_s("B"),
+            "timeline_mib": sampler.timeline(),
             "a_again_same_text": again["texts"] == first["texts"][:1],
             "a_again_tier_bytes_loaded": a.metric(loaded_metric) - loaded,
         })
