@@ -546,6 +546,7 @@ def test_an_idle_engine_gives_its_cache_to_a_busy_one_and_reloads_it_from_its_ti
         outs_b = b.generate(prompts_b, GREEDY)
         assert [o.outputs[0].token_ids for o in outs_b] == ref_b
         assert all(o.outputs[0].finish_reason == "length" for o in outs_b)
+        assert b.engine.num_preemptions == 0  # it waited for a's memory, recomputed nothing
         after = a.engine.kv_storage.stats()
         assert a.engine.stats.steps == steps_a  # a was idle throughout
         assert after.held_bytes < before.held_bytes * 0.6

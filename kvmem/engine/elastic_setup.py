@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from kvmem.plan import Plan
 
 logger = logging.getLogger("kvmem.engine")
+WANT_WAIT_S = 5.0  # how long running requests wait for memory other engines give back
 
 
 def default_engine_name(config: EngineConfig) -> str:
@@ -82,6 +83,8 @@ class ElasticSetup:
     pool: Any = None  # the block pool make_pool built (its cached blocks can be evicted)
     # held by the engine around each step: reclaim runs between steps
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # since when it has asked other engines for memory (None: it is not short)
+    _wanting_since: float | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan: Plan, *,
@@ -191,19 +194,28 @@ class ElasticSetup:
             return 0
         return max(0, table.pages_in_use() - allowed // table.page_bytes)
 
-    def want(self, num_tokens: list[int]) -> None:
-        """Requests of these lengths wait for memory: ask, once for all of them, other
-        engines to give back what the device total keeps from them (a busy engine does not
-        wait for memory an idle one only caches)."""
+    def want(self, num_tokens: list[int]) -> bool:
+        """Requests of these lengths (those running and those waiting for a slot) need
+        their blocks: ask other engines, once for all of them, for what the device total
+        keeps from them (a busy engine does not wait for memory an idle one only caches).
+        Returns whether some is coming: then a running request short of blocks waits
+        rather than preempting another. A wait that lasts ``WANT_WAIT_S`` without the
+        memory arriving stops counting as coming (the scheduler preempts as usual)."""
         storage = self._storage()
-        if storage.budget is None or not num_tokens:
-            return
-        s = self.sizing
-        blocks = sum(self.need_blocks(n) - 1 for n in num_tokens)  # the null block once
-        free = storage.table.free_within(0)  # without new pages
-        pages = -(-max(0, blocks - free) // s.blocks_per_page)
-        if pages:
-            storage.budget.want(pages * s.page_bytes)
+        if storage.budget is None or self.pool is None or not num_tokens:
+            return False
+        s, table = self.sizing, storage.table
+        blocks = 1 + sum(self.need_blocks(n) - 1 for n in num_tokens)  # the null block once
+        have = self.pool.usage().used + 1 + table.free_within(0)
+        pages = -(-max(0, blocks - have) // s.blocks_per_page)
+        coming = pages > 0 and storage.budget.want(pages * s.page_bytes)
+        now = time.monotonic()
+        if not coming:
+            self._wanting_since = None
+            return False
+        if self._wanting_since is None:
+            self._wanting_since = now
+        return now - self._wanting_since < WANT_WAIT_S
 
     # -- the scheduler's view ------------------------------------------------------------
     def fits_limit(self, num_tokens: int) -> bool:

@@ -66,7 +66,7 @@ class KVMemory(Protocol):
 
     def excess_pages(self) -> int: ...
 
-    def want(self, num_tokens: list[int]) -> None: ...
+    def want(self, num_tokens: list[int]) -> bool: ...
 
     def backoff(self) -> None: ...
 
@@ -205,6 +205,7 @@ class Scheduler:
         if self.offload is not None:
             self._admit_loaded()
         preemptions = self.stats.num_preemptions
+        self._coming: bool | None = None  # asked other engines for memory this step
         if self.kv_memory is not None:
             self._shrink_to_limit()
         scheduled: list[tuple[Request, int, Allocation]] = []
@@ -292,6 +293,20 @@ class Scheduler:
         elif self.offload is not None and (self._loading or self.offload.holds_blocks):
             self.offload.wait(0.05)  # nothing to run until a tier load or store lands
 
+    def _memory_coming(self) -> bool:
+        """With KV memory other engines share: ask them, once a step, for what every
+        running request and every waiting one a slot awaits needs; whether they are
+        giving some back (then a running request short of blocks waits for it instead of
+        preempting another, whose KV would be computed again)."""
+        if self.kv_memory is None:
+            return False
+        if self._coming is None:
+            free = self.max_num_seqs - len(self.running) - len(self._loading)
+            demand = [r.num_tokens for r in self.running] + \
+                [r.num_tokens for r in list(self.waiting)[:max(0, free)]]
+            self._coming = self.kv_memory.want(demand)
+        return self._coming
+
     def _shrink_to_limit(self) -> None:
         """Under a lowered KV memory limit, preempt running requests (the newest first,
         recomputed later) until what runs fits; they wait, none fails."""
@@ -305,6 +320,8 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not (result := self.kv_cache_manager.allocate_slots(request, num_new)):
+                if result.can_ever_fit and self._memory_coming():
+                    break  # other engines give back what it needs: it waits, keeps its KV
                 victim = self.running[-1]
                 if not result.can_ever_fit or (victim is request and i == 0):
                     if result.can_ever_fit and (self._transfers_hold_blocks(request)
@@ -345,9 +362,7 @@ class Scheduler:
                     self.waiting.popleft()
                     self._fail(request, self._too_big(request))
                     continue
-                if self.kv_memory is not None:  # ask once for every request a slot awaits
-                    free = self.max_num_seqs - len(self.running) - len(self._loading)
-                    self.kv_memory.want([r.num_tokens for r in list(self.waiting)[:free]])
+                self._memory_coming()  # ask other engines for what waits, once
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
             self.stats.prefix_queried_tokens += request.num_tokens

@@ -154,16 +154,21 @@ class EngineBudget:
                 self.held_bytes += nbytes
             return taken
 
-    def want(self, nbytes: int) -> None:
+    def want(self, nbytes: int) -> bool:
         """It waits for ``nbytes`` more: if the device total keeps them from it, ask other
-        engines for them now (asks already outstanding count), without taking anything."""
-        def change(entry: LedgerEntry, table: LedgerTable) -> None:
+        engines for them now (asks already outstanding count), without taking anything.
+        Returns whether other engines are asked for some (it comes, at their next look
+        at the ledger)."""
+        def change(entry: LedgerEntry, table: LedgerTable) -> bool:
             r = room(table, entry)
-            if r is not None and nbytes > r:
-                ask_reclaim(table, entry, nbytes)
+            if r is None or nbytes <= r:
+                entry.wanted_bytes = 0
+                return False
+            ask_reclaim(table, entry, nbytes)
+            return any(e.reclaim_bytes for e in table.others(entry.name))
 
         with self._lock:
-            self._update(change, lambda: None)
+            return self._update(change, lambda: False)
 
     def take(self, nbytes: int) -> None:
         """Take ``nbytes`` whatever the limits say: bytes an allocation already promised
