@@ -199,6 +199,17 @@ class LedgerSampler:
         return sum(b - a for (a, w), (b, _) in zip(self.waits, self.waits[1:], strict=False)
                    if w.get(name, 0) > 0)
 
+    def answer_s(self, asker: str, giver: str) -> float | None:
+        """Seconds from the first sample where ``asker`` waits for memory to the first
+        where ``giver`` holds less than at that moment (sampled every 20 ms)."""
+        asked = next(((at, held[giver]) for (at, w), (_, held)
+                      in zip(self.waits, self.samples, strict=True) if w.get(asker)), None)
+        if asked is None:
+            return None
+        at, before = asked
+        given = next((t for t, held in self.samples if t >= at and held[giver] < before), None)
+        return None if given is None else given - at
+
     def timeline(self, step_s: float = 1.0) -> list[dict[str, int]]:
         """Mapped MiB of each engine at every ``step_s``."""
         if not self.samples:
@@ -288,6 +299,7 @@ def main() -> None:
             "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
             "samples": len(sampler.samples),
             "b_waited_for_memory_s": sampler.waited_s("B"),
+            "a_answered_b_after_s": sampler.answer_s("B", "A"),
             "timeline_mib": sampler.timeline(),
             "a_again_same_text": again["texts"] == first["texts"][:1],
             "a_again_tier_bytes_loaded": a.metric(loaded_metric) - loaded,

@@ -115,7 +115,11 @@ class EngineBudget:
             entry.heartbeat = time.time()
             entry.mapped_bytes = self.held_bytes
             self.floor_bytes, self.ceiling_bytes = entry.floor_bytes, entry.ceiling_bytes
-            return fn(entry, table)
+            result = fn(entry, table)
+            # what it may hold, as of this write: a take raises it by what it took
+            self.allowed_bytes = allowed(table, entry)
+            self.attainable_bytes = attainable(table, entry)
+            return result
 
         try:
             result = self.ledger.change(change)
@@ -193,14 +197,12 @@ class EngineBudget:
     def report(self, live_bytes: int, cached_bytes: int = 0) -> BudgetState:
         """Record what of its memory holds live and cached KV (and a heartbeat); read back
         what it may hold and what it is asked to give back."""
-        def change(entry: LedgerEntry, table: LedgerTable) -> BudgetState:
+        def change(entry: LedgerEntry, table: LedgerTable) -> int:
             entry.live_bytes, entry.cached_bytes = live_bytes, cached_bytes
-            self.allowed_bytes = allowed(table, entry)
-            self.attainable_bytes = attainable(table, entry)
-            return self._state(entry.reclaim_bytes)
+            return entry.reclaim_bytes
 
         with self._lock:
-            return self._update(change, lambda: self._state(0))
+            return self._state(self._update(change, lambda: 0))
 
     def _state(self, reclaim_bytes: int) -> BudgetState:
         return BudgetState(self.held_bytes, self.allowed_bytes, reclaim_bytes,

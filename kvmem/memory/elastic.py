@@ -165,8 +165,7 @@ class ElasticKVStorage:
         state = self.budget.report(t.live_kv_blocks * t.block_bytes,
                                    len(t.cached) * t.block_bytes)
         with t.cond:
-            t.allowed_bytes, t.attainable_bytes = state.allowed_bytes, state.attainable_bytes
-            t.cond.notify_all()
+            t.cond.notify_all()  # the caps it read (the budget keeps them) may free work
         over = 0 if state.allowed_bytes is None else t.held_bytes - state.allowed_bytes
         want = max(over, state.reclaim_bytes)
         given = self._reclaim(want) if want > 0 else 0

@@ -89,8 +89,9 @@ class PageTable:
         self.mapped_pages = 0  # MAPPED + MAPPING + UNMAPPING: pages whose bytes are held
         self.credit_pages = 0  # budget taken for pages not mapped yet
         self.promised_blocks = 0  # blocks can_allocate said yes to, not yet allocated
-        self.allowed_bytes: int | None = None  # latest cap read from the ledger
-        self.attainable_bytes: int | None = None  # the most others' giving back would allow
+        # caps read from the ledger at its latest write (the budget's, when it keeps them)
+        self._allowed_bytes: int | None = None
+        self._attainable_bytes: int | None = None
         # Memory was given back to other engines: no pages are mapped ahead of need (they
         # would take it straight back) until this engine allocates again.
         self.reserve_suspended = False
@@ -99,6 +100,21 @@ class PageTable:
         self._ops: list[PageOp] | None = [] if record_ops else None
 
     # ---- budget -------------------------------------------------------------------------
+
+    @property
+    def allowed_bytes(self) -> int | None:
+        """The most the engine may hold now (None: no limit), as of the ledger's latest
+        write: after a take, what the take left, not the last heartbeat's."""
+        return getattr(self.budget, "allowed_bytes", self._allowed_bytes)
+
+    @allowed_bytes.setter
+    def allowed_bytes(self, value: int | None) -> None:
+        self._allowed_bytes = value
+
+    @property
+    def attainable_bytes(self) -> int | None:
+        """The most it could hold once other engines gave back what they only cache."""
+        return getattr(self.budget, "attainable_bytes", self._attainable_bytes)
 
     @property
     def page_bytes(self) -> int:
