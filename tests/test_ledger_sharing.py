@@ -126,3 +126,17 @@ def test_takes_never_pass_the_total_and_floors_stay_reachable(tmp_path_factory, 
     for budget in budgets:
         if budget.held_bytes < budget.floor_bytes:
             assert budget.try_acquire(budget.floor_bytes - budget.held_bytes)
+
+
+def test_what_an_engine_may_hold_is_read_at_every_take(tmp_path):
+    """Its cap follows every write, not only its heartbeat: after another engine gave
+    memory back and it took some, it is not over what it may hold (a stale cap from the
+    heartbeat before made it trim and preempt its own requests)."""
+    ledger = Ledger(tmp_path / "l.json")
+    ledger.set_total_limit(100 * MiB)
+    a, b = ledger.register("a"), ledger.register("b")
+    assert a.try_acquire(80 * MiB)
+    assert b.report(0).allowed_bytes == 20 * MiB
+    a.release(60 * MiB)
+    assert b.try_acquire(50 * MiB)
+    assert b.allowed_bytes == 80 * MiB >= b.held_bytes
