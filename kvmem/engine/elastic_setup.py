@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from kvmem.plan import Plan
 
 logger = logging.getLogger("kvmem.engine")
-WANT_WAIT_S = 5.0  # how long running requests wait for memory other engines give back
+WANT_WAIT_S = 5.0  # running requests wait this long for other engines to give back
 
 
 def default_engine_name(config: EngineConfig) -> str:
@@ -85,6 +85,7 @@ class ElasticSetup:
     lock: threading.RLock = field(default_factory=threading.RLock)
     # since when it has asked other engines for memory (None: it is not short)
     _wanting_since: float | None = field(default=None, init=False, repr=False)
+    _held_then: int = field(default=0, init=False, repr=False)
 
     @classmethod
     def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan: Plan, *,
@@ -199,8 +200,8 @@ class ElasticSetup:
         their blocks: ask other engines, once for all of them, for what the device total
         keeps from them (a busy engine does not wait for memory an idle one only caches).
         Returns whether some is coming: then a running request short of blocks waits
-        rather than preempting another. A wait that lasts ``WANT_WAIT_S`` without the
-        memory arriving stops counting as coming (the scheduler preempts as usual)."""
+        rather than preempting another. ``WANT_WAIT_S`` without any memory arriving, it
+        stops counting as coming (the scheduler preempts as usual)."""
         storage = self._storage()
         if storage.budget is None or self.pool is None or not num_tokens:
             return False
@@ -209,12 +210,12 @@ class ElasticSetup:
         have = self.pool.usage().used + 1 + table.free_within(0)
         pages = -(-max(0, blocks - have) // s.blocks_per_page)
         coming = pages > 0 and storage.budget.want(pages * s.page_bytes)
-        now = time.monotonic()
+        now, held = time.monotonic(), table.held_bytes
         if not coming:
             self._wanting_since = None
             return False
-        if self._wanting_since is None:
-            self._wanting_since = now
+        if self._wanting_since is None or held > self._held_then:  # memory arrived
+            self._wanting_since, self._held_then = now, held
         return now - self._wanting_since < WANT_WAIT_S
 
     # -- the scheduler's view ------------------------------------------------------------

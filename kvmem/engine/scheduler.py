@@ -302,8 +302,8 @@ class Scheduler:
             return False
         if self._coming is None:
             free = self.max_num_seqs - len(self.running) - len(self._loading)
-            demand = [r.num_tokens for r in self.running] + \
-                [r.num_tokens for r in list(self.waiting)[:max(0, free)]]
+            demand = [r.num_tokens + 1 for r in self.running] + \
+                [r.num_tokens for r in list(self.waiting)[:max(0, free)]]  # +1: the next
             self._coming = self.kv_memory.want(demand)
         return self._coming
 
