@@ -140,3 +140,20 @@ def test_what_an_engine_may_hold_is_read_at_every_take(tmp_path):
     a.release(60 * MiB)
     assert b.try_acquire(50 * MiB)
     assert b.allowed_bytes == 80 * MiB >= b.held_bytes
+
+
+def test_an_engine_waits_for_memory_while_it_keeps_arriving(monkeypatch):
+    from kvmem.memory import budget
+
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "monotonic", lambda: now[0])
+    wait = budget.MemoryWait(wait_s=5)
+    assert not wait(False, 100)  # nothing asked for: preempt as usual
+    assert wait(True, 100)
+    now[0] = 4.9
+    assert wait(True, 100)
+    now[0] = 5.0
+    assert not wait(True, 100)  # 5 s and none arrived: stop waiting
+    assert wait(True, 120)  # some arrived: wait again
+    now[0] = 9.9
+    assert wait(True, 120)

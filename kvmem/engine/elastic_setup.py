@@ -40,6 +40,7 @@ import torch
 from kvmem.engine.config import EngineConfig
 from kvmem.errors import ConfigError
 from kvmem.memory import ElasticKVStorage, Ledger, PageMapCoordinator
+from kvmem.memory.budget import MemoryWait
 from kvmem.memory.sizing import CUDA_GRANULARITY, ElasticSizing, plan_elastic, useful_blocks
 from kvmem.memory.storage import SlotShape
 from kvmem.spec import ModelSpec
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
     from kvmem.plan import Plan
 
 logger = logging.getLogger("kvmem.engine")
-WANT_WAIT_S = 5.0  # running requests wait this long for other engines to give back
 
 
 def default_engine_name(config: EngineConfig) -> str:
@@ -83,9 +83,7 @@ class ElasticSetup:
     pool: Any = None  # the block pool make_pool built (its cached blocks can be evicted)
     # held by the engine around each step: reclaim runs between steps
     lock: threading.RLock = field(default_factory=threading.RLock)
-    # since when it has asked other engines for memory (None: it is not short)
-    _wanting_since: float | None = field(default=None, init=False, repr=False)
-    _held_then: int = field(default=0, init=False, repr=False)
+    _memory_wait: MemoryWait = field(default_factory=MemoryWait, init=False, repr=False)
 
     @classmethod
     def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan: Plan, *,
@@ -200,8 +198,8 @@ class ElasticSetup:
         their blocks: ask other engines, once for all of them, for what the device total
         keeps from them (a busy engine does not wait for memory an idle one only caches).
         Returns whether some is coming: then a running request short of blocks waits
-        rather than preempting another. ``WANT_WAIT_S`` without any memory arriving, it
-        stops counting as coming (the scheduler preempts as usual)."""
+        rather than preempting another, as long as some arrives every 5 s
+        (``MemoryWait``; then the scheduler preempts as usual)."""
         storage = self._storage()
         if storage.budget is None or self.pool is None or not num_tokens:
             return False
@@ -210,13 +208,7 @@ class ElasticSetup:
         have = self.pool.usage().used + 1 + table.free_within(0)
         pages = -(-max(0, blocks - have) // s.blocks_per_page)
         coming = pages > 0 and storage.budget.want(pages * s.page_bytes)
-        now, held = time.monotonic(), table.held_bytes
-        if not coming:
-            self._wanting_since = None
-            return False
-        if self._wanting_since is None or held > self._held_then:  # memory arrived
-            self._wanting_since, self._held_then = now, held
-        return now - self._wanting_since < WANT_WAIT_S
+        return self._memory_wait(coming, table.held_bytes)
 
     # -- the scheduler's view ------------------------------------------------------------
     def fits_limit(self, num_tokens: int) -> bool:

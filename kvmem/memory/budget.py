@@ -249,3 +249,23 @@ class EngineBudget:
 
         with self._lock, contextlib.suppress(LedgerError):  # nothing to leave
             self.ledger.change(change)
+
+
+class MemoryWait:
+    """Whether an engine short of memory keeps waiting for what other engines give back,
+    rather than preempting its own requests: while it is asked for (``coming``) and some
+    arrives (``held`` grows) at least every ``wait_s`` seconds."""
+
+    def __init__(self, wait_s: float = 5.0) -> None:
+        self.wait_s = wait_s
+        self._since: float | None = None
+        self._held = 0
+
+    def __call__(self, coming: bool, held: int) -> bool:
+        now = time.monotonic()
+        if not coming:
+            self._since = None
+            return False
+        if self._since is None or held > self._held:  # memory arrived
+            self._since, self._held = now, held
+        return now - self._since < self.wait_s

@@ -152,6 +152,7 @@ ELASTIC_HOOKS: dict[str, tuple[str, ...]] = {
     "build_connector_meta": ("scheduler_output",),
     "request_finished": ("request", "block_ids"),
     "has_pending_push_work": (),
+    "has_pending_block_frees": (),
     "shutdown": (),
 }
 # The free-block queue methods vLLM's BlockPool may call; ElasticBlockQueue has them all.

@@ -43,6 +43,7 @@ from kvmem.integrations.vllm.elastic.layout import KVLayout, TensorPlacement
 from kvmem.integrations.vllm.elastic.pool import BlockRange, ElasticPool
 from kvmem.integrations.vllm.elastic.watch import LedgerWatch
 from kvmem.integrations.vllm.elastic.worker import ElasticWorker
+from kvmem.memory.budget import MemoryWait
 from kvmem.memory.ledger import Ledger
 from kvmem.memory.pages import blocks_per_page_for
 from kvmem.memory.sizing import CUDA_GRANULARITY
@@ -138,6 +139,8 @@ class ElasticScheduler:
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self._considered: dict[str, int] = {}  # waiting requests vLLM looked at this step
+        self._last_running = 0  # requests the last step scheduled
+        self._memory_wait = MemoryWait()
         self.bound = False
         log.info("kvmem: elastic KV memory: engine %r in the %s ledger %s: %s reserved (%d "
                  "blocks over %d ranks), pages of %d blocks (%s), limit %s", settings.engine_name,
@@ -161,8 +164,20 @@ class ElasticScheduler:
         """vLLM looks at a waiting request to schedule it."""
         self._considered[request.request_id] = request.num_tokens
 
+    def memory_coming(self) -> bool:
+        """A running request is short of blocks because the limit held them back: ask
+        other engines for a block for every request that ran last step (each may need
+        one), and whether some memory is coming; then vLLM waits for it instead of
+        preempting a request whose KV it would compute again, as long as some arrives
+        every 5 s (``MemoryWait``)."""
+        if not self.pool.limited:
+            return False
+        coming = self.pool.want(max(1, self._last_running) * self.num_groups)
+        return self._memory_wait(coming, self.pool.table.held_bytes)
+
     def step_meta(self, scheduler_output: SchedulerOutput | None = None) -> ElasticStepMeta:
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        self._last_running = len(scheduled)
         waiting = [n for rid, n in self._considered.items() if rid not in scheduled]
         self._considered.clear()
         if waiting and self.pool.limited:  # the limit kept them waiting: ask for them all
@@ -259,6 +274,11 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return False, None
+
+    def has_pending_block_frees(self) -> bool:
+        """Memory other engines are giving back: a running request short of blocks waits
+        for it rather than preempting another."""
+        return self.scheduler_side is not None and self.scheduler_side.memory_coming()
 
     def has_pending_push_work(self) -> bool:
         """Pages freed by the last step reach the workers with the next one: keep stepping

@@ -229,13 +229,12 @@ class ElasticPool:
         if state.reclaim_bytes:
             self.view.budget.gave_back(max(0, before - t.held_bytes))
 
-    def want(self, blocks: int) -> None:
-        """Waiting requests need ``blocks`` more: ask other engines for what the device
-        total keeps from them (once for all of them)."""
+    def want(self, blocks: int) -> bool:
+        """Requests need ``blocks`` more: ask other engines for what the device total
+        keeps from them (once for all of them); whether some is coming."""
         free = self.table.free_within(0)
         pages = ceil(max(0, blocks - free) / self.blocks_per_page)
-        if pages:
-            self.view.budget.want(pages * self.page_bytes)
+        return bool(pages) and self.view.budget.want(pages * self.page_bytes)
 
     @property
     def used_bytes(self) -> int:
