@@ -394,3 +394,19 @@ def test_giving_back_stops_at_the_floor(tmp_path):
     assert given > 0
     assert storage.stats().held_bytes >= 6 * page
     storage.close()
+
+
+def test_no_cached_victims_when_no_page_is_wanted():
+    from kvmem.cache import BlockPool
+
+    storage = fake_storage(max_blocks=64, reserve_pages=0)
+    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+    assert pool.can_take(8)
+    blocks = pool.take_new_blocks(8, 0)
+    for i, b in enumerate(blocks):
+        pool.cache_block(0, b, bytes([i]) * 16, None)
+    pool.free_blocks(blocks)
+    table = storage.table
+    assert len(table.cached_victims(1)) == 4  # one page of 4 cached blocks
+    assert table.cached_victims(0) == [] and table.cached_victims(-3) == []
+    storage.close()

@@ -466,6 +466,8 @@ class PageTable:
         """The cached-free blocks of up to ``pages`` mapped pages that hold no live block,
         pages taken in the order their blocks were cached (least recently used first):
         evicted from the prefix cache, those pages can be given back."""
+        if pages <= 0:
+            return []
         with self.cond:
             by_page: dict[int, list[int]] = {}  # in LRU order of each page's first block
             for block in self.cached:
