@@ -194,11 +194,6 @@ class LedgerSampler:
                 self.samples.append((now, {e.name: e.mapped_bytes for e in d.engines}))
                 self.waits.append((now, {e.name: e.wanted_bytes for e in d.engines}))
 
-    def waited_s(self, name: str) -> float:
-        """Seconds ``name`` was waiting for memory the total kept from it."""
-        return sum(b - a for (a, w), (b, _) in zip(self.waits, self.waits[1:], strict=False)
-                   if w.get(name, 0) > 0)
-
     def answer_s(self, asker: str, giver: str) -> float | None:
         """Seconds from the first sample where ``asker`` waits for memory to the first
         where ``giver`` holds less than at that moment (sampled every 20 ms)."""
@@ -298,7 +293,6 @@ def main() -> None:
             "a_reclaims": after.reclaims,
             "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
             "samples": len(sampler.samples),
-            "b_waited_for_memory_s": sampler.waited_s("B"),
             "a_answered_b_after_s": sampler.answer_s("B", "A"),
             "timeline_mib": sampler.timeline(),
             "a_again_same_text": again["texts"] == first["texts"][:1],

@@ -18,6 +18,7 @@ import vllm_cpu
 
 from kvmem.plan import EngineSettings, Layout, plan
 from kvmem.spec import spec_from_config
+from kvmem.tiers.stats import FAILED_LOAD_CAUSES
 
 pytestmark = [pytest.mark.vllm]
 
@@ -128,6 +129,7 @@ def test_connector_figures_reach_vllms_log_line_and_metrics_per_rank(contract):
     the prefill seconds those loads saved at the rank's measured rate (a forward of 256
     tokens that took at least 0.2 s), and vLLM's log line summing the ranks per tier."""
     f = contract["connector"]["figures"]
+    assert f["in_multi"] == "KvmemConnectorStats"  # registered by name with vLLM's factory
 
     def value(name: str, rank: str, **labels: str) -> float:
         got = sample(f, name, rank, **labels)
@@ -143,7 +145,7 @@ def test_connector_figures_reach_vllms_log_line_and_metrics_per_rank(contract):
     assert sum(s["value"] for s in f["samples"]
                if s["name"] == "kvmem_offload_failed_loads_total") == 1  # every cause shown
     assert len({s["labels"]["cause"] for s in f["samples"]
-                if s["name"] == "kvmem_offload_failed_loads_total"}) == 6
+                if s["name"] == "kvmem_offload_failed_loads_total"}) == len(FAILED_LOAD_CAUSES)
     # rank 0 holds 20 layers, rank 1 10: its blocks are twice the bytes
     assert value("kvmem_offload_bytes_stored_total", "0") == \
         2 * value("kvmem_offload_bytes_stored_total", "1") > 0

@@ -442,7 +442,13 @@ def figures_checks(d: Deployment) -> dict:
                for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
                for s in family.samples
                if s.name.startswith(("kvmem_offload_", "kvmem_prefill_"))]
-    return {"reports": len(payloads), "log": lines, "samples": samples}
+    # inside vLLM's MultiConnector (as elastic KV memory runs it), vLLM finds the
+    # connector's stats class by its name
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    multi = MultiConnector.build_kv_connector_stats(data={"KvmemConnector": payloads[0]})
+    return {"reports": len(payloads), "log": lines, "samples": samples,
+            "in_multi": type(multi.data["KvmemConnector"]).__name__}
 
 
 class EventSubscriber:

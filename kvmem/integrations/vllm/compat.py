@@ -105,9 +105,12 @@ PLUGIN_NEEDS = (
     Need("vllm.logger:init_logger"),
 )
 
+FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory"
 CONNECTOR_NEEDS = (
     Need(f"{BASE}:KVConnectorBase_V1.__init__", ("vllm_config", "role", "kv_cache_config"),
          exact=True),
+    # named there, so that vLLM finds the class by name (MultiConnector's stats)
+    Need(f"{FACTORY}.register_connector", ("name", "module_path", "class_name")),
     Need(f"{BASE}:KVConnectorBase_V1._get_connector_metadata", ()),
     Need(f"{BASE}:KVConnectorMetadata"),
     Need(f"{BASE}:KVConnectorWorkerMetadata.aggregate", ("other",)),
