@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_BUDGET_POLICIES = ("uniform", "proportional", "optimal")  # as in kvmem.plan
 KV_MEMORY_BACKENDS = ("plain", "elastic")
+LOAD_FORMATS = ("auto", "dummy")  # as kvmem.engine.loader reads them
 
 
 @dataclass
@@ -28,6 +29,7 @@ class EngineConfig:
 
     model: str | None = None
     served_model_name: str | None = None
+    load_format: str = "auto"  # "dummy": random weights, the checkpoint needs no weight files
     dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     attention_backend: str = "auto"
@@ -73,6 +75,9 @@ class EngineConfig:
         if not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ConfigError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], "
                               f"got {self.seed!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"unknown load format {self.load_format!r} "
+                              f"(choose from {', '.join(LOAD_FORMATS)})")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -189,6 +194,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     g = p.add_argument_group("engine")
     g.add_argument("--served-model-name", default=None, help="model name used in the API")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                   help="dummy: random weights from config.json alone (sizing, profiling "
+                        "and speed runs without the weights)")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     g.add_argument("--attention-backend", default=d.attention_backend,
                    choices=("auto", "reference", "triton"))

@@ -91,7 +91,7 @@ class LLMEngine:
         from kvmem.engine.loader import resolve_model
         from kvmem.spec import spec_from_config
 
-        files = resolve_model(config.model)
+        files = resolve_model(config.model, load_format=config.load_format)
         self.config = config
         self.model_name = config.served_model_name or config.model or "smollm2"
         self.tokenizer = files.tokenizer
@@ -169,8 +169,9 @@ class LLMEngine:
             num_slots = self.kv_plan.ranks[0].num_slots
         tp = self.config.tensor_parallel_size
         partition = [len(a.layers) for a in self.rank_state.allocations[::tp]]
+        dummy = self.config.seed if self.config.load_format == "dummy" else None
         identity = tier_identity(self.spec, self.dtype, self.config.model,
-                                 tensor_parallel_size=tp, partition=partition)
+                                 tensor_parallel_size=tp, partition=partition, dummy_seed=dummy)
         connector = build_offload(offload, self.kv_cache_manager, self.offload_storage,
                                   num_slots, identity, faults, self.prefill)
         logger.info("KV offload: %s", offload.describe())

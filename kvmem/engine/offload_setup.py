@@ -47,17 +47,20 @@ def weight_files(source: str | None) -> list[Path]:
     return resolve_model(source).weight_files
 
 
-def model_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None) -> str:
+def model_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None,
+                   dummy_seed: int | None = None) -> str:
     """The model part of a tier's identity: architecture, model dtype and a digest of the
     weights themselves (not the path they were loaded from, which may hold other weights
-    later or elsewhere)."""
+    later or elsewhere); random weights (``dummy_seed``) are named by their seed."""
     name = str(dtype).removeprefix("torch.")
-    digest = weights_digest(weight_files(source))
+    digest = (f"dummy-{dummy_seed}" if dummy_seed is not None
+              else weights_digest(weight_files(source)))
     return f"{spec.name}|{spec.architecture}|dtype={name}|weights={digest}"
 
 
 def tier_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None, *,
-                  tensor_parallel_size: int, partition: list[int]) -> tuple[str, str]:
+                  tensor_parallel_size: int, partition: list[int],
+                  dummy_seed: int | None = None) -> tuple[str, str]:
     """(model, layout): what an engine's stored KV blocks depend on besides their tokens.
 
     The model names the weights by their digest; the layout names the real
@@ -66,7 +69,7 @@ def tier_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None, *,
     """
     groups = ";".join(f"{g.kind.value}:{g.window}:{','.join(map(str, g.layers))}"
                       for g in spec.kv_groups())
-    return model_identity(spec, dtype, source), (
+    return model_identity(spec, dtype, source, dummy_seed), (
         f"tp={tensor_parallel_size} pp={len(partition)} "
         f"partition={','.join(map(str, partition))} ranks=all groups={groups}")
 

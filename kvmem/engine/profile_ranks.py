@@ -48,7 +48,7 @@ def profile_ranks(config: EngineConfig) -> list[MemoryProfile]:
     from kvmem.engine.rank_builder import Alone, load_rank, rank_context
     from kvmem.spec import spec_from_config
 
-    files = resolve_model(config.model)
+    files = resolve_model(config.model, load_format=config.load_format)
     files.tokenizer  # noqa: B018 (part of the runtime a server holds, so measured at start)
     ctx = rank_context(config, spec_from_config(files.config, files.name), profile_only=True)
     if ctx.parallel.world_size == 1:

@@ -229,13 +229,15 @@ class LoadedRank:
 def load_rank(ctx: RankContext, peers: Peers) -> LoadedRank:
     """Steps 1-3: plan, load the shard, and measure it (then plan from the measurements)."""
     from kvmem.engine.loader import resolve_model
+    from kvmem.engine.loader.dummy import initialize_dummy_weights
     from kvmem.engine.models import build_model
     from kvmem.engine.profiler import meter_for
     from kvmem.spec import spec_from_config
 
     config, parallel, device = ctx.config, ctx.parallel, ctx.device
     rank = parallel.rank
-    files = peers.agree("reading the model", lambda: resolve_model(config.model))
+    files = peers.agree("reading the model", lambda: resolve_model(
+        config.model, load_format=config.load_format))
     spec = spec_from_config(files.config, files.name)
     memory = None
     if device.type == "cuda" and parallel.world_size > 1:  # GPUs may differ
@@ -257,7 +259,10 @@ def load_rank(ctx: RankContext, peers: Peers) -> LoadedRank:
         model = build_model(files.config, dtype=ctx.torch_dtype, device=device,
                             tp_rank=parallel.tp_rank, tp_size=parallel.tensor_parallel_size,
                             layers=layers, attention_backend=config.attention_backend)
-        model.load_weights(files.weights())
+        if config.load_format == "dummy":
+            initialize_dummy_weights(model, seed=config.seed + rank)
+        else:
+            model.load_weights(files.weights())
         return model
 
     model = peers.agree("loading its weights", load_shard)

@@ -131,5 +131,5 @@ def run_launched_worker(config, parallel) -> int:
     from kvmem.engine.loader import resolve_model
     from kvmem.spec import spec_from_config
 
-    files = resolve_model(config.model)
+    files = resolve_model(config.model, load_format=config.load_format)
     return run_worker(rank_context(config, spec_from_config(files.config, files.name), parallel))

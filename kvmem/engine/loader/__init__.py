@@ -13,8 +13,11 @@ from kvmem.engine.loader.files import ModelFiles, ModelLoadError, open_checkpoin
 EMBEDDED_NAMES = ("smollm2", "embedded", "default")
 
 
-def resolve_model(source: str | None) -> ModelFiles:
+def resolve_model(source: str | None, *, load_format: str = "auto") -> ModelFiles:
     """The model files for ``source``: None or an embedded name, a directory, or a .gguf file.
+
+    ``load_format="dummy"``: a directory needs no weight files (random weights, see
+    ``kvmem.engine.loader.dummy``).
 
     GGUF files (the embedded model is one) are dequantised and converted on first use
     into ``$KVMEM_CACHE_DIR`` (default ``~/.cache/kvmem``)/models/<name>-<digest>/.
@@ -28,7 +31,7 @@ def resolve_model(source: str | None) -> ModelFiles:
         return open_checkpoint_dir(gguf_convert.cached_conversion(gguf), name=gguf.stem)
     path = Path(source).expanduser()
     if path.is_dir():
-        return open_checkpoint_dir(path)
+        return open_checkpoint_dir(path, need_weights=load_format != "dummy")
     if path.is_file() and path.suffix == ".gguf":
         return open_checkpoint_dir(gguf_convert.cached_conversion(path), name=path.stem)
     if path.is_file():
@@ -37,4 +40,6 @@ def resolve_model(source: str | None) -> ModelFiles:
                          f"file, or 'smollm2' for the embedded model)")
 
 
-__all__ = ["EMBEDDED_NAMES", "ModelFiles", "ModelLoadError", "resolve_model"]
+LOAD_FORMATS = ("auto", "dummy")
+
+__all__ = ["EMBEDDED_NAMES", "LOAD_FORMATS", "ModelFiles", "ModelLoadError", "resolve_model"]

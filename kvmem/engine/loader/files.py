@@ -47,7 +47,8 @@ class ModelFiles:
                     yield name, f.get_tensor(name)
 
 
-def open_checkpoint_dir(path: Path, name: str | None = None) -> ModelFiles:
+def open_checkpoint_dir(path: Path, name: str | None = None, *, need_weights: bool = True
+                        ) -> ModelFiles:
     """Check a checkpoint directory has what the engine needs and describe it."""
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -65,7 +66,7 @@ def open_checkpoint_dir(path: Path, name: str | None = None) -> ModelFiles:
         files = [path / name for name in sorted(set(weight_map.values()))]
     else:
         files = sorted(path.glob("*.safetensors"))
-    if not files:
+    if not files and need_weights:
         raise ModelLoadError(f"{path}: no *.safetensors weights in the model directory")
     absent = [f.name for f in files if not f.is_file()]
     if absent:
