@@ -494,32 +494,45 @@ def test_graph_runner_pads_decode_batches_into_static_buffers(tmp_path):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture(scope="module")
+def qwen3_shape(tmp_path_factory) -> str:
+    """Qwen3-0.6B's config with random weights (``load_format="dummy"``)."""
+    from tiny_models import make_shaped_checkpoint
+
+    return str(make_shaped_checkpoint(tmp_path_factory.mktemp("shape"), "Qwen3-0.6B"))
+
+
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_profile_captures_graphs_and_measures_them():
-    p = profile_memory(EngineConfig(model=None, device="cuda", max_num_seqs=64))
+def test_cuda_profile_captures_graphs_and_measures_them(qwen3_shape):
+    shape = dict(model=qwen3_shape, load_format="dummy", device="cuda", max_num_seqs=64,
+                 max_model_len=4096)
+    p = profile_memory(EngineConfig(**shape))
     assert p.cuda_graph_sizes == capture_sizes(64)
     for value in (p.weights_bytes, p.forward_peak_bytes, p.sampler_peak_bytes,
                   p.cuda_graph_bytes, p.total_bytes):
         assert value > 0
     assert p.suggested_kv_bytes_fit == (p.requested_bytes - p.non_kv_bytes - p.headroom_bytes)
-    eager = profile_memory(EngineConfig(model=None, device="cuda", max_num_seqs=64,
-                                        enforce_eager=True))
+    eager = profile_memory(EngineConfig(**shape, enforce_eager=True))
     assert eager.cuda_graph_bytes == 0 and eager.cuda_graph_sizes == []
 
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_graph_decode_matches_eager():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cuda_graph_decode_matches_eager(family, tmp_path):
+    """fp32 greedy tokens through captured decode graphs and eagerly (qwen2: a sliding
+    window layer beside a full one, two KV groups)."""
     from kvmem.engine.llm import LLM
     from kvmem.engine.sampling_params import SamplingParams
 
-    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    model = str(make_tiny_checkpoint(tmp_path, family))
+    prompts = [[256, 72, 101, 108, 108, 111], list(range(100, 140)), [256, 5, 9]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
     for eager in (False, True):
-        llm = LLM(None, device="cuda", dtype="float32", kv_cache_memory_bytes=256 * MiB,
-                  enforce_eager=eager)
+        llm = LLM(model, device="cuda", dtype="float32", kv_cache_memory_bytes=64 * MiB,
+                  enforce_eager=eager, max_model_len=256)
         assert (llm.engine.model_runner.cuda_graphs is None) == eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
@@ -529,13 +542,13 @@ def test_cuda_graph_decode_matches_eager():
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_serving_at_095_survives_a_burst_of_max_length_requests():
+def test_cuda_serving_at_095_survives_a_burst_of_max_length_requests(qwen3_shape):
     from kvmem.engine.llm import LLM
     from kvmem.engine.sampling_params import SamplingParams
 
     max_model_len = 2048
-    llm = LLM(None, device="cuda", gpu_memory_utilization=0.95, max_model_len=max_model_len,
-              max_num_seqs=128)
+    llm = LLM(qwen3_shape, load_format="dummy", device="cuda", gpu_memory_utilization=0.95,
+              max_model_len=max_model_len, max_num_seqs=128)
     profile = llm.engine.memory_profile
     assert profile is not None and profile.cuda_graph_bytes > 0
     tail = list(range(1000, 1000 + max_model_len - 65))

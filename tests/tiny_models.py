@@ -124,3 +124,28 @@ def transformers_gguf_reference():
         model.load_state_dict(tensors, strict=False)
         model.tie_weights()
     return config, tensors, model
+
+
+# fields a catalog entry leaves out that the engine's model reads (the published values)
+_SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643,
+              "eos_token_id": 151645},
+}
+
+
+def make_shaped_checkpoint(tmp_path: Path, name: str, **overrides: Any) -> Path:
+    """A directory with a real model's config (from kvmem's catalog, e.g. "Qwen3-0.6B") and
+    the byte-level tokenizer, no weights: for ``load_format="dummy"`` (random weights of
+    the real shape)."""
+    from kvmem.spec import find_entry
+
+    config = dict(find_entry(name).config)
+    config = {**_SHAPE_DEFAULTS.get(str(config.get("model_type")), {}), **config, **overrides}
+    out = Path(tmp_path) / f"{name}-config-only"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
+    }))
+    return out
