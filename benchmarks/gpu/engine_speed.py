@@ -111,8 +111,8 @@ def run_transformers(model: str, device: str, num_seqs: int) -> dict:
 
     config = transformers.AutoConfig.from_pretrained(model)
     with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    hf.eval()
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf = hf.to(torch.bfloat16).eval()
     prompts, outputs = workload()
     prompts, outputs = prompts[:num_seqs], outputs[:num_seqs]
     width = max(map(len, prompts))
