@@ -414,6 +414,27 @@ def test_a_cpu_deployment_takes_vllm_cpus_defaults_and_names_vllms_kv_size(capsy
                           "--kv-cache-memory-bytes", "8GiB"])["settings"]["block_size"] == 16
 
 
+def test_a_defaulted_max_num_seqs_is_lowered_to_the_token_budget_as_vllm_does(capsys):
+    """In vLLM a max_num_seqs left to its default is at most the token budget (0.32 and 0.33
+    start so; tests/test_plan_vllm_rules.py checks vLLM's own code); one given above the
+    budget is refused, as vLLM refuses it. kvmem's engine takes both as given."""
+    argv = ["plan", "smollm2-135m", "--device", "cpu", "--kv-cache-memory-bytes", "1GiB",
+            "--max-model-len", "96", "--max-num-batched-tokens", "64"]
+    d = _json(capsys, argv + ["--engine", "vllm"])
+    assert (d["settings"]["max_num_batched_tokens"], d["settings"]["max_num_seqs"]) == (64, 64)
+    command = d["engine_command"]["argv"]
+    assert command[command.index("--max-num-seqs") + 1] == "64"
+    assert main(argv + ["--max-num-seqs", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-num-seqs 128 is more than --max-num-batched-tokens 64: vLLM refuses" in err
+    assert err.count("\n") == 1
+    ours = _json(capsys, argv + ["--max-num-seqs", "128", "--engine", "kvmem"])["settings"]
+    assert (ours["max_num_batched_tokens"], ours["max_num_seqs"]) == (64, 128)
+    # a defaulted budget is at most max_num_seqs x max_model_len
+    short = _json(capsys, argv[:-4] + ["--max-model-len", "8", "--max-num-seqs", "4"])
+    assert short["settings"]["max_num_batched_tokens"] == 32
+
+
 def test_a_cpu_deployment_needs_its_kv_size(capsys):
     assert main(["plan", "qwen3-8b", "--device", "cpu"]) == 2
     err = capsys.readouterr().err

@@ -12,6 +12,10 @@ The grid: Gemma-3-like (5 sliding : 1 full), gpt-oss-like (1 : 1, also 13 : 12),
 like (3 chunked : 1 full) with the hybrid manager on and off, all-sliding, dense, MLA and
 layers whose pages differ; windows shorter and longer than the request, chunk sizes,
 max_model_len, max_num_batched_tokens, block sizes, asynchronous scheduling, pp 1 to 3.
+
+The same subprocess asks vLLM's engine arguments which max_num_batched_tokens and
+max_num_seqs ``vllm serve`` runs with when either is given or left to its CPU defaults, and
+when it refuses them; ``kvmem plan`` must pick the same or refuse too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pytest
 import vllm_cpu
 
 from kvmem.plan import EngineSettings, Layout, RankProfile, plan
+from kvmem.plan.estimates import vllm_batch_limits, vllm_cpu_defaults
 from kvmem.plan.partition import even_partition, stage_layers
 from kvmem.plan.planner import engine_geometry
 from kvmem.spec import AttentionKind, LayerKV, ModelSpec
@@ -109,14 +114,24 @@ def grid() -> list[dict]:
     return cases
 
 
+# (max_model_len, max_num_batched_tokens, max_num_seqs, pp); None: vLLM's default
+BATCH_CASES = [
+    (96, 64, None, 1),  # tests/test_plan_vllm_live.py's short start, planned without seqs
+    (96, 64, 8, 1), (96, 64, 128, 1), (2048, 100, None, 2),
+    (8, None, 4, 1), (8, None, None, 1), (1024, None, None, 2), (1024, None, 4096, 1),
+]
+
+
 @pytest.fixture(scope="module", params=SERIES)
-def vllm_rules(request, tmp_path_factory) -> tuple[str, list[dict]]:
+def vllm_rules(request, tmp_path_factory) -> tuple[str, dict]:
     cases_file = tmp_path_factory.mktemp("rules") / "cases.json"
-    cases_file.write_text(json.dumps(grid()))
+    batch = [dict(zip(("max_model_len", "batched", "seqs", "pp"), c, strict=True))
+             for c in BATCH_CASES]
+    cases_file.write_text(json.dumps({"kv": grid(), "batch": batch}))
     script = (vllm_cpu.REPO / "tests" / "vllm_kv_rules.py").read_text()
     result = vllm_cpu.run_for_json(script, "KVMEM_RULES", str(vllm_cpu.model_dir()),
                                    str(cases_file), series=request.param, timeout=600)
-    return request.param, result["cases"]
+    return request.param, result
 
 
 def test_the_grid_covers_what_the_rules_distinguish():
@@ -135,7 +150,7 @@ def test_the_grid_covers_what_the_rules_distinguish():
 @pytest.mark.parametrize("index", range(96))
 def test_kvmem_follows_vllms_own_functions(vllm_rules, index):
     series, results = vllm_rules
-    case, got = grid()[index], results[index]
+    case, got = grid()[index], results["cases"][index]
     assert "traceback" not in got, got["traceback"]
     p = planned(case, series, case["memory"])
     geometry = engine_geometry(model_spec(case), 1, len(case["stages"]), p.settings,
@@ -163,3 +178,26 @@ def test_kvmem_follows_vllms_own_functions(vllm_rules, index):
     longest = short.ranks[0].max_model_len_that_fits
     assert (f"the estimated maximum model length is {longest}." in got["short_of_need"]) \
         == (longest > 0)
+
+
+@pytest.mark.parametrize("index", range(len(BATCH_CASES)))
+def test_batch_limits_are_vllms(vllm_rules, index):
+    """A defaulted max_num_seqs is lowered to the token budget and a defaulted budget to
+    max_num_seqs x max_model_len, as vLLM's engine arguments do; where a max_num_seqs given
+    stays above the budget, vLLM refuses to start and kvmem plan does too."""
+    max_len, batched, seqs, pp = BATCH_CASES[index]
+    got = vllm_rules[1]["batch_limits"][index]
+    want = vllm_batch_limits(batched, seqs, vllm_cpu_defaults(None, pp)[1:], max_len)
+    if want[0] < want[1]:
+        assert "must be greater than or equal to max_num_seqs" in got["refused"], got
+    else:
+        assert (got["batched"], got["seqs"]) == want, got
+
+
+def test_the_batch_cases_cover_each_limit_fitted_and_refused():
+    limits = [(vllm_batch_limits(b, s, vllm_cpu_defaults(None, pp)[1:], n), b, s)
+              for n, b, s, pp in BATCH_CASES]
+    assert any(s is None and got[1] < 128 for got, b, s in limits)  # seqs lowered
+    assert any(b is None and got[0] < 2048 for got, b, s in limits)  # budget lowered
+    assert any(got[0] < got[1] and b is None for got, b, s in limits)  # refused, budget
+    assert any(got[0] < got[1] and b is not None for got, b, s in limits)  # refused, given

@@ -254,8 +254,9 @@ def test_plan_describes_the_reservation_vllm_made(elastic_tp2, model, capsys):
     assert (planned["reserved_blocks"], planned["blocks_per_page"]) == (
         int(logged[1]), int(logged[2]))
     assert planned["page_bytes"] == result["page_bytes"] == BLOCK_BYTES
-    row = next(r for r in result["top"] if r["name"] == "tp2")
-    assert planned["limit_bytes"] == planned["reserved_bytes"] == row["limit_bytes"]
+    [device] = result["top"]["devices"]  # `kvmem top --json`: the ledger's engines
+    row = next(r for r in device["engines"] if r["name"] == "tp2")
+    assert planned["limit_bytes"] == planned["reserved_bytes"] == row["ceiling_bytes"]
 
 
 def test_a_map_failure_fails_the_engine_instead_of_hanging(elastic_tp2):

@@ -209,7 +209,7 @@ def test_vllm_metrics_show_each_tier_per_rank(live):
     assert min(per_rank(live, "kvmem_prefill_tokens_per_second")) > 0
     causes = {lab["cause"] for name, lab, _ in samples(live["metrics"])
               if name == "kvmem_offload_failed_loads_total"}
-    assert causes == {"missing", "checksum", "format", "io", "disabled", "error"}
+    assert causes == {"missing", "checksum", "format", "namespace", "io", "disabled", "error"}
 
 
 def test_vllm_logs_the_tiers_in_its_periodic_line(live):

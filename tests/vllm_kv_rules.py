@@ -7,7 +7,10 @@ and window), their KV heads and head size, the pipeline stages, the block size,
 max_model_len, max_num_batched_tokens, asynchronous scheduling and each worker's KV
 memory; the script builds every worker's KV specs as vLLM's attention layers do and asks
 vLLM's own functions (``get_kv_cache_configs`` and what it calls, ``get_kv_cache_capacity``,
-each spec's ``max_memory_usage_bytes``) what they make of them. No engine starts.
+each spec's ``max_memory_usage_bytes``) what they make of them. Also the batch limits
+(max_model_len, max_num_batched_tokens and max_num_seqs, each given or not, pp) that
+vLLM's engine arguments make for ``vllm serve`` on its CPU platform, or its refusal. No
+engine starts.
 """
 
 from __future__ import annotations
@@ -143,6 +146,22 @@ def run_case(base, case: dict) -> dict:
     }
 
 
+def batch_limits(model: str, case: dict) -> dict:
+    """The limits vLLM's config for ``vllm serve`` holds, or why vLLM refuses them."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    args = EngineArgs(model=model, dtype="float32", kv_cache_memory_bytes=1 << 30,
+                      max_model_len=case["max_model_len"], max_num_seqs=case["seqs"],
+                      max_num_batched_tokens=case["batched"], pipeline_parallel_size=case["pp"])
+    try:
+        config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    except ValueError as exc:  # pydantic's ValidationError of SchedulerConfig
+        return {"refused": str(exc)}
+    s = config.scheduler_config
+    return {"batched": s.max_num_batched_tokens, "seqs": s.max_num_seqs}
+
+
 def main() -> None:
     model, cases_file = sys.argv[1:3]
     import vllm
@@ -153,14 +172,16 @@ def main() -> None:
     base = EngineArgs(model=model, dtype="float32", max_model_len=1024, block_size=16,
                       kv_cache_memory_bytes=1 << 30).create_engine_config()
     base.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU
+    cases = json.loads(Path(cases_file).read_text())
     results = []
-    for case in json.loads(Path(cases_file).read_text()):
+    for case in cases["kv"]:
         try:
             results.append(run_case(base, case))
         except Exception:  # noqa: BLE001 - reported to the test with its traceback
             results.append({"traceback": traceback.format_exc()})
-    print("KVMEM_RULES " + json.dumps({"vllm": vllm.__version__, "cases": results}),
-          flush=True)
+    limits = [batch_limits(model, case) for case in cases["batch"]]
+    print("KVMEM_RULES " + json.dumps({"vllm": vllm.__version__, "cases": results,
+                                       "batch_limits": limits}), flush=True)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest request in tokens (default: the model's context length)")
     e.add_argument("--max-num-seqs", type=int, metavar="N",
                    help="most requests running at once (default: vLLM's for the GPU, 1024 "
-                        "from 70 GiB except A100s, else 256)")
+                        "from 70 GiB except A100s, else 256; in vLLM at most "
+                        "--max-num-batched-tokens, as vLLM lowers its default)")
     e.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per scheduler step (default: vLLM's for the GPU, 16384 from "
                         "160 GiB, 8192 from 70 GiB except A100s, else 2048)")
@@ -186,27 +187,44 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
     if cpu:
         from kvmem.plan.estimates import vllm_cpu_defaults
 
-        block_size, batched, seqs = vllm_cpu_defaults(spec, layout.world_size)
+        block_size, *defaults = vllm_cpu_defaults(spec, layout.world_size)
     else:
-        block_size, (batched, seqs) = 16, _batch_defaults(layout, measured)
+        block_size, defaults = 16, _batch_defaults(layout, measured)
+    version = _rules_version(args)
+    batched, seqs = _batch_limits(args, spec, tuple(defaults), in_vllm=version is not None)
     settings = EngineSettings(
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
         block_size=block_size if args.block_size is None else args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=seqs if args.max_num_seqs is None else args.max_num_seqs,
-        max_num_batched_tokens=(batched if args.max_num_batched_tokens is None
-                                else args.max_num_batched_tokens),
+        max_model_len=args.max_model_len, max_num_seqs=seqs, max_num_batched_tokens=batched,
         cuda_graphs=not (args.enforce_eager or cpu), reserve_cuda_graphs=args.reserve_cuda_graphs,
         cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype,
-        vllm_version=_rules_version(args), device=args.device,
+        vllm_version=version, device=args.device,
         max_concurrent_batches=args.max_concurrent_batches,
         hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None)
-    seqs, batched = settings.max_num_seqs, settings.max_num_batched_tokens
-    if seqs is not None and batched is not None and 1 <= batched < seqs:
+    if version is not None and 1 <= batched < seqs:  # only where --max-num-seqs was given
+        default = " (vLLM's default)" if args.max_num_batched_tokens is None else ""
         raise ConfigError(f"--max-num-seqs {seqs:,} is more than --max-num-batched-tokens "
-                          f"{batched:,}: a step could not schedule a token for every running "
-                          "request (vLLM refuses this too)")
+                          f"{batched:,}{default}: vLLM refuses to start (max_num_batched_tokens "
+                          "must be at least max_num_seqs); lower --max-num-seqs or raise "
+                          "--max-num-batched-tokens")
     return layout, settings
+
+
+def _batch_limits(args: argparse.Namespace, spec, defaults: tuple[int, int],
+                  in_vllm: bool) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs): those given, ``defaults`` for the rest; in
+    vLLM a default fitted to the limits given as vLLM fits it (a defaulted max_num_seqs is
+    lowered to the token budget; kvmem.plan.estimates.vllm_batch_limits). kvmem's engine
+    takes both as they are: its scheduler serves the running requests in turn within the
+    budget, so max_num_seqs may exceed it."""
+    from kvmem.plan.estimates import vllm_batch_limits
+
+    given = (args.max_num_batched_tokens, args.max_num_seqs)
+    max_len = spec.max_position_embeddings if args.max_model_len is None else args.max_model_len
+    if in_vllm and all(v is None or v >= 1 for v in (*given, max_len)):
+        return vllm_batch_limits(*given, defaults, max_len)
+    # kvmem's engine; or a limit that is not positive, which check_settings names
+    return tuple(d if g is None else g for g, d in zip(given, defaults, strict=True))
 
 
 def _rules_version(args: argparse.Namespace) -> str | None:

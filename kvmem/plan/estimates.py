@@ -23,7 +23,8 @@ start-up logs (docs/plan.md lists every case and its error):
   when ``EngineSettings.reserve_cuda_graphs`` is set.
 
 Also the batch defaults vLLM picks per GPU (``EngineArgs.get_batch_defaults``), which
-decide the two peaks above. Imports no torch.
+decide the two peaks above, and how it fits a default to the limits given
+(``vllm_batch_limits``). Imports no torch.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def vllm_cpu_defaults(spec: ModelSpec | None, world_size: int) -> tuple[int, int
     128 sequences per rank (4,096 and 256 for the offline ``vllm.LLM``)."""
     mla = spec is not None and any(layer.kind == AttentionKind.MLA for layer in spec.layers)
     return (16 if mla else 128), 2048 * world_size, 128 * world_size
+
+
+def vllm_batch_limits(max_num_batched_tokens: int | None, max_num_seqs: int | None,
+                      defaults: tuple[int, int], max_model_len: int | None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM runs with, from the limits given (None:
+    not given) and its ``defaults`` (max_num_batched_tokens, max_num_seqs) for the device, as
+    its engine arguments fill them in 0.32 and 0.33 (``EngineArgs.
+    _set_default_max_num_seqs_and_batched_tokens_args``, chunked prefill on): a defaulted
+    token budget is at most max_num_seqs x max_model_len, and a defaulted max_num_seqs at
+    most the token budget. Only a max_num_seqs given is left above the budget, which
+    vLLM's ``SchedulerConfig`` then refuses."""
+    batched = defaults[0] if max_num_batched_tokens is None else max_num_batched_tokens
+    seqs = defaults[1] if max_num_seqs is None else max_num_seqs
+    if max_num_batched_tokens is None and max_model_len is not None:
+        batched = min(seqs * max_model_len, batched)
+    if max_num_seqs is None:
+        seqs = min(seqs, batched)
+    return batched, seqs
 
 
 def cuda_graph_capture_sizes(max_num_seqs: int) -> list[int]:
