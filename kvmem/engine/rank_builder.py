@@ -260,7 +260,7 @@ def load_rank(ctx: RankContext, peers: Peers) -> LoadedRank:
                             tp_rank=parallel.tp_rank, tp_size=parallel.tensor_parallel_size,
                             layers=layers, attention_backend=config.attention_backend)
         if config.load_format == "dummy":
-            initialize_dummy_weights(model, seed=config.seed + rank)
+            initialize_dummy_weights(model, seed=config.seed)
         else:
             model.load_weights(files.weights())
         return model

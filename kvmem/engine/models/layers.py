@@ -149,6 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_heads % tp_size:
             raise ValueError(f"{num_heads} attention heads do not split over {tp_size} ranks")
         self.head_dim = head_dim
+        self.total_num_kv_heads = num_kv_heads
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
@@ -199,6 +200,7 @@ class VocabParallelEmbedding(nn.Module):
                  tp_size: int = 1) -> None:
         super().__init__()
         self.tp_size = tp_size
+        self.vocab_size = vocab_size
         self.per_rank = -(-vocab_size // tp_size)
         self.start = tp_rank * self.per_rank
         self.weight = _param((self.per_rank, hidden_size), self.weight_loader)
