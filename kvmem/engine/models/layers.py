@@ -19,11 +19,10 @@ from kvmem.engine.models.onednn_gemm import OneDNNWeight
 
 def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     if tp_size > 1:
-        import torch.distributed as dist
-
+        from kvmem.engine.distributed import collectives
         from kvmem.engine.distributed.state import tp_group
 
-        dist.all_reduce(x, group=tp_group())
+        collectives.all_reduce(x, tp_group())
     return x
 
 
@@ -230,11 +229,8 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.matmul(hidden)
         if self.tp_size > 1:
-            import torch.distributed as dist
-
+            from kvmem.engine.distributed import collectives
             from kvmem.engine.distributed.state import tp_group
 
-            parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-            dist.all_gather(parts, local.contiguous(), group=tp_group())
-            local = torch.cat(parts, dim=-1)
+            local = torch.cat(collectives.all_gather(local, self.tp_size, tp_group()), dim=-1)
         return local[..., :self.vocab_size]
