@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -66,6 +68,24 @@ class Report:
             self.device_name = f"unavailable ({type(e).__name__}: {e})"
         self.say(f"{name} on {args.device} ({self.device_name}), budget {args.budget_s:g} s"
                  f"{', quick' if args.quick else ''}")
+        self.current: str | None = None
+        self.cleanups: list[Callable[[], None]] = []  # run by the watchdog before it ends
+        threading.Thread(target=self._watchdog, daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """Past the deadline (and a grace of 10% for cleanup), write what is known, with
+        the check that hung, and end the process: the script never outlives its budget."""
+        time.sleep(max(0.0, self.deadline - time.monotonic()) + 0.1 * self.args.budget_s)
+        self.checks.append({"check": self.current or "(between checks)", "passed": False,
+                            "reason": f"the script's deadline of {self.args.budget_s:g} s "
+                                      "passed while it ran; stopped"})
+        self.write()
+        for cleanup in self.cleanups:
+            try:
+                cleanup()
+            except Exception as e:  # noqa: BLE001 - the process ends anyway
+                self.say(f"cleanup failed: {e}")
+        os._exit(3)
 
     def say(self, message: str) -> None:
         print(f"[{self.name} {time.monotonic() - self.start:6.1f}s] {message}", flush=True)
@@ -75,17 +95,19 @@ class Report:
 
     def check(self, name: str, fn: Callable[[], tuple[bool, str]], *,
               needs_s: float = 0.0) -> bool:
-        """Run one check: ``fn`` returns (passed, reason); an exception fails it."""
+        """Run one check: ``fn`` returns (passed, reason), passed None where the check
+        does not apply; an exception fails it."""
         entry: dict[str, Any] = {"check": name}
         if self.left_s() < needs_s:
             entry.update(passed=None, reason=f"not run: {self.left_s():.0f} s left of the "
                                              f"budget, it needs about {needs_s:.0f} s")
         else:
             self.say(f"check: {name}")
+            self.current = name
             began = time.monotonic()
             try:
-                passed, reason = fn()
-                entry.update(passed=bool(passed), reason=reason)
+                passed, reason = fn()  # None: does not apply here (says why)
+                entry.update(passed=None if passed is None else bool(passed), reason=reason)
             except BaseException as e:  # noqa: BLE001 - one check's failure ends only it
                 if isinstance(e, KeyboardInterrupt):
                     raise
@@ -93,8 +115,9 @@ class Report:
                 entry.update(passed=False, reason=f"{type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}", traceback=tail)
             entry["seconds"] = round(time.monotonic() - began, 2)
+            self.current = None
         self.checks.append(entry)
-        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[entry["passed"]]
+        verdict = {True: "PASS", False: "FAIL", None: "N/A"}[entry["passed"]]
         self.say(f"{verdict} {name}: {entry['reason']}")
         return bool(entry["passed"])
 
@@ -107,7 +130,7 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         doc = {"name": self.name, "device": self.device, "device_name": self.device_name,
                "quick": self.args.quick, "seconds": round(time.monotonic() - self.start, 1),
-               "passed": all(c["passed"] for c in self.checks),
+               "passed": all(c["passed"] is not False for c in self.checks),
                "checks": self.checks, "figures": self.figures, "notes": self.notes}
         (out / f"{self.name}.json").write_text(json.dumps(doc, indent=1, default=str))
         quick = ", quick sizes" if self.args.quick else ""
@@ -115,7 +138,7 @@ class Report:
                  f"Device: {self.device_name} (`{self.device}`){quick}; {doc['seconds']} s.",
                  "", "| check | result | reason |", "|---|---|---|"]
         for c in self.checks:
-            result = {True: "pass", False: "**FAIL**", None: "not run"}[c["passed"]]
+            result = {True: "pass", False: "**FAIL**", None: "n/a"}[c["passed"]]
             lines.append(f"| {c['check']} | {result} | {c['reason'].replace('|', '/')} |")
         if table:
             lines += ["", table]

@@ -222,6 +222,7 @@ def check_two_engines(args, work: Path, report: common.Report) -> tuple[bool, st
                               dtype="auto")
     servers = [es.start("kvmem", n, opts, ledger_dir, work, tier=False, caching=True,
                         cores="0") for n in ("A", "B")]
+    report.cleanups += [s.kill for s in servers]
     try:
         for s in servers:
             s.wait_ready(timeout=min(120, report.left_s()))
