@@ -144,8 +144,9 @@ class Report:
             lines += ["", table]
         lines += [""] + [f"- {n}" for n in self.notes]
         (out / f"{self.name}.md").write_text("\n".join(lines) + "\n")
-        self.say(f"wrote {out / self.name}.json and .md: "
-                 f"{sum(c['passed'] is True for c in self.checks)}/{len(self.checks)} passed")
+        count = {v: sum(c["passed"] is v for c in self.checks) for v in (True, False, None)}
+        self.say(f"wrote {out / self.name}.json and .md: {count[True]} passed, "
+                 f"{count[False]} failed, {count[None]} n/a or not run")
         return 0 if doc["passed"] else 1
 
 
