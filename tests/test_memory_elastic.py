@@ -410,3 +410,39 @@ def test_no_cached_victims_when_no_page_is_wanted():
     assert len(table.cached_victims(1)) == 4  # one page of 4 cached blocks
     assert table.cached_victims(0) == [] and table.cached_victims(-3) == []
     storage.close()
+
+
+def test_a_failed_map_names_the_rank_and_leaves_no_slot_of_the_page_mapped(monkeypatch):
+    """KVMEM_FAULT_MAP fails the second slot's map of page 1: the error names the rank and
+    the page, the first slot's region is unmapped again, and the page can be mapped later."""
+    from kvmem.memory.backends import BackendError
+    from kvmem.memory.faults import FailingMaps
+
+    monkeypatch.setenv("KVMEM_FAULT_MAP", "rank=1,after=4")  # page 0: 3 maps, page 1: 1 of 3
+    backend = FakeBackend(4096)
+    storage = ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=64, backend=backend,
+                               blocks_per_page=4, rank=1, world_size=2, start=False)
+    try:
+        assert isinstance(storage.backend, FailingMaps)
+        storage.table.map_now(0)  # a follower maps what rank 0 decides; here, by hand
+        with pytest.raises(BackendError, match=r"^rank 1 of 2: KV page 1: .*injected"):
+            storage.table.map_now(1)
+        assert backend.mapped == {o for o, _ in storage.geometry.regions(0)}
+        assert storage.stats().mapped_pages == 1
+        storage.backend.left = 3
+        storage.table.map_now(1)  # no double map of the region mapped before the failure
+        assert storage.stats().mapped_pages == 2
+    finally:
+        storage.close()
+
+
+def test_map_faults_are_read_per_rank():
+    from kvmem.memory.faults import map_fault_after
+
+    env = {"KVMEM_FAULT_MAP": "rank=1,after=3"}
+    assert map_fault_after(1, env) == 3 and map_fault_after(0, env) is None
+    assert map_fault_after(0, {"KVMEM_FAULT_MAP": "after=0"}) == 0
+    assert map_fault_after(0, {}) is None
+    for bad in ("after=x", "rank=1", "after=2,when=now", "after=-1"):
+        with pytest.raises(ConfigError, match="expected 'after=N'"):
+            map_fault_after(0, {"KVMEM_FAULT_MAP": bad})

@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_BUDGET_POLICIES = ("uniform", "proportional", "optimal")  # as in kvmem.plan
 KV_MEMORY_BACKENDS = ("plain", "elastic")
 LOAD_FORMATS = ("auto", "dummy")  # as kvmem.engine.loader reads them
+DISTRIBUTED_BACKENDS = ("auto", "nccl", "gloo")  # as kvmem.engine.distributed.config
 
 
 @dataclass
@@ -53,6 +54,9 @@ class EngineConfig:
     layer_partition: list[int] | None = None  # layers per pipeline stage, e.g. [3, 1]
     kv_budget: str = "uniform"  # uniform | proportional | optimal
     distributed_timeout_s: float = 60.0  # bound of every wait between ranks in a step
+    # process groups of a step's tensors: auto is NCCL on CUDA and gloo on CPU; gloo on
+    # CUDA (host-staged) lets several ranks share one GPU, which NCCL refuses
+    distributed_backend: str = "auto"
     # CPU and disk tiers for KV blocks leaving the pool (kvmem.tiers); 0 GiB turns a tier off
     cpu_offload_gib: float = 0.0
     disk_offload_dir: str | None = None
@@ -130,6 +134,11 @@ class EngineConfig:
             if len(parts) != self.pipeline_parallel_size:
                 raise ConfigError(f"layer_partition {parts} has {len(parts)} stages but "
                                   f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ConfigError(f"unknown distributed_backend {self.distributed_backend!r} "
+                              f"(choose from {', '.join(DISTRIBUTED_BACKENDS)})")
+        if self.distributed_backend == "nccl" and self.device == "cpu":
+            raise ConfigError("distributed_backend nccl needs a CUDA device (use gloo on cpu)")
         if not self.distributed_timeout_s > 0:
             raise ConfigError("distributed_timeout_s must be positive, "
                               f"got {self.distributed_timeout_s}")
@@ -232,6 +241,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     par.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                      default=d.distributed_timeout_s, metavar="SECONDS",
                      help="longest wait between ranks during a step")
+    par.add_argument("--distributed-backend", default=d.distributed_backend,
+                     choices=DISTRIBUTED_BACKENDS,
+                     help="process groups of a step's tensors: auto is nccl on CUDA, gloo on "
+                          "CPU; gloo on CUDA copies through host memory and lets several "
+                          "ranks share one GPU (ranks beyond the GPU count wrap around)")
     mem = p.add_argument_group("KV memory")
     mem.add_argument("--kv-memory", default=d.kv_memory, choices=KV_MEMORY_BACKENDS,
                      help="plain: preallocated KV tensors; elastic: pages mapped on demand "

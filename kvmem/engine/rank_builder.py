@@ -58,7 +58,7 @@ class RankContext:
     parallel: ParallelConfig
     max_model_len: int
     dtype: str  # torch dtype name, e.g. "float32"
-    device_type: str  # "cpu" or "cuda" (a CUDA rank uses device cuda:local_rank)
+    device_type: str  # "cpu" or "cuda" (a rank's device: ParallelConfig.cuda_index)
     device_index: int | None = None  # world size 1: the configured device's index
     share_kv: bool = False  # KV tensors in shared memory, mapped by the driver (offload)
     profile_only: bool = False  # `kvmem profile`: measure the rank, allocate no KV
@@ -78,8 +78,8 @@ class RankContext:
     @property
     def device(self) -> torch.device:
         if self.device_type == "cuda":
-            index = self.parallel.local_rank if self.parallel.world_size > 1 \
-                else self.device_index
+            index = self.parallel.cuda_index(torch.cuda.device_count()) \
+                if self.parallel.world_size > 1 else self.device_index
             return torch.device("cuda", index)
         return torch.device("cpu")
 
@@ -144,6 +144,8 @@ def rank_context(config: EngineConfig, spec: ModelSpec, parallel: ParallelConfig
     if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) != \
             (config.tensor_parallel_size, config.pipeline_parallel_size):
         raise ConfigError("the parallel layout differs from the engine config's")
+    if device.type == "cuda" and parallel.world_size > 1 and parallel.launcher == "local":
+        parallel.for_rank(parallel.world_size - 1).cuda_index(torch.cuda.device_count())
     # local CPU workers with plain KV put it in shared memory for rank 0's offload tiers
     # (elastic pages stay private to each process)
     share_kv = SHARE_LOCAL_KV and parallel.world_size > 1 and device.type == "cpu" and \
@@ -260,7 +262,7 @@ def load_rank(ctx: RankContext, peers: Peers) -> LoadedRank:
                             tp_rank=parallel.tp_rank, tp_size=parallel.tensor_parallel_size,
                             layers=layers, attention_backend=config.attention_backend)
         if config.load_format == "dummy":
-            initialize_dummy_weights(model, seed=config.seed + rank)
+            initialize_dummy_weights(model, seed=config.seed)
         else:
             model.load_weights(files.weights())
         return model

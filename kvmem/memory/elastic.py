@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from kvmem.errors import ConfigError
 from kvmem.memory.backends import PageBackend, make_backend
 from kvmem.memory.budget import EngineBudget
+from kvmem.memory.faults import with_injected_faults
 from kvmem.memory.free_queue import PageAwareFreeQueue
 from kvmem.memory.page_table import PageOp, PageTable
 from kvmem.memory.pages import PageGeometry
@@ -82,7 +83,8 @@ class ElasticKVStorage:
         self.rank, self.world_size = rank, world_size
         self.shape, self.dtype, self.device = shape, dtype, device
         elem = torch.empty((), dtype=dtype).element_size()
-        self.backend = backend if backend is not None else make_backend(device)
+        self.backend = with_injected_faults(
+            backend if backend is not None else make_backend(device), rank)
         self.geometry = PageGeometry.build(
             num_slots=num_slots, block_slot_bytes=shape.elements_per_block * elem,
             max_blocks=max_blocks, granularity=self.backend.granularity,
@@ -91,7 +93,7 @@ class ElasticKVStorage:
         self.budget = budget if rank == 0 else None  # rank 0 speaks for the engine
         self.table = PageTable(self.geometry, self.backend, self.budget,
                                reserve_pages=reserve_pages, wait_timeout=wait_timeout,
-                               record_ops=world_size > 1)
+                               record_ops=world_size > 1, owner=f"rank {rank} of {world_size}")
         self.backend.reserve(self.geometry.reserved_bytes)
         if rank == 0:
             # Before any background work exists: the null block's page, synchronously.

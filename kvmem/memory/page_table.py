@@ -28,7 +28,7 @@ from enum import IntEnum
 from math import ceil
 
 from kvmem.errors import KvmemError
-from kvmem.memory.backends import PageBackend
+from kvmem.memory.backends import BackendError, PageBackend
 from kvmem.memory.budget import EngineBudget
 from kvmem.memory.pages import PageGeometry
 from kvmem.memory.wait import wait_for
@@ -56,8 +56,10 @@ class PageOp:
 class PageTable:
     def __init__(self, geometry: PageGeometry, backend: PageBackend,
                  budget: EngineBudget | None = None, *, reserve_pages: int = 2,
-                 wait_timeout: float = 30.0, record_ops: bool = False) -> None:
+                 wait_timeout: float = 30.0, record_ops: bool = False,
+                 owner: str = "") -> None:
         self.geo = geometry
+        self.owner = owner  # who maps, for errors: "rank 1 of 2"
         self.backend = backend
         self.budget = budget
         self.reserve_pages = reserve_pages
@@ -357,12 +359,18 @@ class PageTable:
 
     def _map(self, page: int) -> None:
         """Map a page in MAPPING state (lock not held), then mark it MAPPED."""
+        done: list[tuple[int, int]] = []
         try:
             for offset, length in self.geo.regions(page):
                 self.backend.map(offset, length)
-        except BaseException:
+                done.append((offset, length))
+        except BaseException as e:
+            for offset, length in done:  # a page is mapped in every slot or in none
+                self.backend.unmap(offset, length)
             with self.cond:
                 self._abort_map(page)
+            if isinstance(e, BackendError) and self.owner:
+                raise BackendError(f"{self.owner}: KV page {page}: {e}") from e
             raise
         with self.cond:
             self.state[page] = PageState.MAPPED

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from kvmem.engine.config import EngineConfig
 
 LAUNCHERS = ("local", "torchrun")
+BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ParallelConfig:
     timeout_s: float = 60.0  # bound of every wait between ranks during a step
     startup_timeout_s: float = 600.0  # bound of init, weight loading and planning
     launcher: str = "local"  # local: rank 0 spawns the others; torchrun: started outside
+    backend: str = "auto"  # a step's process groups: auto (nccl on CUDA, gloo on CPU)
 
     def __post_init__(self) -> None:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
@@ -48,6 +50,9 @@ class ParallelConfig:
             raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} ranks")
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"unknown launcher {self.launcher!r} ({', '.join(LAUNCHERS)})")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown distributed backend {self.backend!r} "
+                              f"({', '.join(BACKENDS)})")
         if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ConfigError("distributed timeouts must be positive")
 
@@ -84,7 +89,30 @@ class ParallelConfig:
         launch.setdefault("world_size", tp * pp)
         return cls(tensor_parallel_size=tp, pipeline_parallel_size=pp, layer_partition=partition,
                    kv_budget_policy=config.kv_budget, timeout_s=config.distributed_timeout_s,
-                   **launch)
+                   backend=config.distributed_backend, **launch)
+
+    def step_backend(self, device_type: str) -> str:
+        """The process-group backend of a step's tensors on ``device_type`` ("cpu" or
+        "cuda"): the one asked for, or NCCL on CUDA and gloo on CPU."""
+        if self.backend == "auto":
+            return "nccl" if device_type == "cuda" else "gloo"
+        if self.backend == "nccl" and device_type != "cuda":
+            raise ConfigError("the nccl distributed backend needs CUDA devices (use gloo)")
+        return self.backend
+
+    def cuda_index(self, device_count: int) -> int:
+        """The CUDA device of this rank among ``device_count``: its local rank; with gloo,
+        ranks beyond the device count share devices (local rank modulo the count). NCCL
+        refuses two ranks on one device, so there the layout must have its own GPU per
+        local rank."""
+        if self.local_rank < device_count:
+            return self.local_rank
+        if self.step_backend("cuda") == "gloo" and device_count > 0:
+            return self.local_rank % device_count
+        raise ConfigError(
+            f"{self.describe()} needs cuda:{self.local_rank} but this machine has "
+            f"{device_count} CUDA device(s); NCCL cannot run two ranks on one device "
+            "(--distributed-backend gloo lets ranks share devices)")
 
 
 def from_torchrun_env(config: EngineConfig,

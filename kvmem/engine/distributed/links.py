@@ -10,8 +10,8 @@ whole batch (no micro-batches). ``kvmem.engine.model_runner.ModelRunner`` calls 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from kvmem.engine.distributed import collectives
 from kvmem.engine.distributed.state import DistributedGroups
 
 
@@ -30,14 +30,13 @@ class StageLinks:
         if self.groups.prev_rank is None:
             return None
         hidden = torch.empty((num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)
-        dist.recv(hidden, src=self.groups.prev_rank, group=self.groups.step)
-        return hidden
+        return collectives.recv(hidden, self.groups.prev_rank, self.groups.step)
 
     def send_hidden(self, hidden: torch.Tensor) -> bool:
         """Send this stage's output on; False on the last stage (it computes the logits)."""
         if self.groups.next_rank is None:
             return False
-        dist.send(hidden.contiguous(), dst=self.groups.next_rank, group=self.groups.step)
+        collectives.send(hidden.contiguous(), self.groups.next_rank, self.groups.step)
         return True
 
     def gather_tokens(self, tokens: list[int] | None, count: int) -> list[int] | None:
@@ -45,12 +44,11 @@ class StageLinks:
         rank, sampler = self.parallel.rank, self.parallel.sampling_rank
         if rank == sampler:
             if rank != 0:
-                dist.send(torch.tensor(tokens, dtype=torch.long, device=self.device), dst=0,
-                          group=self.groups.step)
+                collectives.send(torch.tensor(tokens, dtype=torch.long, device=self.device), 0,
+                                 self.groups.step)
                 return None
             return tokens
         if rank != 0:
             return None
         received = torch.empty(count, dtype=torch.long, device=self.device)
-        dist.recv(received, src=sampler, group=self.groups.step)
-        return received.tolist()
+        return collectives.recv(received, sampler, self.groups.step).tolist()

@@ -2,7 +2,8 @@
 
 Groups (every rank creates all of them, in the same order):
 
-- the default group (gloo on CPU, NCCL on GPU), bounded by ``startup_timeout_s``, over a
+- the default group (the step backend: ``ParallelConfig.step_backend``, NCCL on GPU and
+  gloo on CPU unless ``--distributed-backend`` names one), bounded by ``startup_timeout_s``, over a
   TCP store that the elastic KV cache's page-map startup also uses;
 - ``startup``: gloo, for the ranks' agreement on plans and allocations at start;
 - ``control``: gloo, for the driver's step broadcasts; a worker may wait on it for as
@@ -27,11 +28,18 @@ from kvmem.engine.distributed.config import ParallelConfig
 IDLE_TIMEOUT = timedelta(days=7)  # an idle server is legitimate: not a failure
 
 _tp_group: dist.ProcessGroup | None = None
+_host_staged = False  # gloo carries this rank's CUDA tensors: collectives copy via the host
 
 
 def tp_group() -> dist.ProcessGroup | None:
     """This rank's tensor-parallel group (None outside a parallel engine)."""
     return _tp_group
+
+
+def host_staged() -> bool:
+    """Whether a step's CUDA tensors go through host memory for their collectives (the
+    gloo backend on CUDA, ``kvmem.engine.distributed.collectives``)."""
+    return _host_staged
 
 
 @dataclass
@@ -59,8 +67,8 @@ class DistributedGroups:
 
 def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistributedGroups:
     """Join the engine's process group with the rank and world size given in ``parallel``."""
-    global _tp_group
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    global _tp_group, _host_staged
+    backend = parallel.step_backend(device.type)
     step_timeout = timedelta(seconds=parallel.timeout_s)
     startup_timeout = timedelta(seconds=parallel.startup_timeout_s)
     store = dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.world_size,
@@ -80,11 +88,12 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> Distribu
             if stage == parallel.pp_stage:
                 own_tp = group
     _tp_group = own_tp
+    _host_staged = backend == "gloo" and device.type == "cuda"
     return DistributedGroups(parallel, backend, startup, control, step, own_tp, store)
 
 
 def destroy_distributed() -> None:
-    global _tp_group
-    _tp_group = None
+    global _tp_group, _host_staged
+    _tp_group, _host_staged = None, False
     if dist.is_initialized():
         dist.destroy_process_group()

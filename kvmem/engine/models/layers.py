@@ -19,11 +19,10 @@ from kvmem.engine.models.onednn_gemm import OneDNNWeight
 
 def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     if tp_size > 1:
-        import torch.distributed as dist
-
+        from kvmem.engine.distributed import collectives
         from kvmem.engine.distributed.state import tp_group
 
-        dist.all_reduce(x, group=tp_group())
+        collectives.all_reduce(x, tp_group())
     return x
 
 
@@ -149,6 +148,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_heads % tp_size:
             raise ValueError(f"{num_heads} attention heads do not split over {tp_size} ranks")
         self.head_dim = head_dim
+        self.total_num_kv_heads = num_kv_heads
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
@@ -199,6 +199,7 @@ class VocabParallelEmbedding(nn.Module):
                  tp_size: int = 1) -> None:
         super().__init__()
         self.tp_size = tp_size
+        self.vocab_size = vocab_size
         self.per_rank = -(-vocab_size // tp_size)
         self.start = tp_rank * self.per_rank
         self.weight = _param((self.per_rank, hidden_size), self.weight_loader)
@@ -228,11 +229,8 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.matmul(hidden)
         if self.tp_size > 1:
-            import torch.distributed as dist
-
+            from kvmem.engine.distributed import collectives
             from kvmem.engine.distributed.state import tp_group
 
-            parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-            dist.all_gather(parts, local.contiguous(), group=tp_group())
-            local = torch.cat(parts, dim=-1)
+            local = torch.cat(collectives.all_gather(local, self.tp_size, tp_group()), dim=-1)
         return local[..., :self.vocab_size]
