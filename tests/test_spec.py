@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvmem.errors import ConfigError, UnknownModelError
-from kvmem.spec import AttentionKind, catalog, load_spec, spec_from_config
+from kvmem.spec import AttentionKind, catalog, load_spec, spec_from_config, text_config
 from kvmem.spec.dtypes import dtype_bytes, resolve_kv_dtype
 
 
@@ -80,6 +80,32 @@ def test_gemma3_every_sixth_layer_is_global():
     spec = load_spec("google/gemma-3-4b-it")
     assert spec.layers[5].kind is AttentionKind.FULL
     assert spec.layers[0].kind is AttentionKind.SLIDING
+
+
+# gemma-3-4b-it's config.json (vision_config shortened): its text_config names only sizes,
+# window and RoPE scaling; transformers' Gemma3TextConfig supplies the rest
+GEMMA3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "sliding_window": 1024,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 27},
+}
+
+
+def test_gemma3_nested_config_takes_the_text_models_defaults():
+    spec = spec_from_config(GEMMA3_4B_IT)
+    assert spec.architecture == "Gemma3ForConditionalGeneration"
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (34, 2560, 262_208)
+    assert (spec.num_attention_heads, spec.num_kv_heads, spec.head_dim) == (8, 4, 256)
+    assert spec.tie_word_embeddings and spec.dtype == "bfloat16"
+    assert [layer.kind for layer in spec.layers[:6]] == [AttentionKind.SLIDING] * 5 + [
+        AttentionKind.FULL]
+    assert spec.layers == load_spec("google/gemma-3-4b-it").layers
+    config = text_config(GEMMA3_4B_IT)
+    assert config["query_pre_attn_scalar"] == 256 and config["rope_local_base_freq"] == 10_000
+    assert config["rope_scaling"] == {"factor": 8.0, "rope_type": "linear"}
 
 
 def test_llama4_chunked_local_attention():

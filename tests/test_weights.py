@@ -74,6 +74,26 @@ def test_tied_embeddings_count_once_but_the_last_stage_needs_a_copy(tmp_path):
     assert first + last == whole + embed  # with pp > 1 the embedding is held twice
 
 
+def test_a_multimodal_checkpoints_vision_layers_are_not_decoder_layers(tmp_path):
+    """Gemma 3's vision tower has layers too (``vision_tower.vision_model.encoder.layers.0``):
+    they count once, with the first stage's other tensors, never as a decoder layer."""
+    f = np.float32
+    tensors = {name.replace("model.", "language_model.model.", 1): t
+               for name, t in _tensors(tied=True).items()}
+    vision = {"vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight": np.zeros((8, 4), f),
+              "vision_tower.vision_model.embeddings.patch_embedding.weight": np.zeros((8, 3), f),
+              "multi_modal_projector.mm_input_projection_weight": np.zeros((8, 8), f)}
+    save_file({**tensors, **vision}, tmp_path / "model.safetensors")
+    nested = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": {**TINY, "model_type": "gemma3_text", "sliding_window": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    split = weight_breakdown(load_spec(tmp_path), 1, tmp_path)
+    layer = (64 + 32 + 32 + 128) * 4 + 8 * 4
+    assert split.per_layer == (layer, layer)
+    assert split.embedding == 32 * 8 * 4
+    assert split.other == (32 + 24 + 64) * 4
+
+
 def test_only_the_header_is_read(tmp_path):
     # a header that promises 4 GiB of tensor data the file does not have
     header = json.dumps({"model.layers.0.mlp.up_proj.weight": {

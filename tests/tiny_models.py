@@ -65,10 +65,7 @@ def make_tiny_checkpoint(tmp_path: Path, family: str = "llama", seed: int = 0,
     model = model_cls(config).float().eval()
     out = Path(tmp_path) / f"tiny-{family}"
     model.save_pretrained(out, safe_serialization=True)
-    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
-    }))
+    _write_tokenizer(out)
     return out
 
 
@@ -80,28 +77,120 @@ def embedded_files():
     return resolve_model(None)
 
 
-def make_tiny_gemma3(tmp_path: Path, seed: int = 0) -> Path:
-    """A random tiny Gemma-3 text checkpoint: 5 sliding-window layers (window 128) and one
-    full-attention layer, as vLLM runs it with its hybrid KV cache manager (6 KV cache
-    groups of one layer each)."""
-    import torch
-    import transformers
+_GEMMA3 = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 320, "max_position_embeddings": 4096,
+    "sliding_window": 128, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 256, "rope_theta": 10000.0,
+    "rope_local_base_freq": 10000.0,
+}
 
-    config = transformers.Gemma3TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=320, max_position_embeddings=4096,
-        sliding_window=128, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        bos_token_id=256, eos_token_id=258, pad_token_id=256, rope_theta=10000.0,
-        rope_local_base_freq=10000.0)
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(config).float().eval()
-    out = Path(tmp_path) / "tiny-gemma3"
-    model.save_pretrained(out, safe_serialization=True)
+
+def _write_tokenizer(out: Path) -> None:
     (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
     }))
+
+
+def _randomize_norms(model, seed: int) -> None:
+    """Gemma's norms start at a gain of exactly one (weight 0); trained ones do not."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "vision" not in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+
+
+def make_tiny_gemma3(tmp_path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random tiny Gemma-3 text checkpoint (``Gemma3ForCausalLM``): by default 5
+    sliding-window layers (window 128) and one full-attention layer, as vLLM runs it with
+    its hybrid KV cache manager (6 KV cache groups of one layer each). ``overrides`` are
+    ``Gemma3TextConfig`` fields."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3TextConfig(**{**_GEMMA3, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).float().eval()
+    _randomize_norms(model, seed)
+    out = Path(tmp_path) / "tiny-gemma3"
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out)
     return out
+
+
+# What gemma-3-4b-it's config.json names of its language model: the rest is
+# Gemma3TextConfig's defaults (heads, head_dim, vocabulary, RoPE bases, every 6th layer global)
+GEMMA3_4B_TEXT_FIELDS = ("hidden_size", "intermediate_size", "model_type", "num_hidden_layers",
+                         "rope_scaling", "sliding_window")
+
+
+def make_tiny_gemma3_multimodal(tmp_path: Path, seed: int = 0, *, names: str = "transformers5",
+                                **text_overrides: Any) -> Path:
+    """A random tiny ``Gemma3ForConditionalGeneration`` checkpoint: the text decoder under
+    ``text_config`` beside a one-layer SigLIP vision tower and the projector.
+
+    ``names`` picks how the checkpoint is laid out:
+    - "transformers5": as transformers 5 saves it (``language_model.model.*`` weights,
+      every text field written out, RoPE as ``rope_parameters`` per layer type);
+    - "transformers4.52": weights named ``model.language_model.*``, ``model.vision_tower.*``
+      (transformers 4.52 to 4.57);
+    - "gemma-3-4b-it": ``language_model.model.*`` weights, and a text_config naming only
+      what gemma-3-4b-it's does (``GEMMA3_4B_TEXT_FIELDS``, plus the head and vocabulary
+      sizes that make it tiny), RoPE as ``rope_scaling``: the text model must then be built
+      with Gemma3TextConfig's defaults for the rest.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tiny_text = {**_GEMMA3, "num_attention_heads": 8, "num_key_value_heads": 4,
+                 "head_dim": 16, **text_overrides}
+    if names == "gemma-3-4b-it":  # the fields its config leaves out take their defaults
+        for field in ("layer_types", "rope_theta", "rope_local_base_freq",
+                      "max_position_embeddings"):
+            tiny_text.pop(field, None)
+    text = transformers.Gemma3TextConfig(**tiny_text)
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, eos_token_id=[258, 106])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    _randomize_norms(model, seed)
+    out = Path(tmp_path) / f"tiny-gemma3-mm-{names}"
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out)
+    if names == "transformers4.52":
+        weights = out / "model.safetensors"
+        renamed = {_name_4_52(name): t for name, t in load_file(str(weights)).items()}
+        save_file(renamed, str(weights), metadata={"format": "pt"})
+    elif names == "gemma-3-4b-it":
+        saved = json.loads((out / "config.json").read_text())
+        text_fields = (*GEMMA3_4B_TEXT_FIELDS, "vocab_size", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "bos_token_id", "eos_token_id",
+                       "pad_token_id")
+        saved["text_config"] = {k: v for k, v in saved["text_config"].items() if k in text_fields}
+        rope = text.rope_parameters["full_attention"]
+        if rope["rope_type"] != "default":
+            saved["text_config"]["rope_scaling"] = {k: v for k, v in rope.items()
+                                                    if k != "rope_theta"}
+        (out / "config.json").write_text(json.dumps(saved, indent=2))
+    elif names != "transformers5":
+        raise ValueError(f"unknown checkpoint names {names!r}")
+    return out
+
+
+def _name_4_52(name: str) -> str:
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name[len("language_model.model."):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    return "model." + name  # vision_tower.*, multi_modal_projector.*
 
 
 @functools.lru_cache(maxsize=1)

@@ -149,7 +149,8 @@ class _Planner:
 
     def _estimate(self, stage: int, start: int, end: int) -> _NonKV:
         last = stage == self.pp - 1
-        w = self.weights.stage_bytes(range(start, end), stage == 0, last)
+        w = self.weights.stage_bytes(range(start, end), stage == 0, last,
+                                     encoders=self.settings.vllm_version is not None)
         s = self.settings
         graphs = (estimates.cuda_graph_bytes(end - start, self.tp, s.max_num_seqs)
                   if s.cuda_graphs and s.reserve_cuda_graphs else 0)

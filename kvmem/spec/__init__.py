@@ -7,12 +7,12 @@
 """
 
 from kvmem.spec.catalog import CatalogEntry, catalog, find_entry
-from kvmem.spec.config import load_spec, spec_from_config
+from kvmem.spec.config import load_spec, spec_from_config, text_config
 from kvmem.spec.dtypes import KV_DTYPE_CHOICES, canonical_dtype, dtype_bytes, resolve_kv_dtype
 from kvmem.spec.layout import MLA, AttentionKind, KVGroup, LayerKV, ModelSpec, MoE, build_kv_groups
 
 __all__ = [
     "MLA", "AttentionKind", "CatalogEntry", "KVGroup", "KV_DTYPE_CHOICES", "LayerKV", "ModelSpec",
     "MoE", "build_kv_groups", "canonical_dtype", "catalog", "dtype_bytes", "find_entry",
-    "load_spec", "resolve_kv_dtype", "spec_from_config",
+    "load_spec", "resolve_kv_dtype", "spec_from_config", "text_config",
 ]

@@ -15,15 +15,31 @@ from kvmem.spec.layout import MLA, AttentionKind, LayerKV, ModelSpec, MoE
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal configs (Gemma 3, Llama 4) keep the language model under ``text_config``."""
+# What a family's transformers config class fills in for fields config.json leaves out:
+# gemma-3-4b-it's text_config names only its sizes, sliding window and RoPE scaling.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+_FAMILY_DEFAULTS = {"gemma3": _GEMMA3_TEXT_DEFAULTS, "gemma3_text": _GEMMA3_TEXT_DEFAULTS}
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config, flat, with the family's defaults for absent fields.
+
+    Multimodal configs (Gemma 3, Llama 4) keep the language model under ``text_config``;
+    its fields win over the outer ones, which it inherits otherwise (``architectures``,
+    ``torch_dtype``).
+    """
     text = cfg.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" in text:
-        merged = {k: v for k, v in cfg.items() if k != "text_config"}
-        merged.update(text)
-        merged.setdefault("architectures", cfg.get("architectures"))
-        return merged
-    return cfg
+    if isinstance(text, dict) and ("num_hidden_layers" in text or "num_hidden_layers" not in cfg):
+        cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text}
+    defaults = _FAMILY_DEFAULTS.get(str(cfg.get("model_type")))
+    return {**defaults, **cfg} if defaults else cfg
 
 
 def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
@@ -212,7 +228,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     """Build a ModelSpec from a parsed HuggingFace config dict."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{name}: config must be a JSON object")
-    cfg = _text_config(cfg)
+    cfg = text_config(cfg)
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ConfigError(f"{name}: config.json is missing {', '.join(missing)}")

@@ -31,6 +31,9 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
 _EMBED = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings")
 _HEAD = ("lm_head", "model.norm.", "final_layernorm", "ln_f", "norm.weight", "output.weight")
 _REPLICATED_KV = ("k_proj", "v_proj")
+# a multimodal checkpoint's encoders and projector: their layers are not the decoder's
+_ENCODERS = ("vision_tower.", "vision_model.", "multi_modal_projector.", "visual.",
+             "audio_tower.")
 _HEADER_LIMIT = 100 << 20  # a safetensors header larger than this is not a header
 
 
@@ -50,13 +53,15 @@ class WeightBreakdown:
         return [0, *accumulate(self.per_layer)]
 
     def stage_bytes(self, layers: range | list[int], is_first_stage: bool,
-                    is_last_stage: bool) -> int:
+                    is_last_stage: bool, encoders: bool = True) -> int:
+        """Bytes of a stage; ``encoders``: the first stage holds ``other`` too (vLLM loads
+        a multimodal model's vision tower, kvmem's engine only the language model)."""
         if isinstance(layers, range) and layers.step == 1:  # a stage: O(1) for the search
             total = self._prefix[layers.stop] - self._prefix[layers.start] if layers else 0
         else:
             total = sum(self.per_layer[i] for i in layers)
         if is_first_stage:
-            total += self.embedding + self.other
+            total += self.embedding + (self.other if encoders else 0)
         if is_last_stage:
             total += self.head
             if self.tied and not is_first_stage:  # the LM head reuses the embedding tensor
@@ -138,8 +143,9 @@ def _from_checkpoint(spec: ModelSpec, tp: int, directory: Path) -> WeightBreakdo
             shard = round(nbytes * kv_share)
         else:
             shard = nbytes // tp
-        match = _LAYER.search(name)
-        if match:
+        if any(k in name for k in _ENCODERS):
+            other += shard
+        elif match := _LAYER.search(name):
             index = int(match.group(1))
             if index < spec.num_layers:  # extra layers (e.g. multi-token prediction) not loaded
                 per_layer[index] += shard

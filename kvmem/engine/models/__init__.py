@@ -15,11 +15,16 @@ from torch import nn
 
 from kvmem.engine.attention import get_attention_backend
 from kvmem.errors import ConfigError
+from kvmem.spec import text_config
 
-# all share the Llama decoder (kvmem/engine/models/llama.py), differing by LlamaVariant
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-)
+# architecture -> decoder: the Llama family's (models/llama.py, differing by LlamaVariant)
+# or Gemma 3's text decoder (models/gemma3.py; of a multimodal checkpoint, its language model)
+DECODERS = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+}
+SUPPORTED_ARCHITECTURES = tuple(DECODERS)
 
 
 def model_architecture(config: dict[str, Any]) -> str:
@@ -27,6 +32,7 @@ def model_architecture(config: dict[str, Any]) -> str:
     arch = archs[0] if archs else {
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
     }.get(str(config.get("model_type")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"model architecture {arch or config.get('model_type')!r} is not "
@@ -41,16 +47,18 @@ def build_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32,
 
     ``layers`` restricts the decoder layers to one pipeline stage's range.
     """
+    from kvmem.engine.models.gemma3 import Gemma3ForCausalLM
     from kvmem.engine.models.llama import LlamaForCausalLM
 
     arch = model_architecture(config)
-    n = int(config.get("num_hidden_layers", 0))
+    n = int(text_config(config).get("num_hidden_layers", 0))
     if layers is not None and (layers.step != 1 or not 0 <= layers.start < layers.stop <= n):
         raise ConfigError(f"layer range {layers} is not a contiguous part of {n} layers")
     backend = get_attention_backend(attention_backend, device)
+    decoder = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}[DECODERS[arch]]
     with torch.device(device):
-        model = LlamaForCausalLM(config, backend, architecture=arch, tp_rank=tp_rank,
-                                 tp_size=tp_size, layers=layers)
+        model = decoder(config, backend, architecture=arch, tp_rank=tp_rank, tp_size=tp_size,
+                        layers=layers)
     return model.to(dtype=dtype).eval()
 
 

@@ -63,6 +63,25 @@ class RMSNorm(nn.Module):
         return total, self(total)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm scaled by ``1 + weight`` (Gemma's checkpoints store the gain's offset from
+    one), all in fp32 and rounded to the input's dtype once at the end."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_and_norm(x, None)[1]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        gain = self.weight.float() + 1.0
+        fused = cpu_ops.add_rms_norm(x, residual, gain, self.eps)  # fp32 activations only
+        if fused is not None:
+            return fused
+        total = x if residual is None else x + residual
+        x = total.float()
+        return total, (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * gain
+                       ).to(total.dtype)
+
+
 def store_weight_column_major(weight: nn.Parameter) -> None:
     """Keep ``weight`` ``[out, in]`` as it is but lay it out column-major (after loading).
 
