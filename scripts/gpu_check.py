@@ -28,18 +28,19 @@ PY = sys.executable
 
 # (name, seconds allowed, argv); benchmark sections write WORK/<script>.{json,md}
 SECTIONS: list[tuple[str, int, list[str]]] = [
-    ("env", 30, [PY, "-c", "import sys, torch, triton, kvmem, fastapi; print(sys.version); "
+    ("env", 20, [PY, "-c", "import sys, torch, triton, kvmem, fastapi; print(sys.version); "
                  "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', "
                  "triton.__version__); print(torch.cuda.get_device_name(), "
                  "torch.cuda.mem_get_info())"]),
-    ("tests", 170, [PY, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
+    ("tests", 140, [PY, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
                     "--junitxml", "{work}/cuda-tests.xml", "{cuda_test_files}"]),
-    ("correctness", 90, [PY, "benchmarks/gpu/triton_correctness.py", "--out", "{work}"]),
-    ("profile", 150, [PY, "benchmarks/gpu/profile_burst.py", "--out", "{work}"]),
-    ("speed", 170, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}"]),
-    ("elastic", 100, [PY, "benchmarks/gpu/elastic_cuda.py", "--out", "{work}"]),
-    ("tiers", 130, [PY, "benchmarks/gpu/tier_copies.py", "--out", "{work}"]),
-    ("tp", 100, [PY, "benchmarks/gpu/tp_elastic_cuda.py", "--out", "{work}"]),
+    ("correctness", 70, [PY, "benchmarks/gpu/triton_correctness.py", "--out", "{work}"]),
+    ("profile", 170, [PY, "benchmarks/gpu/profile_burst.py", "--out", "{work}",
+                      "--timeout", "75"]),
+    ("speed", 160, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}", "--timeout", "70"]),
+    ("elastic", 90, [PY, "benchmarks/gpu/elastic_cuda.py", "--out", "{work}", "--budget-s", "80"]),
+    ("tp", 80, [PY, "benchmarks/gpu/tp_elastic_cuda.py", "--out", "{work}", "--budget-s", "70"]),
+    ("tiers", 120, [PY, "benchmarks/gpu/tier_copies.py", "--out", "{work}", "--budget-s", "110"]),
 ]
 
 
