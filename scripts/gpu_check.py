@@ -32,14 +32,14 @@ SECTIONS: list[tuple[str, int, list[str]]] = [
                  "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', "
                  "triton.__version__); print(torch.cuda.get_device_name(), "
                  "torch.cuda.mem_get_info())"]),
-    ("tests", 140, [PY, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
+    ("tests", 110, [PY, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
                     "--junitxml", "{work}/cuda-tests.xml", "{cuda_test_files}"]),
-    ("correctness", 70, [PY, "benchmarks/gpu/triton_correctness.py", "--out", "{work}"]),
-    ("profile", 170, [PY, "benchmarks/gpu/profile_burst.py", "--out", "{work}",
-                      "--timeout", "75"]),
-    ("speed", 160, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}", "--timeout", "70"]),
-    ("elastic", 90, [PY, "benchmarks/gpu/elastic_cuda.py", "--out", "{work}", "--budget-s", "80"]),
-    ("tp", 80, [PY, "benchmarks/gpu/tp_elastic_cuda.py", "--out", "{work}", "--budget-s", "70"]),
+    ("correctness", 60, [PY, "benchmarks/gpu/triton_correctness.py", "--out", "{work}"]),
+    ("elastic", 70, [PY, "benchmarks/gpu/elastic_cuda.py", "--out", "{work}", "--budget-s", "65"]),
+    ("tp", 50, [PY, "benchmarks/gpu/tp_elastic_cuda.py", "--out", "{work}", "--budget-s", "45"]),
+    ("profile", 150, [PY, "benchmarks/gpu/profile_burst.py", "--out", "{work}",
+                      "--timeout", "60"]),
+    ("speed", 140, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}", "--timeout", "60"]),
     ("tiers", 120, [PY, "benchmarks/gpu/tier_copies.py", "--out", "{work}", "--budget-s", "110"]),
 ]
 

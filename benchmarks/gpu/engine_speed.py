@@ -28,6 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.gpu.report import Report  # noqa: E402
 
+HF_OUTPUT_TOKENS = 256
 ANCHORS = "nano-vllm 1,434 tok/s and vLLM 1,362 tok/s on an RTX 4070 laptop GPU (their README)"
 
 
@@ -104,8 +105,8 @@ def run_kvmem(model: str, device: str, eager: bool, num_seqs: int) -> dict:
 
 
 def run_transformers(model: str, device: str, num_seqs: int) -> dict:
-    """``generate`` over the first ``num_seqs`` requests in one left-padded batch, as far as
-    the longest output; only the requested tokens count."""
+    """``generate`` over the first ``num_seqs`` prompts in one left-padded batch, each to
+    ``HF_OUTPUT_TOKENS`` tokens (the whole workload would take transformers minutes)."""
     import torch
     import transformers
 
@@ -114,7 +115,8 @@ def run_transformers(model: str, device: str, num_seqs: int) -> dict:
         hf = transformers.AutoModelForCausalLM.from_config(config)
     hf = hf.to(torch.bfloat16).eval()
     prompts, outputs = workload()
-    prompts, outputs = prompts[:num_seqs], outputs[:num_seqs]
+    prompts = prompts[:num_seqs]
+    outputs = [HF_OUTPUT_TOKENS] * num_seqs
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -157,7 +159,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default=None, help="config-only directory (default: Qwen3-0.6B)")
     p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--hf-requests", type=int, default=64)
+    p.add_argument("--hf-requests", type=int, default=64,
+                   help=f"transformers: this many prompts, {HF_OUTPUT_TOKENS} tokens each")
     p.add_argument("--one", choices=("graphs", "eager", "transformers"))
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per engine run")
     args = p.parse_args()

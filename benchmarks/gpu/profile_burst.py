@@ -47,7 +47,7 @@ GEMMA_3_4B_IT = {
                       "num_hidden_layers": 27, "patch_size": 14},
 }
 BURST = 256
-PROMPT_TOKENS = 1024
+PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 32
 GiB = 1 << 30
 

@@ -17,7 +17,7 @@ from kvmem.engine.attention.metadata import AttentionMetadata
 from kvmem.engine.attention.reference import ReferenceBackend
 
 BLOCK_M = 16
-_MASKED = -1.0e30  # finite so that a block with no visible key yields no NaNs
+_MASKED = tl.constexpr(-1.0e30)  # finite: a block with no visible key yields no NaNs
 
 
 @triton.jit
