@@ -63,6 +63,14 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
+def _cache_of(out) -> dict:
+    """The KV cache a transformers output carries, as the next call takes it (``cache``
+    in recent transformers, ``past_key_values`` before)."""
+    if hasattr(out, "cache"):
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
+
+
 def hf_greedy(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
     """transformers' greedy tokens, decoding with its own (sliding-window) KV cache."""
     with torch.inference_mode():
@@ -70,8 +78,7 @@ def hf_greedy(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
         tokens = []
         for _ in range(n):
             tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([tokens[-1:]]), cache=out.cache,
-                        use_cache=True)
+            out = model(torch.tensor([tokens[-1:]]), use_cache=True, **_cache_of(out))
     return tokens
 
 
