@@ -44,6 +44,22 @@ def test_temperature_follows_distribution_and_sharpens():
     assert cold.count(1) > 390  # 0.5 vs 0.3 at T=0.1: about 166x more likely
 
 
+def test_a_batch_of_temperature_only_rows_is_drawn_at_once(monkeypatch):
+    """Rows that only scale by a temperature are drawn together (exponential race), each
+    from its own temperature's distribution; the row-at-a-time path is not taken."""
+    def one_row(*args, **kwargs):
+        raise AssertionError("a temperature-only row went through the row-at-a-time path")
+
+    monkeypatch.setattr(Sampler, "_sample_row", one_row)
+    n = 4000
+    logits = LOGITS.expand(2 * n, 4)
+    params = [SamplingParams(temperature=1.0)] * n + [SamplingParams(temperature=0.5)] * n
+    tokens = torch.tensor(Sampler(0)(logits, params, [None] * (2 * n)).token_ids)
+    for rows, temperature in ((tokens[:n], 1.0), (tokens[n:], 0.5)):
+        expected = (LOGITS[0] / temperature).softmax(-1)
+        assert torch.allclose(torch.bincount(rows, minlength=4) / n, expected, atol=0.03)
+
+
 def test_per_request_generator_is_independent_of_batch():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0, seed=7)
