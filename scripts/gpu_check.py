@@ -5,7 +5,7 @@
 
 Sections run one after another in processes of their own (each measures the device from
 a clean start), each under its own time limit and all under one deadline
-(``KVMEM_GPU_DEADLINE_S``, default 500 s): a section that would start too late is
+(``KVMEM_GPU_DEADLINE_S``, default 560 s): a section that would start too late is
 skipped and says so. After every section OUT_DIR holds the whole report so far:
 report.md, report.json, logs.tar.gz (each section's output) and cuda-tests.xml.
 """
@@ -34,12 +34,13 @@ SECTIONS: list[tuple[str, int, list[str]]] = [
                  "torch.cuda.mem_get_info())"]),
     ("tests", 110, [PY, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
                     "--junitxml", "{work}/cuda-tests.xml", "{cuda_test_files}"]),
-    ("correctness", 60, [PY, "benchmarks/gpu/triton_correctness.py", "--out", "{work}"]),
+    ("correctness", 70, [PY, "benchmarks/gpu/triton_correctness.py", "--out", "{work}",
+                         "--budget-s", "60"]),
     ("elastic", 70, [PY, "benchmarks/gpu/elastic_cuda.py", "--out", "{work}", "--budget-s", "65"]),
     ("tp", 50, [PY, "benchmarks/gpu/tp_elastic_cuda.py", "--out", "{work}", "--budget-s", "45"]),
-    ("profile", 150, [PY, "benchmarks/gpu/profile_burst.py", "--out", "{work}",
-                      "--timeout", "60"]),
-    ("speed", 140, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}", "--timeout", "60"]),
+    ("profile", 170, [PY, "benchmarks/gpu/profile_burst.py", "--out", "{work}",
+                      "--budget-s", "150"]),
+    ("speed", 260, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}", "--budget-s", "240"]),
     ("tiers", 120, [PY, "benchmarks/gpu/tier_copies.py", "--out", "{work}", "--budget-s", "110"]),
 ]
 
@@ -157,7 +158,7 @@ def main() -> int:
     work = Path(os.environ.get("KVMEM_GPU_WORK", "/tmp/kvmem-gpu-work"))
     work.mkdir(parents=True, exist_ok=True)
     wanted = os.environ.get("KVMEM_GPU_SECTIONS", "").split()
-    budget = float(os.environ.get("KVMEM_GPU_DEADLINE_S", "500"))
+    budget = float(os.environ.get("KVMEM_GPU_DEADLINE_S", "560"))
     started = time.perf_counter()
     results: dict[str, dict] = {}
     for name, limit, argv in SECTIONS:

@@ -188,3 +188,21 @@ def sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize(torch.device(device))
+
+
+def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
+    """Run one part of a check in a process of its own (a clean device: each engine
+    profiles from the same start) and return the JSON it printed on a ``RESULT`` line."""
+    import subprocess
+
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-8:]
+        raise RuntimeError(f"{Path(argv[1]).name} {' '.join(argv[2:4])} exited "
+                           f"{done.returncode}: " + " | ".join(tail))
+    return json.loads(line[len("RESULT "):])
+
+
+def print_result(result: dict[str, Any]) -> None:
+    print("RESULT " + json.dumps(result, default=str), flush=True)

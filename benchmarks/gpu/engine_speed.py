@@ -15,18 +15,15 @@ rate a device-to-device copy reaches in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import common
 
-from benchmarks.gpu.report import Report  # noqa: E402
+NAME = "engine_speed"
 
 HF_OUTPUT_TOKENS = 256
 ANCHORS = "nano-vllm 1,434 tok/s and vLLM 1,362 tok/s on an RTX 4070 laptop GPU (their README)"
@@ -42,13 +39,6 @@ def workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024
     return prompts, outputs
 
 
-def sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def copy_bandwidth(device: str) -> float:
     """Bytes moved (read + written) per second by a 1 GiB device-to-device copy."""
     import torch
@@ -57,11 +47,11 @@ def copy_bandwidth(device: str) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    sync(device)
+    common.sync(device)
     start, n = time.perf_counter(), 10
     for _ in range(n):
         dst.copy_(src)
-    sync(device)
+    common.sync(device)
     return 2 * src.numel() * n / (time.perf_counter() - start)
 
 
@@ -84,7 +74,7 @@ def run_kvmem(model: str, device: str, eager: bool, num_seqs: int) -> dict:
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.6,
                                                       ignore_eos=True))
     full_steps: list[tuple[float, int]] = []  # (seconds, live KV tokens) at batch num_seqs
-    sync(device)
+    common.sync(device)
     start = time.perf_counter()
     while engine.has_work():
         running = engine.scheduler.running
@@ -121,13 +111,13 @@ def run_transformers(model: str, device: str, num_seqs: int) -> dict:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     longest = max(outputs)
-    sync(device)
+    common.sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
                     min_new_tokens=longest, do_sample=True, temperature=0.6, top_k=0,
                     pad_token_id=0)
-    sync(device)
+    common.sync(device)
     seconds = time.perf_counter() - start
     return {"requests": num_seqs, "tokens": sum(outputs), "padded_tokens": longest * num_seqs,
             "seconds": seconds, "tok_per_s": sum(outputs) / seconds}
@@ -135,76 +125,81 @@ def run_transformers(model: str, device: str, num_seqs: int) -> dict:
 
 def one(args: argparse.Namespace) -> None:
     if args.one == "transformers":
-        result = run_transformers(args.model, args.device, args.hf_requests)
+        common.print_result(run_transformers(args.model, args.device, args.hf_requests))
     else:
-        result = run_kvmem(args.model, args.device, args.one == "eager", args.requests)
-    print("RESULT " + json.dumps(result), flush=True)
+        common.print_result(run_kvmem(args.model, args.device, args.one == "eager",
+                                      args.requests))
 
 
-def spawn(args: argparse.Namespace, which: str, timeout: float) -> dict:
+def spawn(args: argparse.Namespace, which: str, report: common.Report) -> dict:
     argv = [sys.executable, __file__, "--one", which, "--model", args.model, "--device",
             args.device, "--out", str(args.out), "--requests", str(args.requests),
             "--hf-requests", str(args.hf_requests)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{which} run failed (rc {done.returncode}): "
-                           f"{done.stderr.strip()[-1500:]}")
-    return json.loads(line[len("RESULT "):])
+    return common.run_child(argv, timeout=max(10.0, report.left_s()))
+
+
+def run_check(args, which: str, report: common.Report, results: dict) -> tuple[bool, str]:
+    r = results[which] = spawn(args, which, report)
+    report.figure(which, {k: v for k, v in r.items() if k != "full_decode_steps"})
+    return True, f"{r['tokens']:,} output tokens in {r['seconds']:.1f} s: " \
+        f"{r['tok_per_s']:,.0f} tok/s"
+
+
+def floor_check(args, results: dict, report: common.Report) -> tuple[bool | None, str]:
+    """The median full-batch decode step against reading the weights and the live KV once
+    at the rate a device-to-device copy reaches in this run."""
+    if "graphs" not in results:
+        return None, "the CUDA-graph run gave no steps to time"
+    r = results["graphs"]
+    steps = r["full_decode_steps"]
+    if not steps:
+        return False, "no decode step ran every request at once"
+    bandwidth = copy_bandwidth(args.device)
+    step_s = sorted(s for s, _ in steps)[len(steps) // 2]
+    live = sorted(t for _, t in steps)[len(steps) // 2]
+    floor = (r["weights_bytes"] + live * r["kv_bytes_per_token"]) / bandwidth
+    report.figure("floor", {"copy_GBps_read_plus_written": round(bandwidth / 1e9, 1),
+                            "steps_timed": len(steps), "median_step_ms": round(step_s * 1e3, 2),
+                            "median_live_kv_tokens": live, "floor_ms": round(floor * 1e3, 2),
+                            "step_over_floor": round(step_s / floor, 2)})
+    return True, (f"median of {len(steps)} steps {step_s * 1e3:.1f} ms with {live:,} live KV "
+                  f"tokens; floor {floor * 1e3:.2f} ms at {bandwidth / 1e9:.0f} GB/s: "
+                  f"{step_s / floor:.1f}x")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default=None, help="config-only directory (default: Qwen3-0.6B)")
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--hf-requests", type=int, default=64,
-                   help=f"transformers: this many prompts, {HF_OUTPUT_TOKENS} tokens each")
-    p.add_argument("--one", choices=("graphs", "eager", "transformers"))
-    p.add_argument("--timeout", type=float, default=150.0, help="seconds per engine run")
-    args = p.parse_args()
-    if args.model is None:
-        from tiny_models import make_shaped_checkpoint
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None,
+                       help="config-only directory (default: Qwen3-0.6B's shape)")
+        p.add_argument("--requests", type=int, default=256)
+        p.add_argument("--hf-requests", type=int, default=64,
+                       help=f"transformers: this many prompts, {HF_OUTPUT_TOKENS} tokens each")
+        p.add_argument("--one", choices=("graphs", "eager", "transformers"))
 
-        args.model = str(make_shaped_checkpoint(Path(tempfile.mkdtemp()), "Qwen3-0.6B"))
+    args = common.parse_args(__doc__, 240.0, extra)
+    if args.model is None:
+        args.model = common.qwen3_0_6b(Path(tempfile.mkdtemp(prefix="kvmem-speed-")))
     if args.one:
         one(args)
         return 0
-    report = Report("engine_speed", args.out, args.device)
-    report.line(f"Workload: nano-vllm's benchmark ({args.requests} requests, seed 0, "
-                f"inputs and outputs of 100-1024 tokens), Qwen3-0.6B shape, random bf16 "
-                f"weights. Anchors: {ANCHORS}.")
-    results = {}
-    for which in ("graphs", "eager", "transformers"):
-        with report.check(f"{which} run"):
-            results[which] = r = spawn(args, which, args.timeout)
-            report.figure(f"{which} output tok/s", round(r["tok_per_s"], 1))
-            report.figure(f"{which} seconds", round(r["seconds"], 2))
+    report = common.Report(NAME, "Offline throughput (nano-vllm's workload)", args)
+    report.notes.append(f"Workload: nano-vllm's benchmark ({args.requests} requests, seed 0, "
+                        "inputs and outputs of 100-1024 tokens), random bf16 weights; "
+                        f"transformers: {args.hf_requests} of the prompts, "
+                        f"{HF_OUTPUT_TOKENS} tokens each. Anchors: {ANCHORS}.")
+    results: dict = {}
+    for which, needs in (("graphs", 80), ("eager", 80), ("transformers", 40)):
+        report.check(f"kvmem {which}" if which != "transformers" else "transformers generate",
+                     lambda w=which: run_check(args, w, report, results), needs_s=needs)
     if "graphs" in results and "eager" in results:
-        report.figure("graphs / eager", round(results["graphs"]["tok_per_s"]
-                                              / results["eager"]["tok_per_s"], 2))
+        report.figure("graphs_over_eager", round(results["graphs"]["tok_per_s"]
+                                                 / results["eager"]["tok_per_s"], 2))
     if "graphs" in results and "transformers" in results:
-        report.figure("kvmem graphs / transformers generate",
-                      round(results["graphs"]["tok_per_s"]
-                            / results["transformers"]["tok_per_s"], 2))
-    with report.check("decode step at full batch against the physical floor"):
-        r = results["graphs"]
-        steps = r["full_decode_steps"]
-        assert steps, "no decode step ran all requests at once"
-        bandwidth = copy_bandwidth(args.device)
-        per_token = r["kv_bytes_per_token"]
-        assert per_token, "the plan gave no KV bytes per token"
-        step_s = sorted(s for s, _ in steps)[len(steps) // 2]
-        live = sorted(t for _, t in steps)[len(steps) // 2]
-        floor = (r["weights_bytes"] + live * per_token) / bandwidth
-        report.figure("device-to-device copy GB/s (read + written)", round(bandwidth / 1e9, 1))
-        report.figure("full-batch decode steps timed", len(steps))
-        report.figure("median full-batch decode step ms", round(step_s * 1e3, 3))
-        report.figure("median live KV tokens at those steps", live)
-        report.figure("floor ms (weights + live KV read once)", round(floor * 1e3, 3))
-        report.figure("decode step / floor", round(step_s / floor, 2))
-    return 0 if report.ok else 1
+        report.figure("graphs_over_transformers", round(
+            results["graphs"]["tok_per_s"] / results["transformers"]["tok_per_s"], 2))
+    report.check("full-batch decode step against the physical floor",
+                 lambda: floor_check(args, results, report))
+    return report.write()
 
 
 if __name__ == "__main__":

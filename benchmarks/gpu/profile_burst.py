@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import common
 
-from benchmarks.gpu.report import Report  # noqa: E402
+NAME = "profile_burst"
 
 # google/gemma-3-4b-it's config.json, text part spelled out (the published file leaves
 # most of it to Gemma3TextConfig's defaults, which are these values)
@@ -52,16 +50,8 @@ OUTPUT_TOKENS = 32
 GiB = 1 << 30
 
 
-def gemma_dir(root: Path) -> Path:
-    from tiny_models import CHATML, byte_level_tokenizer_json
-
-    out = root / "gemma-3-4b-it-config-only"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(GEMMA_3_4B_IT))
-    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))
-    return out
+def gemma_dir(root: Path) -> str:
+    return common.write_model(root, "gemma-3-4b-it", GEMMA_3_4B_IT)
 
 
 def profile(model: str, device: str, utilization: float) -> dict:
@@ -105,25 +95,34 @@ def profile(model: str, device: str, utilization: float) -> dict:
     return result
 
 
-def burst(model: str, device: str, **sizing) -> dict:
+def device_memory(device: str) -> tuple[int, int, int]:
+    """(used, total, torch's peak reserved) bytes of ``device``; on CPU the machine's."""
     import torch
 
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()  # the first call creates the CUDA context
+        return total - free, total, torch.cuda.max_memory_reserved()
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return memory.total - memory.available, memory.total, 0
+
+
+def burst(model: str, device: str, **sizing) -> dict:
     from kvmem.engine.llm import LLM
     from kvmem.engine.sampling_params import SamplingParams
 
-    free, total = torch.cuda.mem_get_info()  # creates the CUDA context
-    before = total - free  # the context and other processes: outside the engine's share
+    before = device_memory(device)[0]  # the context and other processes: not the engine's
     llm = LLM(model, load_format="dummy", device=device, dtype="bfloat16", **sizing)
     prompts = [[3 + i, *range(1000, 1000 + PROMPT_TOKENS - 1)] for i in range(BURST)]
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
     outputs = llm.generate(prompts, params, show_progress=False)
     failed = [o.error for o in outputs if o.error is not None
               or len(o.outputs[0].token_ids) != OUTPUT_TOKENS]
-    free, total = torch.cuda.mem_get_info()
+    used, total, reserved = device_memory(device)
     return {"requests": len(outputs), "failed": failed[:3], "num_failed": len(failed),
-            "kv_blocks": llm.engine.num_blocks,
-            "max_reserved_bytes": torch.cuda.max_memory_reserved(),
-            "device_used_bytes": total - free, "device_total_bytes": total,
+            "kv_blocks": llm.engine.num_blocks, "max_reserved_bytes": reserved,
+            "device_used_bytes": used, "device_total_bytes": total,
             "used_before_bytes": before}
 
 
@@ -134,73 +133,77 @@ def one(args: argparse.Namespace) -> None:
         result = burst(args.model, args.device, gpu_memory_utilization=0.95)
     else:
         result = burst(args.model, args.device, kv_cache_memory_bytes=int(args.one))
-    print("RESULT " + json.dumps(result), flush=True)
+    common.print_result(result)
 
 
-def spawn(args: argparse.Namespace, which: str) -> dict:
+def spawn(args: argparse.Namespace, which: str, report: common.Report) -> dict:
     argv = [sys.executable, __file__, "--one", which, "--model", args.model, "--device",
             args.device, "--out", str(args.out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{which} failed (rc {done.returncode}): "
-                           f"{(done.stderr or done.stdout).strip()[-1500:]}")
-    return json.loads(line[len("RESULT "):])
+    return common.run_child(argv, timeout=max(10.0, report.left_s()))
+
+
+def profile_check(args, report: common.Report, found: dict) -> tuple[bool, str]:
+    prof = found["profile"] = spawn(args, "profile", report)
+    keys = ("weights_bytes", "forward_peak_bytes", "sampler_peak_bytes", "non_torch_bytes",
+            "cuda_graph_bytes", "suggested_kv_bytes_fit", "suggested_kv_bytes_whole")
+    report.figure("profile_GiB", {k: round(prof[k] / GiB, 3) for k in keys if k in prof})
+    report.figure("cuda_graph_sizes", len(prof.get("cuda_graph_sizes", [])))
+    around = prof["allocator_around_capture"]
+    if around:
+        report.figure("capture_GiB", {
+            "driver_free_drop": round(prof["driver_growth_around_capture"] / GiB, 3),
+            **{f"allocator_{k}": round(((around["after"][k] or 0)
+                                        - (around["before"][k] or 0)) / GiB, 3)
+               for k in ("reserved_bytes.all.current", "allocated_bytes.all.current")}})
+    on_cuda = args.device.startswith("cuda")
+    ok = prof["cuda_graph_bytes"] > 0 or not on_cuda
+    return ok, (f"weights {prof['weights_bytes'] / GiB:.2f} GiB, CUDA graphs "
+                f"{prof['cuda_graph_bytes'] / GiB:.3f} GiB, suggested KV "
+                f"{prof['suggested_kv_bytes_fit'] / GiB:.2f} GiB (fit) / "
+                f"{prof['suggested_kv_bytes_whole'] / GiB:.2f} GiB (whole)")
+
+
+def burst_check(args, which: str, report: common.Report) -> tuple[bool, str]:
+    r = spawn(args, which, report)
+    report.figure(which, r)
+    total = r["device_total_bytes"]
+    # gpu_memory_utilization is the engine's share, as in vLLM: the CUDA context and other
+    # processes' memory at start are outside it
+    within = (r["max_reserved_bytes"] <= 0.95 * total
+              and r["device_used_bytes"] <= 0.95 * total + r["used_before_bytes"])
+    return r["num_failed"] == 0 and within, (
+        f"{r['requests'] - r['num_failed']}/{r['requests']} requests finished "
+        f"{r['failed'][:1]}; {r['kv_blocks']:,} KV blocks; torch's peak reserved "
+        f"{r['max_reserved_bytes'] / GiB:.2f} GiB, device used "
+        f"{r['device_used_bytes'] / GiB:.2f} GiB ({r['used_before_bytes'] / GiB:.2f} before "
+        f"the engine) of {total / GiB:.2f}")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default=None, help="config-only directory (default: gemma-3-4b-it)")
-    p.add_argument("--one")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per process")
-    args = p.parse_args()
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None,
+                       help="config-only directory (default: gemma-3-4b-it's shape)")
+        p.add_argument("--one")
+
+    args = common.parse_args(__doc__, 150.0, extra)
     if args.model is None:
-        args.model = str(gemma_dir(Path(tempfile.mkdtemp())))
+        args.model = gemma_dir(Path(tempfile.mkdtemp(prefix="kvmem-profile-")))
     if args.one:
         one(args)
         return 0
-    report = Report("profile_burst", args.out, args.device)
-    report.line(f"Model: {Path(args.model).name} (random bf16 weights). Burst: {BURST} "
-                f"distinct prompts of {PROMPT_TOKENS} tokens, {OUTPUT_TOKENS} output tokens.")
-    prof = None
-    with report.check("kvmem profile"):
-        prof = spawn(args, "profile")
-        for key in ("weights_bytes", "forward_peak_bytes", "sampler_peak_bytes",
-                    "non_torch_bytes", "cuda_graph_bytes", "suggested_kv_bytes_fit",
-                    "suggested_kv_bytes_whole"):
-            if key in prof:
-                report.figure(f"profile {key} GiB", round(prof[key] / GiB, 3))
-        report.figure("profile cuda_graph_sizes", len(prof.get("cuda_graph_sizes", [])))
-        around = prof["allocator_around_capture"]
-        if around:
-            for k in ("reserved_bytes.all.current", "allocated_bytes.all.current"):
-                delta = (around["after"][k] or 0) - (around["before"][k] or 0)
-                report.figure(f"allocator {k} change over capture GiB", round(delta / GiB, 3))
-            report.figure("driver free-memory drop over capture GiB",
-                          round(prof["driver_growth_around_capture"] / GiB, 3))
-        if args.device.startswith("cuda"):
-            assert prof["cuda_graph_bytes"] > 0, "no CUDA-graph memory measured"
-    for which in ("burst-095", str(prof["suggested_kv_bytes_fit"]) if prof else None):
-        if which is None:
-            continue
-        title = ("burst at gpu_memory_utilization 0.95" if which == "burst-095"
-                 else f"burst at the suggested explicit bytes ({int(which):,})")
-        with report.check(title):
-            r = spawn(args, which)
-            report.figure(f"{title}: KV blocks", r["kv_blocks"])
-            report.figure(f"{title}: device used GiB", round(r["device_used_bytes"] / GiB, 2))
-            report.figure(f"{title}: max reserved GiB", round(r["max_reserved_bytes"] / GiB, 2))
-            assert r["num_failed"] == 0, f"{r['num_failed']} requests failed: {r['failed']}"
-            report.figure(f"{title}: in use before the engine (CUDA context) GiB",
-                          round(r["used_before_bytes"] / GiB, 2))
-            # gpu_memory_utilization is the engine's share, as in vLLM: the CUDA context
-            # and other processes' memory at start are outside it
-            assert r["max_reserved_bytes"] <= 0.95 * r["device_total_bytes"]
-            assert (r["device_used_bytes"]
-                    <= 0.95 * r["device_total_bytes"] + r["used_before_bytes"])
-    return 0 if report.ok else 1
+    report = common.Report(NAME, "Memory profile and bursts at 0.95", args)
+    report.notes.append(f"Model: {Path(args.model).name}'s shape, random bf16 weights. Burst: "
+                        f"{BURST} distinct prompts of {PROMPT_TOKENS} tokens, {OUTPUT_TOKENS} "
+                        "output tokens each.")
+    found: dict = {}
+    report.check("kvmem profile", lambda: profile_check(args, report, found))
+    report.check("burst at gpu_memory_utilization 0.95",
+                 lambda: burst_check(args, "burst-095", report), needs_s=30)
+    if "profile" in found:
+        fit = found["profile"]["suggested_kv_bytes_fit"]
+        report.check(f"burst at the suggested explicit bytes ({fit:,})",
+                     lambda: burst_check(args, str(fit), report), needs_s=30)
+    return report.write()
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ positions, differ by at most the stated tolerance.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import common
 
-from benchmarks.gpu.report import Report  # noqa: E402
+NAME = "triton_correctness"
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 BF16_LOGPROB_TOLERANCE = 0.1  # nats; bf16 keeps 8 bits of mantissa
@@ -55,43 +52,55 @@ def run(model: str, device: str, dtype: str, backend: str, eager: bool, *, max_t
     return outs, graphs
 
 
-def fp32_tokens(report: Report, family: str, model: str, device: str) -> None:
-    on_cuda = device.startswith("cuda")
-    with report.check(f"fp32 {family}: triton tokens == reference tokens (eager)"):
-        ref, _ = run(model, device, "float32", "reference", True, max_tokens=20)
-        tri, _ = run(model, device, "float32", "triton", True, max_tokens=20)
-        ref_t = [o.outputs[0].token_ids for o in ref]
-        tri_t = [o.outputs[0].token_ids for o in tri]
-        assert tri_t == ref_t, f"first differing prompt {_first_diff(ref_t, tri_t)}"
-    if on_cuda:
-        with report.check(f"fp32 {family}: CUDA graphs tokens == eager tokens"):
-            graph, captured = run(model, device, "float32", "triton", False, max_tokens=20)
-            assert captured, "no CUDA graphs were captured"
-            assert [o.outputs[0].token_ids for o in graph] == ref_t
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
 
 
-def bf16_logprobs(report: Report, family: str, model: str, device: str) -> None:
-    with report.check(f"bf16 {family}: triton logprobs within {BF16_LOGPROB_TOLERANCE} "
-                      "of reference"):
-        ref, _ = run(model, device, "bfloat16", "reference", True, max_tokens=16,
-                     prompt_logprobs=1, logprobs=1)
-        tri, _ = run(model, device, "bfloat16", "triton", True, max_tokens=16,
-                     prompt_logprobs=1, logprobs=1)
-        prefill, decode, same = 0.0, 0.0, 0
-        for r, t in zip(ref, tri, strict=True):
-            for a, b in zip(r.prompt_logprobs[1:], t.prompt_logprobs[1:], strict=True):
-                prefill = max(prefill, abs(a.logprob - b.logprob))
-            ra, ta = r.outputs[0], t.outputs[0]
-            for i, (a, b) in enumerate(zip(ra.logprobs, ta.logprobs, strict=True)):
-                if ra.token_ids[:i + 1] != ta.token_ids[:i + 1]:
-                    break  # a near tie went the other way: later positions differ in context
-                decode = max(decode, abs(a.logprob - b.logprob))
-            same += ra.token_ids == ta.token_ids
-        report.figure(f"bf16 {family} max |dlogprob| prefill", round(prefill, 5))
-        report.figure(f"bf16 {family} max |dlogprob| decode", round(decode, 5))
-        report.figure(f"bf16 {family} prompts with identical greedy tokens",
-                      f"{same}/{len(ref)}")
-        assert max(prefill, decode) <= BF16_LOGPROB_TOLERANCE
+def fp32_triton(model: str, device: str) -> tuple[bool, str]:
+    ref = tokens(run(model, device, "float32", "reference", True, max_tokens=20)[0])
+    tri = tokens(run(model, device, "float32", "triton", True, max_tokens=20)[0])
+    return tri == ref, f"{sum(a == b for a, b in zip(ref, tri, strict=True))}/{len(ref)} " \
+        f"prompts with the reference's tokens; first differing prompt {_first_diff(ref, tri)}"
+
+
+def fp32_graphs(model: str, device: str) -> tuple[bool | None, str]:
+    if not device.startswith("cuda"):
+        return None, "CUDA graphs are captured on CUDA devices only"
+    eager = tokens(run(model, device, "float32", "triton", True, max_tokens=20)[0])
+    outs, captured = run(model, device, "float32", "triton", False, max_tokens=20)
+    if not captured:
+        return False, "no CUDA graphs were captured"
+    graphs = tokens(outs)
+    return graphs == eager, f"{sum(a == b for a, b in zip(eager, graphs, strict=True))}/" \
+        f"{len(eager)} prompts with the eager tokens"
+
+
+def bf16_logprobs(model: str, device: str, report: common.Report, family: str
+                  ) -> tuple[bool | None, str]:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":  # checked: a 16x16 dot off by 2.5e10
+        return None, "Triton's CPU interpreter multiplies bf16 as raw bits"
+    ref, _ = run(model, device, "bfloat16", "reference", True, max_tokens=16,
+                 prompt_logprobs=1, logprobs=1)
+    tri, _ = run(model, device, "bfloat16", "triton", True, max_tokens=16,
+                 prompt_logprobs=1, logprobs=1)
+    prefill, decode, same = 0.0, 0.0, 0
+    for r, t in zip(ref, tri, strict=True):
+        for a, b in zip(r.prompt_logprobs[1:], t.prompt_logprobs[1:], strict=True):
+            prefill = max(prefill, abs(a.logprob - b.logprob))
+        ra, ta = r.outputs[0], t.outputs[0]
+        for i, (a, b) in enumerate(zip(ra.logprobs, ta.logprobs, strict=True)):
+            if ra.token_ids[:i + 1] != ta.token_ids[:i + 1]:
+                break  # a near tie went the other way: later positions differ in context
+            decode = max(decode, abs(a.logprob - b.logprob))
+        same += ra.token_ids == ta.token_ids
+    report.figure(f"bf16 {family}", {"max_dlogprob_prefill": round(prefill, 5),
+                                     "max_dlogprob_decode": round(decode, 5),
+                                     "identical_greedy": f"{same}/{len(ref)}"})
+    return max(prefill, decode) <= BF16_LOGPROB_TOLERANCE, (
+        f"max |dlogprob| {prefill:.4f} over prefill positions, {decode:.4f} over decode "
+        f"positions; {same}/{len(ref)} prompts with identical greedy tokens")
 
 
 def _first_diff(a: list, b: list) -> int:
@@ -99,22 +108,24 @@ def _first_diff(a: list, b: list) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--quick", action="store_true", help="llama only")
-    args = p.parse_args()
+    args = common.parse_args(__doc__, 60.0)
     from tiny_models import make_tiny_checkpoint
 
-    report = Report("triton_correctness", args.out, args.device)
-    report.line(f"bf16 tolerance: {BF16_LOGPROB_TOLERANCE} nats on the chosen token's "
-                "log-probability, prefill and decode positions.")
+    report = common.Report(NAME, "Triton paged attention against the reference backend",
+                           args)
+    report.notes.append(f"bf16 tolerance: {BF16_LOGPROB_TOLERANCE} nats on the chosen "
+                        "token's log-probability, at prefill and decode positions.")
     tmp = Path(tempfile.mkdtemp(prefix="kvmem-tiny-"))
     for family in FAMILIES[:1] if args.quick else FAMILIES:
         model = str(make_tiny_checkpoint(tmp, family))
-        fp32_tokens(report, family, model, args.device)
-        bf16_logprobs(report, family, model, args.device)
-    return 0 if report.ok else 1
+        report.check(f"fp32 {family}: Triton's greedy tokens are the reference's (eager)",
+                     lambda m=model: fp32_triton(m, args.device))
+        report.check(f"fp32 {family}: CUDA graphs give the eager tokens",
+                     lambda m=model: fp32_graphs(m, args.device))
+        report.check(f"bf16 {family}: Triton's logprobs within {BF16_LOGPROB_TOLERANCE} of "
+                     "the reference's",
+                     lambda m=model, f=family: bf16_logprobs(m, args.device, report, f))
+    return report.write()
 
 
 if __name__ == "__main__":
