@@ -68,6 +68,9 @@ CASES = {
     "mixed prefill and decode": ([1, 9, 1], [14, 9, 3]),
     "decode only": ([1, 1, 1], [5, 17, 1]),
     "long decode": ([1, 1], [40, 33]),
+    # decode over many 16-token blocks, split over programs: a split of only one sequence's
+    # blocks, and splits that a short sequence leaves empty
+    "decode over many blocks": ([1, 1, 1], [300, 17, 129]),
     # enough decode rows of spread-out lengths to be split into several padded batches
     "many decodes": ([1] * 20, [3 + 5 * i for i in range(20)]),
     "many decodes beside chunks": ([1] * 9 + [4] + [1] * 9 + [6],

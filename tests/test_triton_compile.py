@@ -50,3 +50,28 @@ def test_store_kv_kernel_compiles(dtype):
     kernel = compile_for_hopper(tb._store_kv_kernel, signature,
                                 dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16))
     assert kernel.asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("window", [False, True], ids=["full", "sliding"])
+def test_decode_kernels_compile(dtype, window):
+    pointers = {"Q": dtype, "PartAcc": "fp32", "PartML": "fp32", "Cache": dtype,
+                "BlockTables": "i32", "SeqLens": "i32"}
+    signature = {name: f"*{t}" for name, t in pointers.items()}
+    strides = ["s_qt", "s_qh", "s_cb", "s_ckv", "s_ct", "s_ch", "s_bt"]
+    signature |= {"scale": "fp32", **{s: "i32" for s in strides}, "window": "i32",
+                  "blocks_per_split": "i32"}
+    decode = compile_for_hopper(tb._paged_decode_kernel, signature, dict(
+        QUERIES_PER_KV=2, NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_H=16,
+        NUM_SPLITS=8, HAS_WINDOW=window, DOT_PRECISION=tb._dot_precision(TORCH_DTYPES[dtype])))
+    merge = compile_for_hopper(
+        tb._decode_merge_kernel,
+        {"PartAcc": "*fp32", "PartML": "*fp32", "Out": f"*{dtype}", "s_ot": "i32",
+         "s_oh": "i32"}, dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8))
+    assert decode.asm["cubin"] and merge.asm["cubin"]
+
+
+def test_decode_splits_fill_the_device_without_empty_work():
+    assert tb.decode_splits(256, 8, 128, 4 * 132) == (1, 128)  # a full batch: no split
+    assert tb.decode_splits(1, 8, 2048, 4 * 132) == (16, 128)  # one long context: 16 ways
+    assert tb.decode_splits(2, 1, 3, 64) == (4, 1)  # at most the blocks, rounded up to pow2

@@ -1,10 +1,17 @@
-"""Triton paged attention: one kernel stores new K/V at their slots, one attends.
+"""Triton paged attention: one kernel stores new K/V at their slots, others attend.
 
-The attention kernel serves prefill chunks and decode alike: a program takes up to
-``BLOCK_M`` query tokens of one sequence for one query head, walks that sequence's
-block table (only the blocks its causal range and sliding window can see) and keeps an
-online softmax. Block sizes must be powers of two of at least 16 (the matmul tile); for
-other sizes the backend falls back to the reference path.
+Prefill chunks (and steps that mix them with decodes): a program takes up to ``BLOCK_M``
+query tokens of one sequence for one query head, walks that sequence's block table (only
+the blocks its causal range and sliding window can see) and keeps an online softmax.
+
+Decode-only steps: a program takes one sequence's query heads that share a KV head (the
+rows of its matmuls), so each K/V block is read once per KV head rather than once per
+query head, over one split of the context; a second kernel merges the splits' partial
+softmaxes. The splits give a small batch of long contexts enough programs to fill the
+device (flash-decoding).
+
+Block sizes must be powers of two of at least 16 (the matmul tile); for other sizes the
+backend falls back to the reference path.
 """
 
 from __future__ import annotations
@@ -94,6 +101,81 @@ def _paged_attention_kernel(
                  out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _paged_decode_kernel(
+    Q, PartAcc, PartML, Cache, BlockTables, SeqLens, scale,
+    s_qt, s_qh, s_cb, s_ckv, s_ct, s_ch, s_bt, window, blocks_per_split,
+    QUERIES_PER_KV: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    pos = seq_len - 1  # the one query token's position
+    h = kv_h * QUERIES_PER_KV + tl.arange(0, BLOCK_H)
+    h_ok = tl.arange(0, BLOCK_H) < QUERIES_PER_KV
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b * s_qt + h[:, None] * s_qh + d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    first = split * blocks_per_split
+    last = tl.minimum(tl.cdiv(seq_len, BLOCK_SIZE), first + blocks_per_split)
+    if HAS_WINDOW:
+        first = tl.maximum(first, tl.maximum(0, pos - window + 1) // BLOCK_SIZE)
+    m_i = tl.full([BLOCK_H], _MASKED, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n_local = tl.arange(0, BLOCK_SIZE)
+    for j in range(first, last):
+        block = tl.load(BlockTables + b * s_bt + j).to(tl.int64)
+        n = j * BLOCK_SIZE + n_local
+        base = Cache + block * s_cb + n_local[:, None] * s_ct + kv_h * s_ch + d[None, :]
+        k = tl.load(base, mask=d_ok[None, :], other=0.0)
+        v = tl.load(base + s_ckv, mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale
+        visible = n[None, :] <= pos
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > pos - window)
+        s = tl.where(visible, s, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + split  # this split's partial of head h
+    tl.store(PartAcc + row[:, None] * BLOCK_D + d[None, :], acc, mask=h_ok[:, None])
+    tl.store(PartML + row * 2, m_i, mask=h_ok)
+    tl.store(PartML + row * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(PartAcc, PartML, Out, s_ot, s_oh, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(PartML + row * 2)
+    l_s = tl.load(PartML + row * 2 + 1)
+    weight = tl.exp(m - tl.max(m, axis=0))  # an empty split: l = 0, acc = 0, no weight
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(PartAcc + row[:, None] * BLOCK_D + d[None, :])
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    tl.store(Out + b * s_ot + h * s_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, programs: int
+                  ) -> tuple[int, int]:
+    """(splits, blocks per split) of a decode step: enough programs to give ``programs``
+    work (a power of two up to 16 splits), never more splits than blocks."""
+    want = max(1, -(-programs // max(1, num_seqs * num_kv_heads)))
+    splits = min(16, triton.next_power_of_2(want), triton.next_power_of_2(max(1, max_blocks)))
+    return splits, max(1, -(-max_blocks // splits))
+
+
 def _dot_precision(cache_dtype: torch.dtype) -> str | None:
     """Full-precision matmuls over fp32 caches (exact against the reference); otherwise
     Triton's default for the device."""
@@ -109,6 +191,7 @@ class TritonBackend:
 
     def __init__(self) -> None:
         self._reference = ReferenceBackend()
+        self._sm_counts: dict[torch.device, int] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, group_id: int, scale: float,
@@ -128,6 +211,9 @@ class TritonBackend:
                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size)
         out = torch.empty_like(q)
         block_table = metadata.block_tables[group_id]
+        if metadata.is_decode_only and metadata.num_seqs:
+            return self._decode(q, out, kv_cache, block_table, metadata, scale,
+                                sliding_window, num_kv_heads, block_d)
         grid = (metadata.num_seqs, num_heads, triton.cdiv(max(metadata.max_query_len, 1), BLOCK_M))
         _paged_attention_kernel[grid](
             q, out, kv_cache, block_table, metadata.query_start_loc, metadata.seq_lens, scale,
@@ -138,3 +224,42 @@ class TritonBackend:
             BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION=_dot_precision(kv_cache.dtype))
         return out
+
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                block_table: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None, num_kv_heads: int, block_d: int) -> torch.Tensor:
+        num_seqs, (_, num_heads, head_dim) = metadata.num_seqs, q.shape
+        block_size = kv_cache.shape[2]
+        queries_per_kv = num_heads // num_kv_heads
+        max_blocks = -(-metadata.max_seq_len // block_size)
+        splits, per_split = decode_splits(num_seqs, num_kv_heads, max_blocks,
+                                          self._programs(q.device))
+        part_acc = torch.empty((num_seqs * num_heads * splits, block_d), dtype=torch.float32,
+                               device=q.device)
+        part_ml = torch.empty((num_seqs * num_heads * splits, 2), dtype=torch.float32,
+                              device=q.device)
+        _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+            q, part_acc, part_ml, kv_cache, block_table, metadata.seq_lens, scale,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+            sliding_window or 0, per_split,
+            QUERIES_PER_KV=queries_per_kv, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_SIZE=block_size,
+            BLOCK_H=max(16, triton.next_power_of_2(queries_per_kv)), NUM_SPLITS=splits,
+            HAS_WINDOW=sliding_window is not None,
+            DOT_PRECISION=_dot_precision(kv_cache.dtype))
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits)
+        return out
+
+    def _programs(self, device: torch.device) -> int:
+        """Programs that keep the device busy: four per multiprocessor on a GPU; a few in
+        Triton's CPU interpreter (where splits are only exercised)."""
+        if device.type != "cuda":
+            return 8
+        if device not in self._sm_counts:
+            self._sm_counts[device] = torch.cuda.get_device_properties(device)\
+                .multi_processor_count
+        return 4 * self._sm_counts[device]
+
