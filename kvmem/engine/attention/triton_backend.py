@@ -46,6 +46,34 @@ def _store_kv_kernel(K, V, Cache, Slots, s_kt, s_kh, s_vt, s_vh, s_cb, s_ckv, s_
 
 
 @triton.jit
+def _attend_block(q, m_i, l_i, acc, Cache, BlockTables, table_row, j, kv_h, visible_to,
+                  seq_len, window, scale, s_cb, s_ckv, s_ct, s_ch,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K/V block of the online softmax: the rows' queries (positions ``visible_to``)
+    against block ``j`` of the sequence's table; returns the updated (m, l, acc)."""
+    block = tl.load(BlockTables + table_row + j).to(tl.int64)
+    n_local = tl.arange(0, BLOCK_SIZE)
+    n = j * BLOCK_SIZE + n_local
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    base = Cache + block * s_cb + n_local[:, None] * s_ct + kv_h * s_ch + d[None, :]
+    k = tl.load(base, mask=d_ok[None, :], other=0.0)
+    v = tl.load(base + s_ckv, mask=d_ok[None, :], other=0.0)
+    s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale
+    visible = (n[None, :] <= visible_to[:, None]) & (n[None, :] < seq_len)
+    if HAS_WINDOW:
+        visible = visible & (n[None, :] > visible_to[:, None] - window)
+    s = tl.where(visible, s, _MASKED)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, Out, Cache, BlockTables, QueryStart, SeqLens, scale,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_ckv, s_ct, s_ch, s_bt,
@@ -78,24 +106,11 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], _MASKED, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        n_local = tl.arange(0, BLOCK_SIZE)
         for j in range(first // BLOCK_SIZE, tl.cdiv(last, BLOCK_SIZE)):
-            block = tl.load(BlockTables + b * s_bt + j).to(tl.int64)
-            n = j * BLOCK_SIZE + n_local
-            base = Cache + block * s_cb + n_local[:, None] * s_ct + kv_h * s_ch + d[None, :]
-            k = tl.load(base, mask=d_ok[None, :], other=0.0)
-            v = tl.load(base + s_ckv, mask=d_ok[None, :], other=0.0)
-            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale
-            visible = (n[None, :] <= pos[:, None]) & (n[None, :] < seq_len)
-            if HAS_WINDOW:
-                visible = visible & (n[None, :] > pos[:, None] - window)
-            s = tl.where(visible, s, _MASKED)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, Cache, BlockTables, b * s_bt, j, kv_h, pos, seq_len,
+                window, scale, s_cb, s_ckv, s_ct, s_ch, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                HAS_WINDOW, DOT_PRECISION)
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + m)[:, None] * s_ot + h * s_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -127,24 +142,12 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], _MASKED, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    n_local = tl.arange(0, BLOCK_SIZE)
+    rows_pos = tl.full([BLOCK_H], 0, tl.int32) + pos  # every row is the one query token
     for j in range(first, last):
-        block = tl.load(BlockTables + b * s_bt + j).to(tl.int64)
-        n = j * BLOCK_SIZE + n_local
-        base = Cache + block * s_cb + n_local[:, None] * s_ct + kv_h * s_ch + d[None, :]
-        k = tl.load(base, mask=d_ok[None, :], other=0.0)
-        v = tl.load(base + s_ckv, mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale
-        visible = n[None, :] <= pos
-        if HAS_WINDOW:
-            visible = visible & (n[None, :] > pos - window)
-        s = tl.where(visible, s, _MASKED)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, Cache, BlockTables, b * s_bt, j, kv_h, rows_pos, seq_len,
+            window, scale, s_cb, s_ckv, s_ct, s_ch, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+            HAS_WINDOW, DOT_PRECISION)
     row = (b * NUM_HEADS + h) * NUM_SPLITS + split  # this split's partial of head h
     tl.store(PartAcc + row[:, None] * BLOCK_D + d[None, :], acc, mask=h_ok[:, None])
     tl.store(PartML + row * 2, m_i, mask=h_ok)
