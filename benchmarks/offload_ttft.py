@@ -15,7 +15,12 @@ runs the same sequence with offloading off. Offloading is turned on the way a us
 ``EngineConfig``); the pool holds one prompt and no more, so that the other prompts
 evict all of it (a pool with room to spare keeps the first prompt's leading blocks,
 since freed blocks are evicted last block first, and "recomputed" would be a partial
-prefix hit; its cached tokens are printed).
+prefix hit; its cached tokens are printed). Each tier's budget holds all three prompts
+(``tier_gib``): a smaller one evicts the first prompt's blocks, oldest first, while the
+other two are stored, and the timed request finds nothing there. Stores are finished
+before anything is timed, and each engine first runs a short prompt through the same
+steps (prefill, prefix hit, a load from its tier), so that first-use costs (kernel
+compilation, allocator growth) stay out of the figures.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
+from kvmem.units import GiB
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -48,6 +54,26 @@ def model_shape(model: str | None, load_format: str, dtype: str, device: str
     size = DTYPE_BYTES[str(torch_dtype).removeprefix("torch.")]
     return (sum(layer.bytes_per_token(1, size) for layer in spec.layers),
             int(files.config["vocab_size"]))
+
+
+def tier_gib(tokens: int, per_token: int) -> float:
+    """A tier budget holding the three prompts of a case, with a quarter to spare (a disk
+    block's file header, rounding to whole blocks)."""
+    return 3 * (tokens + 16) * per_token * 1.25 / GiB
+
+
+def warm_up(engine: LLMEngine, vocab: int) -> None:
+    """A short prompt through the steps a case times: a prefill, a prefix hit and, with
+    a tier, a load from it (the pool's prefix cache dropped in between)."""
+    prompt = [(7 * i) % (vocab - 1) + 1 for i in range(2 * 16 + 1)]
+    ttft(engine, "warm-fill", prompt)
+    ttft(engine, "warm-hit", prompt)
+    if engine.offload:
+        engine.offload.offload.drain()
+        if not engine.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("warm-up: the prefix cache could not be reset")
+        ttft(engine, "warm-load", prompt)
+    engine.kv_cache_manager.reset_prefix_cache()
 
 
 def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, list[int], int]:
@@ -84,11 +110,12 @@ def run_case(name: str, tokens: int, repeats: int, engine_options: dict[str, Any
     connector = engine.offload
     times, hits, outputs, cached = [], [], [], []
     try:
+        warm_up(engine, top)
         for i in range(repeats):
             ttft(engine, f"fill{i}", prompt)
-            hits.append(ttft(engine, f"hit{i}", prompt)[0])
             if connector:
                 connector.offload.drain()
+            hits.append(ttft(engine, f"hit{i}", prompt)[0])
             for j, evictor in enumerate(evictors):
                 ttft(engine, f"evict{i}.{j}", evictor)
                 if connector:
@@ -107,11 +134,15 @@ def run_case(name: str, tokens: int, repeats: int, engine_options: dict[str, Any
 def run_cases(tokens: int, repeats: int, disk_dir: str,
               engine_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Recomputed, CPU tier and disk tier, in that order."""
+    options = dict(engine_options or {})
+    per_token, _ = model_shape(options.get("model"), options.get("load_format", "auto"),
+                               options.get("dtype", "auto"), options.get("device", "auto"))
+    gib = tier_gib(tokens, per_token)
     return [
         run_case("recomputed", tokens, repeats, engine_options),
-        run_case("CPU tier", tokens, repeats, engine_options, cpu_offload_gib=1),
+        run_case("CPU tier", tokens, repeats, engine_options, cpu_offload_gib=gib),
         run_case("disk tier", tokens, repeats, engine_options, disk_offload_dir=disk_dir,
-                 disk_offload_gib=1),
+                 disk_offload_gib=gib),
     ]
 
 

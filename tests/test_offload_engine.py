@@ -449,3 +449,33 @@ def test_identity_changes_with_the_model_dtype_and_the_layout(tiny_model):
     other = tier_identity(engine.spec, engine.dtype, tiny_model, tensor_parallel_size=2,
                           partition=layers)
     assert other[0] == base[0] and other[1] != base[1]
+
+
+def test_a_long_prompt_comes_back_from_a_disk_tier_with_fewer_staging_rows(tmp_path,
+                                                                          tiny_model):
+    """The benchmark's sequence (fill, two prompts that evict it from a pool holding one,
+    the first prompt again) with a disk-only tier whose staging rows carry 2 of the
+    prompt's 12 blocks at a time: every block reaches the disk, and the reload is served
+    from it with the tokens a recompute gives."""
+    rng = random.Random(11)
+    prompt, *evictors = ([rng.randrange(0, 256) for _ in range(200)] for _ in range(3))
+    block_nbytes = 16 * TINY_BYTES_PER_TOKEN
+    engine = make_engine(num_blocks=15, max_model_len=216, model=tiny_model,
+                         bytes_per_token=TINY_BYTES_PER_TOKEN,
+                         offload=OffloadConfig(disk_bytes=16 << 20, disk_dir=str(tmp_path),
+                                               staging_bytes=2 * block_nbytes))
+    connector = engine.offload
+    try:
+        _, first = run_one(engine, "fill", prompt)
+        connector.offload.drain()
+        for i, evictor in enumerate(evictors):
+            run_one(engine, f"evict{i}", evictor)
+            connector.offload.drain()
+        request, again = run_one(engine, "again", prompt)
+        disk = connector.stats()["disk"]
+        assert request.num_cached_tokens == 192 and disk.loaded_blocks == 12
+        assert disk.skipped_stores == 0 and disk.stored_blocks == 36
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert connector.offload.engine.staging.num_free == 2
+    finally:
+        connector.shutdown()

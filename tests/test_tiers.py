@@ -17,6 +17,7 @@ from kvmem.memory.storage import SlotShape, TensorKVStorage
 from kvmem.tiers import Faults, OffloadConfig, OffloadManager, TierIdentity
 from kvmem.tiers.blocks import key_name
 from kvmem.tiers.cpu_store import CPUStore
+from kvmem.tiers.host_rows import HostRows, runs
 from kvmem.tiers.policy import LRUPolicy
 from kvmem.tiers.stats import PrefillMeter, block_tokens, prefill_step_tokens
 
@@ -67,13 +68,13 @@ def manager_factory(tmp_path):
 
     def make(cpu_blocks: int = 8, disk_blocks: int = 0, storage=None, *, layout="tp1",
              faults: Faults | None = None, policy: str = "lru", max_inflight: int = 4096,
-             disk_dir=None, prefill=None):
+             disk_dir=None, prefill=None, staging_blocks: int = 64):
         storage = storage if storage is not None else make_storage()
         config = OffloadConfig(
             cpu_bytes=cpu_blocks * BLOCK_NBYTES,
             disk_dir=str(disk_dir or tmp_path / "tier") if disk_blocks else None,
             disk_bytes=disk_blocks * (BLOCK_NBYTES + 200), policy=policy,
-            max_inflight_store_blocks=max_inflight)
+            max_inflight_store_blocks=max_inflight, staging_bytes=staging_blocks * BLOCK_NBYTES)
         holder = FakeHolder()
         mgr = OffloadManager(config, storage, NUM_SLOTS, holder, model="tiny", layout=layout,
                              faults=faults or Faults(), prefill=prefill)
@@ -434,8 +435,10 @@ def test_disappearing_directory_disables_disk_tier(manager_factory, caplog):
         mgr.drain()
     assert not mgr.stats()["disk"].enabled
     assert "disk offload tier disabled" in caplog.text
-    assert mgr.lookup(keys(1)) == 0  # disk entries are forgotten, CPU holds only key 3
-    assert mgr.lookup(keys(3)) == 1
+    # disk entries are forgotten; the CPU tier's one row holds key 2, the first block of
+    # the job (a job's blocks never evict one another: the leading blocks of a prefix stay)
+    assert mgr.lookup(keys(1)) == 0 and mgr.lookup(keys(3)) == 0
+    assert mgr.lookup(keys(2)) == 1
     mgr.offer([4], keys(4))  # still works with the CPU tier alone
     mgr.drain()
     assert mgr.lookup(keys(4)) == 1
@@ -604,6 +607,170 @@ def test_loads_go_before_queued_stores(manager_factory):
     assert faults.order == ["store", "load", "store"]
 
 
+# -- host rows: allocated once, handed out to one job at a time --------------------------
+
+def test_host_rows_go_lowest_first_to_one_holder_at_a_time_and_copy_as_runs():
+    rows = HostRows(8, 4)
+    assert rows.take(3) == [0, 1, 2] and rows.take(2) == [3, 4]
+    rows.give_back([1])
+    assert rows.take(3) == [1, 5, 6] and rows.num_free == 1
+    taken: list[list[int]] = []
+    threads = [threading.Thread(target=lambda: taken.append(rows.take(1, timeout=10)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    rows.give_back([0, 2])  # two waiters get one row each, one row was still free
+    for t in threads:
+        t.join(10)
+    assert sorted(r for got in taken for r in got) == [0, 2, 7]  # none handed out twice
+    other = HostRows(4, 4)
+    views = runs([(rows, 3), (rows, 4), (other, 0), (other, 1), (rows, 6), (rows, 7)])
+    assert [(v.data_ptr(), len(v)) for v in views] == [
+        (rows.tensor[3].data_ptr(), 2), (other.tensor[0].data_ptr(), 2),
+        (rows.tensor[6].data_ptr(), 2)]
+
+
+def test_cpu_tier_blocks_are_copied_straight_into_and_out_of_its_rows(manager_factory,
+                                                                       monkeypatch):
+    """A store gathers pool blocks into the CPU tier's own rows and a load copies those
+    rows into the pool: no host row in between (the tier's row-to-row copies fail here)."""
+    def no_copy(*_):
+        raise AssertionError("a host-to-host copy of a CPU tier row")
+    monkeypatch.setattr(CPUStore, "_write", no_copy)
+    monkeypatch.setattr(CPUStore, "_read", no_copy)
+    mgr, storage, holder = manager_factory(cpu_blocks=8)
+    originals = [block(storage, b) for b in (1, 2, 3, 4)]
+    assert mgr.offer([1, 2, 3, 4], keys(1, 2, 3, 4)) == 4
+    mgr.drain()
+    assert not holder.held and mgr.stats()["cpu"].stored_blocks == 4
+    rows = [mgr.cpu.ref(mgr.cpu._entries[key_name(k)])[1] for k in keys(1, 2, 3, 4)]
+    assert rows == [0, 1, 2, 3]  # one run: a single copy
+    handle = roundtrip(mgr, storage, [], keys(3, 1, 4, 2), [9, 10, 11, 12])
+    assert handle.ok
+    for dst, i in zip((9, 10, 11, 12), (2, 0, 3, 1), strict=True):
+        assert same_block(storage, dst, originals[i])
+
+
+class GatedDisk(Faults):
+    """Disk writes wait until the test lets them go (at the latest when it ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def before_write(self) -> None:
+        assert self.go.wait(60)
+
+
+@pytest.fixture
+def gated_disk():
+    faults = GatedDisk()
+    yield faults
+    faults.go.set()  # before the managers shut down
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    stop = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        stop.wait(0.01)
+    raise AssertionError("timed out")
+
+
+def test_a_disk_write_keeps_its_rows_until_written_and_a_job_waits_for_free_ones(
+        manager_factory, gated_disk):
+    """Staging rows (and CPU tier rows read by the disk writer) stay the job's until its
+    disk write is done; a job finding none free waits for them instead of reusing a row
+    still queued for the disk or dropping its blocks, and every byte reaches the disk."""
+    faults = gated_disk
+    mgr, storage, holder = manager_factory(cpu_blocks=0, disk_blocks=16, faults=faults,
+                                           staging_blocks=2)
+    originals = {b: block(storage, b) for b in range(1, 6)}
+    mgr.offer([1, 2], keys(1, 2))
+    mgr.offer([3, 4, 5], keys(3, 4, 5))
+    wait_until(lambda: mgr.poll() is not None and not holder.held[1])
+    threading.Event().wait(0.3)  # the second job waits: its blocks stay held in the pool
+    mgr.poll()
+    assert mgr.engine.staging.num_free == 0 and holder.held == Counter({3: 1, 4: 1, 5: 1})
+    faults.go.set()
+    mgr.drain()
+    assert not holder.held and mgr.engine.staging.num_free == 2
+    assert mgr.stats()["disk"].stored_blocks == 5 and mgr.stats()["disk"].skipped_stores == 0
+    handle = roundtrip(mgr, storage, [], keys(1, 2, 3, 4, 5), [11, 12, 13, 14, 15])
+    assert handle.ok
+    for b in range(1, 6):
+        assert same_block(storage, 10 + b, originals[b])
+
+
+def test_cpu_rows_read_by_the_disk_writer_stay_pinned_until_written(manager_factory,
+                                                                     gated_disk):
+    faults = gated_disk
+    mgr, storage, _ = manager_factory(cpu_blocks=2, disk_blocks=8, faults=faults)
+    original = block(storage, 1)
+    mgr.offer([1, 2], keys(1, 2))
+    wait_until(lambda: mgr.cpu.contains(key_name(keys(2)[0])))
+    entry = mgr.cpu._entries[key_name(keys(1)[0])]
+    assert entry.pins == 1  # the disk writer reads its row next
+    mgr.offer([3], keys(3))  # no CPU row can be freed: 3 goes through a staging row
+    wait_until(lambda: mgr.engine.staging.num_free < mgr.engine.staging.num_rows)
+    assert not mgr.cpu.contains(key_name(keys(3)[0])) and entry.pins == 1
+    faults.go.set()
+    mgr.drain()
+    assert entry.pins == 0 and mgr.engine.staging.num_free == mgr.engine.staging.num_rows
+    assert mgr.stats()["disk"].stored_blocks == 3
+    mgr.cpu._forget(entry)  # 1 is read back from disk: its bytes were not overwritten
+    handle = roundtrip(mgr, storage, [], keys(1), [9])
+    assert handle.ok and handle.tiers == ["disk"] and same_block(storage, 9, original)
+
+
+def test_a_job_skips_the_disk_when_no_staging_row_comes_back_in_time(manager_factory,
+                                                                       gated_disk):
+    faults = gated_disk
+    mgr, storage, holder = manager_factory(cpu_blocks=0, disk_blocks=8, faults=faults,
+                                           staging_blocks=1)
+    mgr.engine.staging_wait_s = 0.2
+    mgr.offer([1], keys(1))
+    mgr.offer([2, 3], keys(2, 3))
+    wait_until(lambda: mgr.poll() is not None and not holder.held)  # the second job gave up
+    assert mgr.stats()["disk"].skipped_stores == 2
+    faults.go.set()
+    mgr.drain()
+    assert mgr.lookup(keys(1)) == 1 and mgr.lookup(keys(2)) == 0
+
+
+def test_loads_larger_than_the_load_rows_go_in_chunks(manager_factory, monkeypatch):
+    monkeypatch.setattr("kvmem.tiers.manager.LOAD_CHUNK_BYTES", 2 * BLOCK_NBYTES)
+    mgr, storage, _ = manager_factory(cpu_blocks=2, disk_blocks=8)
+    originals = {b: block(storage, b) for b in range(1, 6)}
+    mgr.offer([1, 2, 3, 4, 5], keys(1, 2, 3, 4, 5))  # 1, 2 in the CPU tier; all on disk
+    mgr.drain()
+    assert mgr.engine.load_rows.num_rows == 2
+    handle = roundtrip(mgr, storage, [], keys(1, 2, 3, 4, 5), [11, 12, 13, 14, 15])
+    assert handle.ok and handle.tiers == ["cpu", "cpu", "disk", "disk", "disk"]
+    for b in range(1, 6):
+        assert same_block(storage, 10 + b, originals[b])
+
+
+def test_an_eviction_snapshot_without_a_cpu_tier_uses_a_staging_row(manager_factory,
+                                                                      gated_disk):
+    faults = gated_disk
+    mgr, storage, _ = manager_factory(cpu_blocks=0, disk_blocks=8, faults=faults,
+                                      staging_blocks=1)
+    original = block(storage, 3)
+    assert mgr.on_evict(3, keys(30)[0])
+    for s in range(NUM_SLOTS):
+        storage.slot_tensor(s)[3].fill_(-1.0)
+    assert mgr.engine.staging.num_free == 0  # held until the disk write
+    assert mgr.on_evict(4, keys(40)[0])  # no staging row free: the disk skips it
+    assert mgr.stats()["disk"].skipped_stores == 1
+    faults.go.set()
+    mgr.drain()
+    assert mgr.engine.staging.num_free == 1
+    handle = roundtrip(mgr, storage, [], keys(30), [9])
+    assert handle.ok and same_block(storage, 9, original)
+
+
 # -- configuration -----------------------------------------------------------------------
 
 def test_config_errors_are_one_line_kvmem_errors(tmp_path):
@@ -679,7 +846,8 @@ def test_each_tier_reports_lookups_loads_time_and_prefill_saved(manager_factory)
     assert disk.bytes_loaded == 3 * disk.bytes_stored // disk.stored_blocks  # file sizes
     assert disk.load_seconds > 0
     assert cpu.load_seconds > 0 and cpu.store_seconds > 0 and disk.store_seconds > 0
-    assert cpu.stored_blocks == 4 and cpu.evictions == 3 and cpu.wasted_blocks == 3
+    # 1 took the CPU tier's row (2 and 3 found it taken by their own job), 4 evicted it
+    assert cpu.stored_blocks == 2 and cpu.evictions == 1 and cpu.wasted_blocks == 1
     assert cpu.unused_blocks == 0 and disk.wasted_blocks == 0
     assert disk.stored_blocks == 4 and disk.unused_blocks == 1  # block 4 came from the CPU
     assert cpu.prefill_saved_seconds == disk.prefill_saved_seconds == 0  # no rate yet

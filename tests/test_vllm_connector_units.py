@@ -130,10 +130,13 @@ def test_tier_index_changes_are_reported_in_order(tmp_path) -> None:
     mgr = _manager(tmp_path, events, cpu_blocks=2, disk_blocks=0)
     keys = [(0, i.to_bytes(16, "little")) for i in range(3)]
     names = [key_name(k) for k in keys]
-    mgr.offer([1, 2, 3], keys)
+    mgr.offer([1, 2], keys[:2])
+    mgr.drain()
+    mgr.offer([3], keys[2:])
     mgr.drain()
     mgr.shutdown()
-    # the third block evicts the least recently stored one from a two-block tier
+    # the third block evicts the least recently stored one from a two-block tier (a
+    # later store: a job's own blocks never evict one another)
     assert events == [("cpu", names[0], True), ("cpu", names[1], True),
                       ("cpu", names[0], False), ("cpu", names[2], True)]
 

@@ -7,7 +7,8 @@ slot copies the block and nothing else. On the host a block is one flat ``uint8`
 ``block_nbytes`` bytes: the slots' rows one after another.
 
 On CUDA, copies run on a side stream after the compute stream's pending writes, and the
-host buffers are pinned so the copies are true DMA.
+host rows are pinned (allocated once, ``host_rows``) so the copies are true DMA; a copy
+moves a job's blocks as one device tensor to or from a few runs of host rows.
 
 A storage the driver cannot read directly (the other ranks' KV of a parallel engine)
 brings its own copier with this interface: ``copier_for(storage, n)`` returns
@@ -16,7 +17,8 @@ brings its own copier with this interface: ``copier_for(storage, n)`` returns
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -45,11 +47,6 @@ class BlockCopier:
         self.on_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None
 
-    def alloc_host(self, num_blocks: int) -> torch.Tensor:
-        """Host rows for ``num_blocks`` blocks (pinned when the pool is on CUDA)."""
-        return torch.empty((num_blocks, self.block_nbytes), dtype=torch.uint8,
-                           pin_memory=self.on_cuda)
-
     def compute_done_event(self) -> torch.cuda.Event | None:
         """Mark the compute stream's current point; a later copy waits for it."""
         if not self.on_cuda:
@@ -58,43 +55,64 @@ class BlockCopier:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor,
+    def gather(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor],
                after: torch.cuda.Event | None = None) -> None:
-        """Copy pool blocks into ``out[i]`` (host rows); returns when the bytes are there."""
-        if not self.on_cuda:
-            idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        """Copy pool blocks into host rows: ``outs`` are 2-D host tensors (runs of rows,
+        ``host_rows.runs``) taking the blocks in order; returns when the bytes are there."""
+        with self._side_stream(after):
+            idx = self._index(block_ids)
+            parts = [s.index_select(0, idx).reshape(len(idx), -1).view(torch.uint8)
+                     for s in self.slots]
+            if self.on_cuda:  # one device tensor, then one DMA per run of host rows
+                parts, columns = [torch.cat(parts, dim=1)], [slice(None)]
+            else:  # host to host: each slot's part straight into its columns
+                offsets = [sum(self.row_bytes[:i]) for i in range(len(self.slots) + 1)]
+                columns = [slice(a, b) for a, b in zip(offsets, offsets[1:], strict=False)]
+            for part, cols in zip(parts, columns, strict=True):
+                first = 0
+                for out in outs:
+                    out[:, cols].copy_(part[first:first + len(out)], non_blocking=self.on_cuda)
+                    first += len(out)
+        self._wait()
+
+    def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
+        """Copy host rows into pool blocks: ``srcs`` are 2-D host tensors (runs of rows)
+        giving the blocks in order; returns when the pool holds them."""
+        n = len(block_ids)
+        with self._side_stream():
+            idx = self._index(block_ids)
+            if self.on_cuda or len(srcs) > 1:
+                rows = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=self.device)
+                offset = 0
+                for src in srcs:
+                    rows[offset:offset + len(src)].copy_(src, non_blocking=self.on_cuda)
+                    offset += len(src)
+            else:
+                rows = srcs[0]
             offset = 0
             for slot, nbytes in zip(self.slots, self.row_bytes, strict=True):
-                rows = slot.index_select(0, idx).reshape(len(idx), -1).view(torch.uint8)
-                out[:, offset:offset + nbytes].copy_(rows)
+                part = rows[:, offset:offset + nbytes].contiguous().view(slot.dtype)
+                slot.index_copy_(0, idx, part.view(n, *slot.shape[1:]))
                 offset += nbytes
+        self._wait()
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    @contextmanager
+    def _side_stream(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
+        """On CUDA, the copy stream (after ``after``, the compute stream's writes)."""
+        if not self.on_cuda:
+            yield
             return
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
-            idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-            rows = [s.index_select(0, idx).reshape(len(idx), -1).view(torch.uint8)
-                    for s in self.slots]
-            out.copy_(torch.cat(rows, dim=1), non_blocking=True)
-        self.stream.synchronize()
+            yield
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Copy host rows ``src[i]`` into pool blocks; returns when the pool holds them."""
-        n = len(block_ids)
+    def _wait(self) -> None:
         if self.on_cuda:
-            with torch.cuda.stream(self.stream):
-                idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-                self._scatter_rows(idx, src.to(self.device, non_blocking=True), n)
             self.stream.synchronize()
-        else:
-            self._scatter_rows(torch.as_tensor(list(block_ids), dtype=torch.long), src, n)
-
-    def _scatter_rows(self, idx: torch.Tensor, src: torch.Tensor, n: int) -> None:
-        offset = 0
-        for slot, nbytes in zip(self.slots, self.row_bytes, strict=True):
-            part = src[:, offset:offset + nbytes].contiguous().view(slot.dtype)
-            slot.index_copy_(0, idx, part.view(n, *slot.shape[1:]))
-            offset += nbytes
 
 
 def copier_for(storage: KVStorage, num_slots: int):  # noqa: ANN201 - a BlockCopier's interface

@@ -15,7 +15,7 @@ from pathlib import Path
 import xxhash
 
 from kvmem.errors import ConfigError
-from kvmem.units import GiB, format_bytes
+from kvmem.units import GiB, MiB, format_bytes
 
 POLICIES = ("lru", "seen-twice")
 FORMAT_VERSION = 2  # bump when the on-disk block format changes (2: bound to its namespace)
@@ -48,6 +48,9 @@ class OffloadConfig:
     # Most blocks held by stores still copying out of the pool; beyond it a store is skipped
     # so that offloading can never starve allocation.
     max_inflight_store_blocks: int = 4096
+    # Host rows (pinned on CUDA) carrying blocks the CPU tier does not hold to the disk
+    # writer: a store waits for one to be free (STAGING_WAIT_S at most), then skips the disk.
+    staging_bytes: int = 512 * MiB
     names: SettingNames = FLAG_NAMES
 
     def __post_init__(self) -> None:
@@ -62,6 +65,8 @@ class OffloadConfig:
             raise ConfigError("--disk-offload-dir needs --disk-offload-gib (its byte budget)")
         if self.max_inflight_store_blocks < 1:
             raise ConfigError("max_inflight_store_blocks must be at least 1")
+        if self.staging_bytes < 1:
+            raise ConfigError("staging_bytes must be at least 1")
         if self.disk_dir:
             check_disk_dir(self.disk_dir, self.names)
 

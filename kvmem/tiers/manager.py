@@ -7,7 +7,8 @@ threads. The life of a block:
    held in the pool (``holder.hold``) so they are neither free nor evictable, copied to
    host memory asynchronously, and released by the ``poll()`` that sees the copy done.
    ``on_evict(block_id, key)`` covers a cached block about to be reused that no tier has
-   yet: it is snapshotted at once (its pool row is about to be overwritten).
+   yet: it is copied out at once (its pool row is about to be overwritten), into a CPU
+   tier row or a free staging row, and written to disk later.
 2. ``lookup(keys)`` continues a prefix hit past the device pool: the number of leading
    keys stored in the CPU tier or, failing that, on disk.
 3. ``load(request_id, keys, block_ids)`` copies those blocks into newly allocated pool
@@ -34,6 +35,7 @@ from kvmem.tiers.config import OffloadConfig, TierIdentity
 from kvmem.tiers.cpu_store import CPUStore
 from kvmem.tiers.disk_store import DiskStore
 from kvmem.tiers.faults import NO_FAULTS, Faults
+from kvmem.tiers.host_rows import HostRows
 from kvmem.tiers.policy import make_policy
 from kvmem.tiers.stats import MISSING, PrefillMeter, TierStats
 from kvmem.tiers.store import BlockStore, IndexListener
@@ -42,7 +44,7 @@ from kvmem.units import MiB
 
 log = logging.getLogger("kvmem.tiers")
 
-DISK_QUEUE_BYTES = 512 * MiB  # host rows waiting for the disk writer; beyond it, skip
+LOAD_CHUNK_BYTES = 256 * MiB  # disk blocks read into host rows per copy into the pool
 
 
 class BlockHolder(Protocol):
@@ -83,8 +85,14 @@ class OffloadManager:
                                   make_policy(config.policy, config.disk_bytes // block_nbytes),
                                   faults=faults, on_change=on_change, names=config.names)
         self.tiers: list[BlockStore] = [t for t in (self.cpu, self.disk) if t is not None]
-        self.engine = TransferEngine(self.copier, self.cpu, self.disk, faults,
-                                     max(DISK_QUEUE_BYTES, block_nbytes))
+        staging = load_rows = None
+        if self.disk is not None:  # pinned once here, reused by every copy
+            staging = HostRows(max(1, config.staging_bytes // block_nbytes), block_nbytes,
+                               self.copier.on_cuda)
+            load_rows = HostRows(max(1, LOAD_CHUNK_BYTES // block_nbytes), block_nbytes,
+                                 self.copier.on_cuda)
+        self.engine = TransferEngine(self.copier, self.cpu, self.disk, faults, staging,
+                                     load_rows)
         self._held: Counter[int] = Counter()  # pool blocks held by stores not yet copied
         self._pending: Counter[str] = Counter()  # names with a store in flight
         self._closed = False
@@ -127,10 +135,9 @@ class OffloadManager:
         name = key_name(key)
         if self._closed or self._already_stored(name):
             return False
-        rows = self.copier.alloc_host(1)
-        self.copier.gather([block_id], rows, self.copier.compute_done_event())
         self._pending[name] += 1
-        self.engine.submit_store(StoreJob([name], [block_id], held=False, rows=rows))
+        self.engine.store_now(StoreJob([name], [block_id], held=False,
+                                       after=self.copier.compute_done_event()))
         return True
 
     def _already_stored(self, name: str) -> bool:

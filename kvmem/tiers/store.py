@@ -64,6 +64,7 @@ class Entry:
 
 class BlockStore(ABC):
     name = "tier"
+    in_place = False  # True: entries are host rows, read where they are (``read(e, None)``)
 
     def __init__(self, capacity_bytes: int, policy: LRUPolicy, faults: Faults = NO_FAULTS,
                  on_change: IndexListener | None = None) -> None:
@@ -155,14 +156,17 @@ class BlockStore(ABC):
             if entry.dropped and entry.pins == 0:
                 self._free(entry)
 
-    def read(self, entry: Entry, out: torch.Tensor) -> None:
+    def read(self, entry: Entry, out: torch.Tensor | None) -> None:
         """Copy a pinned entry into the host row ``out``; raises LoadError and drops the entry
-        when its bytes are missing or damaged."""
+        when its bytes are missing or damaged. With ``out`` None (a tier ``in_place``, whose
+        rows are host memory) nothing is copied: the caller reads the row where it is,
+        while the entry is pinned."""
         try:
             if not self._enabled:
                 raise LoadError(f"{self.name} tier is disabled", causes.DISABLED)
             self.faults.before_read()
-            self._read(entry, out)
+            if out is not None:
+                self._read(entry, out)
         except (LoadError, OSError) as exc:
             cause = exc.cause if isinstance(exc, LoadError) else \
                 causes.MISSING if isinstance(exc, FileNotFoundError) else causes.IO
@@ -181,44 +185,64 @@ class BlockStore(ABC):
     # -- stores ---------------------------------------------------------------------------
     def put(self, name: str, row: torch.Tensor) -> bool:
         """Store one host row under ``name``; False (and counted) when it was not stored."""
-        with self._changing():
-            if not self._enabled:
-                self.stats.skipped_stores += 1
-                return False
-            if name in self._entries:
-                self._policy.touched(name)
-                return True
-            if not self._policy.admit(name):
-                self.stats.not_admitted += 1
-                return False
-            nbytes = self._entry_bytes(name)
-            if not self._make_room(nbytes):
-                self.stats.skipped_stores += 1
-                return False
-            entry = Entry(name, nbytes, self._allocate(name))
-            self._entries[name] = entry
-            self._used += nbytes
+        entry = self.reserve(name)
+        if entry is None:
+            return name in self._entries  # already here (or being written): True
         start = time.perf_counter()
         try:
             self._write(entry, row)
         except OSError as exc:
-            with self._changing():
-                self.stats.skipped_stores += 1
-                self._forget(entry)
+            self.abort(entry)
             self._io_failed(exc)
             return False
+        return self.commit(entry, time.perf_counter() - start)
+
+    def reserve(self, name: str) -> Entry | None:
+        """Room for ``name``, not yet visible to lookups: its bytes are written next
+        (``put``, or a copy straight into the CPU tier's row) and ``commit`` publishes
+        them. None when the block is already here (touched) or is not stored (counted)."""
+        with self._changing():
+            if not self._enabled:
+                self.stats.skipped_stores += 1
+                return None
+            if name in self._entries:
+                self._policy.touched(name)
+                return None
+            if not self._policy.admit(name):
+                self.stats.not_admitted += 1
+                return None
+            nbytes = self._entry_bytes(name)
+            if not self._make_room(nbytes):
+                self.stats.skipped_stores += 1
+                return None
+            entry = Entry(name, nbytes, self._allocate(name))
+            self._entries[name] = entry
+            self._used += nbytes
+            return entry
+
+    def commit(self, entry: Entry, seconds: float, pin: bool = False) -> bool:
+        """A reserved entry's bytes are complete: make it visible. ``pin``: keep it from
+        eviction until ``unpin`` (the disk writer reads it next). False when the tier
+        was disabled meanwhile."""
         with self._lock:
-            if entry.dropped:  # the tier was disabled while we wrote
+            if entry.dropped:
                 return False
             entry.ready = True
-            self._policy.inserted(name)
+            entry.pins += pin
+            self._policy.inserted(entry.name)
             if self.on_change is not None:
-                self.on_change(self.name, name, True)
+                self.on_change(self.name, entry.name, True)
             self.stats.stored_blocks += 1
-            self.stats.bytes_stored += nbytes
-            self.stats.store_seconds += time.perf_counter() - start
+            self.stats.bytes_stored += entry.nbytes
+            self.stats.store_seconds += seconds
             self.stats.unused_blocks += 1
         return True
+
+    def abort(self, entry: Entry) -> None:
+        """A reserved entry's bytes could not be written: give its room back (counted)."""
+        with self._changing():
+            self.stats.skipped_stores += 1
+            self._forget(entry)
 
     def disable(self, reason: str) -> None:
         """Stop using this tier (e.g. its directory vanished); its entries are forgotten."""

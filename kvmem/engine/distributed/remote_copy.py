@@ -112,10 +112,6 @@ class RemoteBlockCopier:
                 self._closed = f"a copy failed ({str(e).splitlines()[0] if str(e) else e!r})"
                 raise
 
-    def alloc_host(self, num_blocks: int) -> torch.Tensor:
-        return torch.empty((num_blocks, self.block_nbytes), dtype=torch.uint8,
-                           pin_memory=self.on_cuda)
-
     def compute_done_event(self) -> torch.cuda.Event | None:
         return self.local.compute_done_event()
 
@@ -129,30 +125,38 @@ class RemoteBlockCopier:
             dist.send_object_list([(op, ids, seq, ops or [])], dst=rank,
                                   group=self.channel.commands)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor,
+    def gather(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor],
                after: torch.cuda.Event | None = None) -> None:
-        """Every rank's part of the blocks into ``out[i]``; returns when all are there."""
+        """Every rank's part of the blocks into the host rows ``outs`` (runs of rows taking
+        the blocks in order); returns when all are there."""
         ids = [int(b) for b in block_ids]
         with self._exclusive():
             self._command(OP_GATHER, ids)
-            own = self.local.alloc_host(len(ids))
-            self.local.gather(ids, own, after)
-            out[:, :self.channel.part_nbytes[0]].copy_(own)
+            rows = torch.empty((len(ids), self.block_nbytes), dtype=torch.uint8)
+            own = torch.empty((len(ids), self.channel.part_nbytes[0]), dtype=torch.uint8)
+            self.local.gather(ids, [own], after)
+            rows[:, :self.channel.part_nbytes[0]].copy_(own)
             for rank, offset, nbytes in self._workers():
                 part = torch.empty((len(ids), nbytes), dtype=torch.uint8)
                 dist.recv(part, src=rank, group=self.channel.data)
-                out[:, offset:offset + nbytes].copy_(part)
+                rows[:, offset:offset + nbytes].copy_(part)
+            offset = 0
+            for out in outs:
+                out.copy_(rows[offset:offset + len(out)])
+                offset += len(out)
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Host rows into every rank's blocks; returns once every rank holds them."""
+    def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
+        """Host rows (runs of rows giving the blocks in order) into every rank's blocks;
+        returns once every rank holds them."""
         ids = [int(b) for b in block_ids]
+        src = torch.cat(list(srcs)) if len(srcs) > 1 else srcs[0]
         with self._exclusive():
             seq, ops = self.page_feed.drain() if self.page_feed is not None else (0, [])
             self._command(OP_SCATTER, ids, seq, ops)
             for rank, offset, nbytes in self._workers():
                 dist.send(src[:, offset:offset + nbytes].contiguous(), dst=rank,
                           group=self.channel.data)
-            self.local.scatter(ids, src[:, :self.channel.part_nbytes[0]].contiguous())
+            self.local.scatter(ids, [src[:, :self.channel.part_nbytes[0]].contiguous()])
             ack = torch.zeros(1, dtype=torch.uint8)
             for rank, _, _ in self._workers():
                 dist.recv(ack, src=rank, group=self.channel.data)
@@ -205,7 +209,7 @@ class CopyService:
     def _send_rows(self, ids: list[int]) -> None:
         self._sync()
         rows = torch.empty((len(ids), self.local.block_nbytes), dtype=torch.uint8)
-        self.local.gather(ids, rows)
+        self.local.gather(ids, [rows])
         dist.send(rows, dst=0, group=self.channel.data)
 
     def _receive_rows(self, ids: list[int], seq: int, ops: list) -> None:
@@ -213,6 +217,6 @@ class CopyService:
             self.page_map.apply(seq, ops)  # the blocks' pages first
         rows = torch.empty((len(ids), self.local.block_nbytes), dtype=torch.uint8)
         dist.recv(rows, src=0, group=self.channel.data)
-        self.local.scatter(ids, rows)
+        self.local.scatter(ids, [rows])
         self._sync()
         dist.send(torch.ones(1, dtype=torch.uint8), dst=0, group=self.channel.data)
