@@ -108,14 +108,16 @@ def run_case(name: str, tokens: int, repeats: int, engine_options: dict[str, Any
                                     kv_cache_memory_bytes=blocks * 16 * per_token,
                                     **options, **offload))
     connector = engine.offload
-    times, hits, outputs, cached = [], [], [], []
+    times, hits, hit_cached, outputs, cached = [], [], [], [], []
     try:
         warm_up(engine, top)
         for i in range(repeats):
             ttft(engine, f"fill{i}", prompt)
             if connector:
                 connector.offload.drain()
-            hits.append(ttft(engine, f"hit{i}", prompt)[0])
+            hit_s, _, hit_tokens = ttft(engine, f"hit{i}", prompt)
+            hits.append(hit_s)
+            hit_cached.append(hit_tokens)
             for j, evictor in enumerate(evictors):
                 ttft(engine, f"evict{i}.{j}", evictor)
                 if connector:
@@ -127,7 +129,8 @@ def run_case(name: str, tokens: int, repeats: int, engine_options: dict[str, Any
     finally:
         engine.shutdown()
     return {"case": name, "median_s": statistics.median(times), "runs": times,
-            "prefix_hit_s": statistics.median(hits), "cached_tokens": cached,
+            "prefix_hit_s": statistics.median(hits), "prefix_hit_cached_tokens": hit_cached,
+            "cached_tokens": cached,
             "first_token": outputs[0]}
 
 

@@ -121,14 +121,18 @@ def check_ttft(tokens: int, args, model: str, report: common.Report) -> tuple[bo
     ms = {"prefix cache": cpu["prefix_hit_s"] * 1000, "CPU tier": cpu["median_s"] * 1000,
           "disk tier": disk["median_s"] * 1000, "recomputed": recomputed["median_s"] * 1000}
     report.figure(f"ttft_{tokens}", {**{k: round(v, 2) for k, v in ms.items()},
-                                     "cached_tokens": {"recomputed": recomputed["cached_tokens"],
+                                     "cached_tokens": {"prefix cache":
+                                                       cpu["prefix_hit_cached_tokens"],
+                                                       "recomputed": recomputed["cached_tokens"],
                                                        "cpu": cpu["cached_tokens"],
                                                        "disk": disk["cached_tokens"]}})
     same = recomputed["first_token"] == cpu["first_token"] == disk["first_token"]
     loaded = cpu["cached_tokens"][0] > 0 and disk["cached_tokens"][0] > 0
-    ok = same and loaded and recomputed["cached_tokens"][0] == 0
+    hit = cpu["prefix_hit_cached_tokens"][0]
+    ok = same and loaded and hit > 0 and recomputed["cached_tokens"][0] == 0
     return ok, (f"{tokens} tokens: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
-                + f"; tiers served {cpu['cached_tokens'][0]} / {disk['cached_tokens'][0]} "
+                + f"; prefix cache served {hit}, tiers {cpu['cached_tokens'][0]} / "
+                  f"{disk['cached_tokens'][0]} "
                   f"tokens; same first token: {same}")
 
 
