@@ -18,6 +18,8 @@ starts.
 
 from __future__ import annotations
 
+import contextlib
+
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm.plugin.budget import (
     ENV,
@@ -58,9 +60,9 @@ def _name_connectors() -> None:
     except ImportError:
         return
     register = getattr(KVConnectorFactory, "register_connector", None)
+    if register is None:
+        return
     for name, module in CONNECTORS.items():
-        try:
-            if register is not None:
-                register(name, module, name)
-        except ValueError:
-            pass  # named already: vLLM calls the plugin more than once per process
+        # vLLM calls the plugin more than once per process: a second naming raises
+        with contextlib.suppress(ValueError):
+            register(name, module, name)
