@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_cpu import run_script
+from tests.vllm_cpu import fast_engine, run_script
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,7 +34,7 @@ if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
     from vllm import LLM
     llm = LLM(model=cfg["model"], **cfg["engine"])
-    # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    # the engine core runs in this process (vllm_cpu.vllm_env)
     print("KVMEM_BLOCKS", llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, flush=True)
 """
 
@@ -58,12 +58,9 @@ def starts(model: str) -> dict[str, tuple[int, str]]:
     """Each start's return code and log (what vLLM printed, both streams)."""
     out = {}
     for name, (pp, max_len, batched, kv_bytes) in STARTS.items():
-        engine = {"dtype": "float32", "seed": 0, "max_num_seqs": 8,
-                  "compilation_config": {"mode": 2, "backend": "eager"},
-                  "pipeline_parallel_size": pp, "max_model_len": max_len,
-                  "max_num_batched_tokens": batched, "kv_cache_memory_bytes": kv_bytes}
-        run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}),
-                         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=600)
+        engine = fast_engine({"pipeline_parallel_size": pp, "max_model_len": max_len,
+                              "max_num_batched_tokens": batched, "kv_cache_memory_bytes": kv_bytes})
+        run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}), timeout=600)
         out[name] = (run.returncode, run.stdout + run.stderr)
         if os.environ.get("KVMEM_WRITE_VLLM_LOGS") == "1":
             (DATA / f"cpu-0.32-gemma3-{name}.log").write_text(out[name][1])

@@ -68,7 +68,8 @@ def connector_run(tmp_path_factory):
                for k, v in extra.items()}, message.replace("FILE", str(a_file)))
              for extra, message in CASES]
     run = run_script(SCRIPT, str(model_dir()), json.dumps([c for c, _ in cases]),
-                     threads_bind="0", timeout=300)
+                     threads_bind="0", timeout=300,  # as vLLM runs by default
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     return run, [m for _, m in cases]
 
 

@@ -40,9 +40,12 @@ GIB = 1 << 30
 KV_HEADS, HEAD, LAYERS, BLOCK = 2, 64, 4, 128  # vLLM CPU's default block: 128 tokens
 BLOCK_BYTES = LAYERS * BLOCK * KV_HEADS * HEAD * 2 * 4  # one block of one tp 1 worker, fp32
 ENGINE = {"dtype": "float32", "seed": 0, "max_num_seqs": 16, "max_num_batched_tokens": 512,
-          "max_model_len": 1024, "kv_cache_memory_bytes": GIB,
-          "compilation_config": {"mode": 2, "backend": "eager"}}
+          "max_model_len": 1024, "kv_cache_memory_bytes": GIB}
 MAP_ERROR_BLOCK = 100  # rank 1 cannot map blocks from here on (the failure phase reaches it)
+
+
+def engine_args(**extra) -> dict:
+    return vllm_cpu.fast_engine({**ENGINE, **extra})
 
 
 def prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
@@ -91,7 +94,7 @@ def plain(model) -> dict[str, list]:
     tokens = {}
     for name, layout in (("tp2", {"tensor_parallel_size": 2}),
                          ("pp2", {"pipeline_parallel_size": 2})):
-        cfg = {"model": str(model), "engine": {**ENGINE, **layout}, "prompts": REFERENCE}
+        cfg = {"model": str(model), "engine": engine_args(**layout), "prompts": REFERENCE}
         tokens[name], _ = run(PLAIN, cfg)
     return tokens
 
@@ -171,11 +174,11 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def elastic_tp2(model, tmp_path_factory) -> tuple[dict, vllm_cpu.VllmRun]:
     ledger = tmp_path_factory.mktemp("ledger_tp2")
-    cfg = {"model": str(model), "engine": {**ENGINE, "tensor_parallel_size": 2},
+    cfg = {"model": str(model), "engine": engine_args(tensor_parallel_size=2),
            "prompts": REFERENCE, "short": prompts(2, 16, 16, 60),
            "long": prompts(3, 16, 960, 1000)}
     env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
-           "KVMEM_VLLM_ENGINE_NAME": "tp2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "KVMEM_VLLM_ENGINE_NAME": "tp2",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc of a function
            "KVMEM_VLLM_KV_MEMORY_FAULTS": json.dumps(
                {"map_error_rank": 1, "map_error_block": MAP_ERROR_BLOCK})}
@@ -295,7 +298,7 @@ if __name__ == "__main__":
 def test_pp2_with_the_budget_plugin_gives_plain_vllms_greedy_tokens(model, plain,
                                                                       tmp_path_factory):
     ledger = tmp_path_factory.mktemp("ledger_pp2")
-    cfg = {"model": str(model), "engine": {**ENGINE, "pipeline_parallel_size": 2},
+    cfg = {"model": str(model), "engine": engine_args(pipeline_parallel_size=2),
            "prompts": REFERENCE}
     result, done = run(ELASTIC_PP2, cfg, {
         "KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_VLLM_KV_BUDGET": "uniform",
@@ -400,13 +403,13 @@ def two_engines(model, tmp_path_factory):
     procs = {}
     for role, other, core in (("a", "b", "0"), ("b", "a", "1")):
         # no prefix caching: every pass computes its prompts the same way
-        engine = {**ENGINE, "enable_prefix_caching": False}
+        engine = engine_args(enable_prefix_caching=False)
         if role == "b":  # with kvmem's CPU tier as well: MultiConnector, elastic first
             engine["kv_transfer_config"] = kv_transfer_config(cpu_offload_gib=0.25)
         cfg = {"model": str(model), "engine": engine, "prompts": shared, "role": role,
                "other": other, "sync": str(sync), "total": str(TOTAL), "lowered": str(LOWERED)}
         env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
-               "KVMEM_VLLM_ENGINE_NAME": role, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+               "KVMEM_VLLM_ENGINE_NAME": role}
         procs[role] = start_script(TWO_ENGINES, json.dumps(cfg), env=env, threads_bind=core)
     results = {}
     for role, (proc, path) in procs.items():
@@ -573,7 +576,7 @@ def idle_donor(model, tmp_path_factory):
     long = prompts(5, 8, 880, 900)  # 7 full blocks each: 56 blocks of a's prefix cache
     procs = {}
     for role, other, core in (("a", "b", "0"), ("b", "a", "1")):
-        engine = {**ENGINE, "max_model_len": 1024}
+        engine = engine_args(max_model_len=1024)
         if role == "a":  # a's cache goes to its CPU tier before it is given back
             engine["kv_transfer_config"] = kv_transfer_config(cpu_offload_gib=0.25)
         else:  # b computes its prompts the same way alone and shared
@@ -581,7 +584,8 @@ def idle_donor(model, tmp_path_factory):
         cfg = {"model": str(model), "engine": engine, "prompts": long, "role": role,
                "other": other, "sync": str(sync), "total": str(DONOR_TOTAL)}
         env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
-               "KVMEM_VLLM_ENGINE_NAME": role}
+               "KVMEM_VLLM_ENGINE_NAME": role,  # a's engine core in a process of its own
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         procs[role] = start_script(IDLE_DONOR, json.dumps(cfg), env=env, threads_bind=core)
     results = {role: finish_script(proc, path, timeout=900) for role, (proc, path)
                in procs.items()}

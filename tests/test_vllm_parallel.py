@@ -72,8 +72,9 @@ def prompts(vocab: int) -> dict[str, list[int]]:
 
 def engine(model: Path, *, tp: int = 1, pp: int = 1, kv_bytes: int, order: str, vocab: int,
            extra: dict | None = None, env: dict | None = None) -> tuple[list[dict], str]:
-    kwargs = {**vllm_cpu.FAST_ENGINE, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-              "kv_cache_memory_bytes": kv_bytes, "max_model_len": 2048, "block_size": BLOCK}
+    kwargs = vllm_cpu.fast_engine({"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                                   "kv_cache_memory_bytes": kv_bytes, "max_model_len": 2048,
+                                   "block_size": BLOCK})
     if extra is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(**extra)
     cfg = {"model": str(model), "engine": kwargs, "order": list(order),
@@ -151,8 +152,12 @@ def tp2_engines(root: Path, kv_heads: int) -> dict:
     common = {"model": model, "tp": 2, "kv_bytes": TP_KV_BYTES, "vocab": 320}
     runs = {"model": model, "disk_dir": disk}
     runs["plain"] = engine(**common, order="ABAC")
+    # vLLM's engine-core process, whose loop steps on until the connector has sent the
+    # stores of the requests that finished last (C's, which a later run reads from disk);
+    # with the engine core in the script's process, no step follows C's last one
     runs["tiers"] = engine(**common, order="ABAC", extra={
-        "cpu_offload_gib": 0.25, "disk_offload_dir": str(disk), "disk_offload_gib": 0.25})
+        "cpu_offload_gib": 0.25, "disk_offload_dir": str(disk), "disk_offload_gib": 0.25},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     return runs
 
 

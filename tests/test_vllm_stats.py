@@ -45,7 +45,7 @@ server = subprocess.Popen([
     "--max-model-len", "2048", "--block-size", str(cfg["block"]),
     "--kv-cache-memory-bytes", str(cfg["kv_bytes"]), "--max-num-seqs", "8",
     "--max-num-batched-tokens", "512", "--enable-prompt-tokens-details",
-    "--compilation-config", json.dumps({"mode": 2, "backend": "eager"}),
+    "--enforce-eager",
     "--kv-transfer-config", json.dumps(cfg["kv_transfer_config"]),
     "--kv-events-config", json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",

@@ -79,7 +79,12 @@ class VllmRun:
 def vllm_env(extra: dict[str, str] | None = None, *, threads_bind: str = "0|1") -> dict[str, str]:
     """The environment for a vLLM CPU process: one OpenMP thread per rank, each rank on its
     own core, ``VLLM_CPU_KVCACHE_SPACE`` unset (it overrides ``kv_cache_memory_bytes``),
-    this checkout's ``kvmem`` first on the path, and no ``KVMEM_VLLM_*`` from the caller."""
+    this checkout's ``kvmem`` first on the path, and no ``KVMEM_VLLM_*`` from the caller.
+
+    vLLM's engine core runs in the script's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+    a process of its own imports vLLM again, about 10 s of every start here. Tests of what
+    needs that process's own loop (an idle engine woken through its input queue; stores
+    sent after the last request finished) set it to 1."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVMEM_VLLM_", "VLLM_", "PYTHON"))}
     env.update({
@@ -89,6 +94,7 @@ def vllm_env(extra: dict[str, str] | None = None, *, threads_bind: str = "0|1") 
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "DO_NOT_TRACK": "1",
     })
     env.update(extra or {})
@@ -145,17 +151,23 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+FAST_ENGINE = {"dtype": "float32", "seed": 0, "max_num_seqs": 8, "max_num_batched_tokens": 512}
 # vLLM's CPU build skips its warm-up forward pass in eager mode with an explicit KV size,
 # and a later pipeline stage then finds no intermediate-tensor buffers (an AssertionError in
 # sync_and_gather_intermediate_tensors). Tracing once with the eager backend keeps the
-# warm-up and costs seconds, where the default inductor compile costs minutes here.
-FAST_ENGINE = {
-    "dtype": "float32",
-    "seed": 0,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,
-    "compilation_config": {"mode": 2, "backend": "eager"},
-}
+# warm-up and costs about 10 s a start, where the default inductor compile costs minutes
+# here; without pipeline stages, eager mode starts without it.
+PP_WARM_UP = {"compilation_config": {"mode": 2, "backend": "eager"}}
+
+
+def fast_engine(engine: dict) -> dict:
+    """``FAST_ENGINE`` updated by ``engine``: eager mode, or the traced warm-up under
+    pipeline parallelism (``PP_WARM_UP``)."""
+    merged = {**FAST_ENGINE, **engine}
+    if merged.get("pipeline_parallel_size", 1) > 1:
+        return {**PP_WARM_UP, **merged}
+    return {"enforce_eager": True, **merged}
+
 
 LLM_SCRIPT = """
 import json, sys
@@ -205,9 +217,9 @@ class LLMRun:
 def run_llm(engine: dict, prompts: list, *, max_tokens: int = 16,
             env: dict[str, str] | None = None, timeout: float = 480,
             model: Path | None = None) -> LLMRun:
-    """Start ``vllm.LLM`` on the embedded model (or ``model``) with ``FAST_ENGINE`` updated
-    by ``engine``, generate greedily for ``prompts`` and return its tokens and log."""
-    cfg = {"model": str(model or model_dir()), "engine": {**FAST_ENGINE, **engine},
+    """Start ``vllm.LLM`` on the embedded model (or ``model``) with ``fast_engine(engine)``,
+    generate greedily for ``prompts`` and return its tokens and log."""
+    cfg = {"model": str(model or model_dir()), "engine": fast_engine(engine),
            "prompts": prompts, "max_tokens": max_tokens}
     run = run_script(LLM_SCRIPT, json.dumps(cfg), env=env, timeout=timeout).check()
     lines = [line for line in run.stdout.splitlines() if line.startswith("KVMEM_RESULT ")]
