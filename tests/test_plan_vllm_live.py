@@ -5,9 +5,10 @@ with too little KV memory for one request.
 
 For each start, kvmem's plan under vLLM 0.32's rules must give the blocks vLLM allocated
 and the KV cache size and maximum concurrency it logged; the logs themselves go through
-``kvmem plan --from-vllm-log``. Five engine starts in all (about a minute each here), in
-one module-scoped fixture. ``KVMEM_WRITE_VLLM_LOGS=1`` writes the captured logs to
-``tests/data/vllm_logs``, which ``tests/test_plan_from_log.py`` reads without vLLM.
+``kvmem plan --from-vllm-log``. Five engine starts in all (about 20 s each here), each
+run when a test first needs it; the pp 1 starts are in the ``extended`` run only.
+``KVMEM_WRITE_VLLM_LOGS=1`` writes the captured logs to ``tests/data/vllm_logs``, which
+``tests/test_plan_from_log.py`` reads without vLLM.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -54,17 +57,20 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def starts(model: str) -> dict[str, tuple[int, str]]:
-    """Each start's return code and log (what vLLM printed, both streams)."""
-    out = {}
-    for name, (pp, max_len, batched, kv_bytes) in STARTS.items():
+def starts(model: str) -> Callable[[str], tuple[int, str]]:
+    """A start's return code and log (what vLLM printed, both streams), each start run
+    once, when a test first asks for it."""
+    @cache
+    def start(name: str) -> tuple[int, str]:
+        pp, max_len, batched, kv_bytes = STARTS[name]
         engine = fast_engine({"pipeline_parallel_size": pp, "max_model_len": max_len,
                               "max_num_batched_tokens": batched, "kv_cache_memory_bytes": kv_bytes})
         run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}), timeout=600)
-        out[name] = (run.returncode, run.stdout + run.stderr)
         if os.environ.get("KVMEM_WRITE_VLLM_LOGS") == "1":
-            (DATA / f"cpu-0.32-gemma3-{name}.log").write_text(out[name][1])
-    return out
+            (DATA / f"cpu-0.32-gemma3-{name}.log").write_text(run.stdout + run.stderr)
+        return run.returncode, run.stdout + run.stderr
+
+    return start
 
 
 def kvmem(*argv: str) -> subprocess.CompletedProcess:
@@ -79,9 +85,14 @@ def planned(model: str, name: str, *extra: str) -> subprocess.CompletedProcess:
                  "--max-num-batched-tokens", str(batched), "--kv-cache-dtype", "fp32", *extra)
 
 
-@pytest.mark.parametrize("name", ["pp1long", "pp2long", "pp1short", "pp2short"])
+# pp 1 is the same rule on one stage, also checked against vLLM's code in test_plan_vllm_rules
+PP1 = pytest.mark.extended
+
+
+@pytest.mark.parametrize("name", [pytest.param("pp1long", marks=PP1), "pp2long",
+                                  pytest.param("pp1short", marks=PP1), "pp2short"])
 def test_plan_gives_vllms_blocks_tokens_and_concurrency(starts, model, name):
-    code, log = starts[name]
+    code, log = starts(name)
     assert code == 0, log[-6000:]
     (blocks,) = re.findall(r"KVMEM_BLOCKS (\d+)", log)
     (size,) = re.findall(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for "
@@ -100,7 +111,7 @@ def test_plan_gives_vllms_blocks_tokens_and_concurrency(starts, model, name):
 
 
 def test_too_little_memory_fails_in_both_with_the_same_longest_length(starts, model):
-    code, log = starts["pp2fail"]
+    code, log = starts("pp2fail")
     assert code != 0
     (estimate,) = re.findall(r"KV cache is needed, which is larger than the available KV "
                              r"cache memory \([\d.]+ GiB\)\. Based on the available memory, the "

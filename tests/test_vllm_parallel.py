@@ -17,8 +17,9 @@ same disk directory, which finds none of it.
 
 Pipeline parallel 2 on the embedded model (``VLLM_PP_LAYER_PARTITION=20,10``): plain vLLM;
 ``KVMEM_VLLM_KV_BUDGET=proportional`` and the connector together (both ranks' plugin and
-connector log lines, the CPU tier's hit); a fresh process with the plugin and only the
-disk tier.
+connector log lines, the 2:1 split ``kvmem plan`` predicts, the CPU tier's hit); and, in
+the ``extended`` run, a fresh process with the plugin and only the disk tier. The
+single-KV-head tensor-parallel model runs in the ``extended`` run only.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def tp2_two_heads(tmp_path_factory) -> dict:
     return runs
 
 
-@pytest.fixture(params=["tp2_two_heads", "tp2_one_head"])
+# one KV head replicated on both ranks: the same per-rank tiers and plan as with two heads
+@pytest.fixture(params=["tp2_two_heads", pytest.param("tp2_one_head", marks=pytest.mark.extended)])
 def tp2(request) -> dict:
     return request.getfixturevalue(request.param)
 
@@ -257,40 +259,58 @@ def test_tp2_disk_never_feeds_tp1(tp2_two_heads):
 
 
 # ---------------------------------------------------------------------- pipeline parallel
+PP2 = {"pp": 2, "vocab": 49152}
+PARTITION = {"VLLM_PP_LAYER_PARTITION": "20,10"}
+PROPORTIONAL = {**PARTITION, "KVMEM_VLLM_KV_BUDGET": "proportional"}
+
+
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory) -> dict:
     model = vllm_cpu.model_dir()
     disk = tmp_path_factory.mktemp("pp2-disk")
-    common = {"model": model, "pp": 2, "vocab": 49152}
-    partition = {"VLLM_PP_LAYER_PARTITION": "20,10"}
-    plugin = {**partition, "KVMEM_VLLM_KV_BUDGET": "proportional"}
     return {
-        "plain": engine(**common, kv_bytes=PP_KV_BYTES, order="ABA", env=partition),
-        "tiers": engine(**common, kv_bytes=PP_PLUGIN_KV_BYTES, order="ABA", env=plugin, extra={
-            "cpu_offload_gib": 0.5, "disk_offload_dir": str(disk), "disk_offload_gib": 0.5}),
-        "disk": engine(**common, kv_bytes=PP_PLUGIN_KV_BYTES, order="A", env=plugin, extra={
-            "disk_offload_dir": str(disk), "disk_offload_gib": 0.5}),
+        "model": model, "disk_dir": disk,
+        "plain": engine(model, **PP2, kv_bytes=PP_KV_BYTES, order="ABA", env=PARTITION),
+        "tiers": engine(model, **PP2, kv_bytes=PP_PLUGIN_KV_BYTES, order="ABA",
+                        env=PROPORTIONAL, extra={"cpu_offload_gib": 0.5,
+                                                 "disk_offload_dir": str(disk),
+                                                 "disk_offload_gib": 0.5}),
     }
 
 
 def test_pp2_proportional_and_connector_together(pp2):
+    """The budget plugin's proportional split (2:1 over 20 + 10 layers, as ``kvmem plan``
+    predicts) with the connector's tiers on both stages."""
     plain, tiers = by_name(pp2["plain"][0]), by_name(pp2["tiers"][0])
     assert plain["A"][1]["cached"] < 1000
     assert tiers["A"][1]["cached"] >= 1900
     for name in "AB":
         assert [r["tokens"] for r in tiers[name]] == [r["tokens"] for r in plain[name]], name
     log = pp2["tiers"][1]
+    budgets = {}
     for rank, layers in ((0, 20), (1, 10)):
         place = rf"rank {rank} \(pp stage {rank}, tp rank 0\)"
-        assert re.search(rf"kvmem: {place}: KV budget \d+ bytes, 22 blocks, 2816 tokens", log)
+        m = re.search(rf"kvmem: {place}: KV budget (\d+) bytes, 22 blocks, 2816 tokens", log)
+        assert m, log[-6000:]
+        budgets[rank] = int(m[1])
         assert re.search(rf"kvmem: {place}: KV offload CPU .*, 1 KV cache groups \(full\), "
                          rf"{layers} slots", log)
+    assert budgets[0] == 2 * budgets[1]  # less than one block of the column short of it:
+    assert PP_PLUGIN_KV_BYTES - 30 * BLOCK * 3 * 64 * 2 * 4 < sum(budgets.values()) <= (
+        PP_PLUGIN_KV_BYTES)
     assert logged_kv_size(log) == logged_kv_size(pp2["plain"][1]) == (2816, "1.38")
+    assert logged_kv_size(log) == planned(
+        pp2["model"], "--pp", "2", "--layer-partition", "20,10", "--kv-budget", "proportional",
+        "--kv-cache-memory-bytes", str(PP_PLUGIN_KV_BYTES))
 
 
+@pytest.mark.extended  # each rank's disk namespace as at tp 2, there with a failed load
 def test_pp2_fresh_process_serves_from_disk(pp2):
-    plain, disk = by_name(pp2["plain"][0]), by_name(pp2["disk"][0])
-    assert disk["A"][0]["cached"] >= 1900
-    assert disk["A"][0]["tokens"] == plain["A"][0]["tokens"]
-    budgets = re.findall(r"kvmem: rank \d \(pp stage \d, tp rank 0\): KV budget", pp2["disk"][1])
+    disk = engine(pp2["model"], **PP2, kv_bytes=PP_PLUGIN_KV_BYTES, order="A",
+                  env=PROPORTIONAL, extra={"disk_offload_dir": str(pp2["disk_dir"]),
+                                           "disk_offload_gib": 0.5})
+    plain, loaded = by_name(pp2["plain"][0]), by_name(disk[0])
+    assert loaded["A"][0]["cached"] >= 1900
+    assert loaded["A"][0]["tokens"] == plain["A"][0]["tokens"]
+    budgets = re.findall(r"kvmem: rank \d \(pp stage \d, tp rank 0\): KV budget", disk[1])
     assert len(budgets) == 2
