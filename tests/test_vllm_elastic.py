@@ -604,6 +604,9 @@ def test_an_idle_vllm_engine_gives_its_cached_pages_to_a_busy_one(idle_donor):
     assert before["cached_bytes"] >= 24 * BLOCK_BYTES
     assert after["mapped_bytes"] <= before["mapped_bytes"] - 24 * BLOCK_BYTES
     assert after["reclaims"] >= 1 and after["reclaimed_bytes"] >= 24 * BLOCK_BYTES
+    # b asks once for the seats its batch has left, not once for each request it admits
+    # (vLLM looks at waiting requests only until one does not fit): a is woken once or twice
+    assert after["reclaims"] <= 2
     step_blocks = ENGINE["max_num_batched_tokens"] // BLOCK + 2
     assert max(ah + bh for _, ah, bh in b["samples"]) <= DONOR_TOTAL + step_blocks * BLOCK_BYTES
 

@@ -138,6 +138,7 @@ class ElasticScheduler:
         self.watch = LedgerWatch(budget, lambda: self.pool.table.held_bytes)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.num_groups = len(kv_cache_config.kv_cache_groups)
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._considered: dict[str, int] = {}  # waiting requests vLLM looked at this step
         self._last_running = 0  # requests the last step scheduled
         self._memory_wait = MemoryWait()
@@ -180,8 +181,13 @@ class ElasticScheduler:
         self._last_running = len(scheduled)
         waiting = [n for rid, n in self._considered.items() if rid not in scheduled]
         self._considered.clear()
-        if waiting and self.pool.limited:  # the limit kept them waiting: ask for them all
-            self.pool.want(sum(-(-n // self.block_size) for n in waiting) * self.num_groups)
+        if waiting and self.pool.limited:  # the limit kept them waiting: ask for them
+            # vLLM looks at waiting requests only until one does not fit, so the rest of a
+            # burst is not seen yet: ask for as many like the largest as the batch has seats
+            # left, so that an idle engine is woken once for a burst, not once per request
+            per_request = max(-(-n // self.block_size) for n in waiting)
+            seats = max(len(waiting), self.max_num_seqs - len(scheduled))
+            self.pool.want(per_request * seats * self.num_groups)
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         ops = tuple(self.pool.end_step(idle=scheduled_tokens == 0))
         first = self.pool.seq == 1
