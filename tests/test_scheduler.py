@@ -199,3 +199,38 @@ def test_siblings_of_one_prompt_share_its_full_blocks_in_their_first_step():
     assert len({t[2] for t in tables}) == 3  # the partial block is each sibling's own
     assert [out.num_scheduled_tokens[r.request_id] for r in siblings] == [10, 2, 2]
     assert sched.kv_cache_manager.usage().used == 2 + 3
+
+
+class RecordingKVMemory:
+    """A shared KV limit that refuses nothing of its own and records each ask."""
+
+    def __init__(self) -> None:
+        self.asks: list[list[int]] = []
+
+    def fits_limit(self, num_tokens: int) -> bool:
+        return True
+
+    def excess_pages(self) -> int:
+        return 0
+
+    def want(self, num_tokens: list[int]) -> bool:
+        self.asks.append(list(num_tokens))
+        return False
+
+    def backoff(self) -> None:
+        pass
+
+
+def test_an_ask_for_shared_memory_covers_each_request_to_its_finish():
+    """Short of blocks, the scheduler asks other engines once for what the running and
+    waiting requests hold by their finish (prompt + max_tokens, within max_model_len), so
+    a burst is asked for once rather than again at every block a decode fills."""
+    memory = RecordingKVMemory()
+    mgr = KVCacheManager([KVGroup(0, AttentionKind.FULL, None, (0,))], 8, BLOCK,
+                         enable_prefix_caching=False, max_num_batched_tokens=64)
+    sched = Scheduler(mgr, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40,
+                      enable_prefix_caching=False, kv_memory=memory)
+    sched.add_request(Request("a", list(range(20)), SamplingParams(max_tokens=10)))
+    sched.add_request(Request("b", list(range(100, 116)), SamplingParams(max_tokens=100)))
+    play(sched, sched.schedule())  # a takes 5 of the 7 blocks; b's 4 do not fit
+    assert memory.asks == [[30, 40]]  # a: 20 + 10; b: 16 + 100, within max_model_len 40

@@ -84,6 +84,18 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def final_num_tokens(self, max_model_len: int | None = None) -> int:
+        """The most tokens it can hold by its finish: its prompt and ``max_tokens`` more,
+        within ``max_model_len`` (without ``max_tokens``: the next token's)."""
+        cap = self.sampling_params.max_tokens
+        grown = self.num_tokens + 1
+        if cap is None:
+            return grown
+        final = self.num_prompt_tokens + cap
+        if max_model_len is not None:
+            final = min(final, max_model_len)
+        return max(grown, final)
+
     def add_prompt_logprobs(self, first: int, entries: list) -> None:
         """Logprobs of prompt tokens ``first + 1 ...``; those already held (a preempted
         request recomputes its prompt) are skipped."""

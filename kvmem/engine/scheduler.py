@@ -295,15 +295,17 @@ class Scheduler:
 
     def _memory_coming(self) -> bool:
         """With KV memory other engines share: ask them, once a step, for what every
-        running request and every waiting one a slot awaits needs; whether they are
+        running request and every waiting one a slot awaits needs by its finish (asked
+        once for the burst, not again at every block a decode fills); whether they are
         giving some back (then a running request short of blocks waits for it instead of
         preempting another, whose KV would be computed again)."""
         if self.kv_memory is None:
             return False
         if self._coming is None:
             free = self.max_num_seqs - len(self.running) - len(self._loading)
-            demand = [r.num_tokens + 1 for r in self.running] + \
-                [r.num_tokens for r in list(self.waiting)[:max(0, free)]]  # +1: the next
+            demand = [r.final_num_tokens(self.max_model_len) for r in self.running] + \
+                [r.final_num_tokens(self.max_model_len)
+                 for r in list(self.waiting)[:max(0, free)]]
             self._coming = self.kv_memory.want(demand)
         return self._coming
 
