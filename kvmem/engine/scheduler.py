@@ -303,9 +303,8 @@ class Scheduler:
             return False
         if self._coming is None:
             free = self.max_num_seqs - len(self.running) - len(self._loading)
-            demand = [r.final_num_tokens(self.max_model_len) for r in self.running] + \
-                [r.final_num_tokens(self.max_model_len)
-                 for r in list(self.waiting)[:max(0, free)]]
+            awaited = [*self.running, *list(self.waiting)[:max(0, free)]]
+            demand = [r.final_num_tokens(self.max_model_len) for r in awaited]
             self._coming = self.kv_memory.want(demand)
         return self._coming
 
