@@ -220,6 +220,52 @@ out["pending_after_free"] = scheduler.has_pending_push_work()
 step()
 out["pending_after_step"] = scheduler.has_pending_push_work()
 
+# -- the worker names its KV memory file in vLLM's connector handshake; from then on the
+# scheduler releases the pages it gives back in it, with no step of the worker
+b.release(3 * page)
+b.close()  # (it never answers the asks it holds)
+ledger.set_total_limit(None)
+handshake = conn.get_handshake_metadata()
+scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+out["files_connected"] = sched.pool.files.active
+step(); check()  # the next step reads the ledger again
+k = sched.pool.blocks_per_page
+assert pool.get_num_free_blocks() >= 3 * k  # vLLM's check before it takes blocks
+got = pool.get_new_blocks(3 * k)
+step(); check()
+seq, resident = w.seq, w.backend.resident_bytes()
+out["resident_matches_mapped"] = resident == w.granules.mapped_bytes
+pool.free_blocks(got)  # free pages: given back when vLLM asks whether there is work
+out["pending_with_files"] = scheduler.has_pending_push_work()
+out["released_without_a_step"] = resident - w.backend.resident_bytes()
+out["ledger_released"] = held_before = entry("a").mapped_bytes
+step(); check()  # the worker applies the same unmaps: nothing more to free
+out["resident_after_step_matches_mapped"] = \
+    w.backend.resident_bytes() == w.granules.mapped_bytes
+# an idle engine's prefix cache goes to another engine that asks, still with no step
+assert pool.get_num_free_blocks() >= 2 * k
+got = pool.get_new_blocks(2 * k)
+for i, blk in enumerate(got):
+    blk.set_block_hash(make_block_hash_with_group_id(BlockHash(b"c" * 15 + bytes([i])), 0))
+step(); check()
+pool.free_blocks(got)
+step(); check()
+cached_held, resident = entry("a").mapped_bytes, w.backend.resident_bytes()
+ledger.set_total_limit(cached_held + page)
+c = ledger.register("c")
+out["c_asked"] = c.want(2 * page)
+out["seq_before_give_back"] = w.seq
+out["pending_after_ask"] = scheduler.has_pending_push_work()
+out["gave_to_c"] = cached_held - entry("a").mapped_bytes
+out["resident_freed_for_c"] = resident - w.backend.resident_bytes()
+out["seq_after_give_back"] = w.seq
+out["c_takes"] = c.try_acquire(2 * page)
+step(); check()
+out["resident_matches_after_give_back"] = w.backend.resident_bytes() == w.granules.mapped_bytes
+c.release(2 * page)
+c.close()
+ledger.set_total_limit(None)
+
 # a limit below one request of max_model_len (16 tokens: 1 block and the null block's)
 cfg.kv_transfer_config.kv_connector_extra_config.update(engine_name="small",
                                                         limit_bytes=page)
@@ -310,6 +356,27 @@ def test_vllm_keeps_stepping_until_freed_pages_reach_the_workers(result) -> None
     assert not result["pending_after_overdraft"]
     assert result["pending_after_free"]  # a page to give back: vLLM takes one more step
     assert not result["pending_after_step"]
+
+
+def test_the_scheduler_releases_given_back_pages_in_the_workers_memory_file(result) -> None:
+    """On the CPU, after vLLM's connector handshake, a page given back is free when the
+    scheduler decides: no step of the worker is needed (vLLM's idle workers stay
+    asleep), and the worker's own unmap at its next step frees nothing more."""
+    page = result["page_bytes"]
+    assert result["files_connected"]
+    assert result["resident_matches_mapped"]
+    assert not result["pending_with_files"]  # before the change: True (one more step)
+    assert result["released_without_a_step"] >= 3 * page
+    assert result["ledger_released"] == page  # the null block's page
+    assert result["resident_after_step_matches_mapped"]
+    # another engine asks: the idle engine's cached pages go, freed in the worker's file
+    assert result["c_asked"]
+    assert not result["pending_after_ask"]
+    assert result["gave_to_c"] >= page
+    assert result["resident_freed_for_c"] == result["gave_to_c"]
+    assert result["seq_after_give_back"] == result["seq_before_give_back"]
+    assert result["c_takes"]
+    assert result["resident_matches_after_give_back"]
 
 
 def test_a_limit_below_one_request_is_one_line(result) -> None:

@@ -3,6 +3,8 @@
 - ``MmapBackend`` (CPU): an anonymous ``MAP_NORESERVE`` mapping; a page is committed by
   populating it and released with ``madvise(MADV_DONTNEED)``, so resident memory follows
   the mapped pages.
+- ``SharedMmapBackend`` (CPU, ``kvmem.memory.shared_mmap``): the same over a memory file,
+  whose pages another process can release;
 - ``FakeBackend``: records every operation and rejects a double map or a stray unmap;
   for unit and stress tests.
 - ``CudaVmmBackend`` (``kvmem.memory.cuda_vmm``): the CUDA driver's virtual memory API,
@@ -188,10 +190,16 @@ class FakeBackend:
         pass
 
 
-def make_backend(device: str) -> PageBackend:
-    """The backend for a device string; CUDA's is imported only here, when asked for."""
+def make_backend(device: str, *, shared: bool = False) -> PageBackend:
+    """The backend for a device string; CUDA's is imported only here, when asked for.
+    ``shared``: on the CPU, pages in a memory file another process can release
+    (``kvmem.memory.shared_mmap``)."""
     kind = str(device).split(":")[0]
     if kind == "cpu":
+        if shared:
+            from kvmem.memory.shared_mmap import SharedMmapBackend
+
+            return SharedMmapBackend()
         return MmapBackend()
     if kind == "cuda":
         from kvmem.memory.cuda_vmm import CudaVmmBackend

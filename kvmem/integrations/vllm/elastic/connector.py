@@ -11,7 +11,10 @@ The plugin adds it to vLLM's KV transfer config when ``KVMEM_VLLM_KV_MEMORY=elas
   keeps vLLM stepping until pages freed by the last step are given back;
 - in every worker: ``worker.ElasticWorker`` places vLLM's KV buffer over the
   reservation (``get_mem_pool_context``) and applies each step's message before vLLM
-  touches the step's blocks (``handle_preemptions``, called first in ``execute_model``).
+  touches the step's blocks (``handle_preemptions``, called first in ``execute_model``);
+- on the CPU, each worker names its KV memory file in vLLM's connector handshake
+  (``get_handshake_metadata``) and the scheduler releases the pages it gives back in
+  those files itself (``release.WorkerFiles``; ``set_xfer_handshake_metadata_pp_aware``).
 
 It loads and stores no KV: lookups answer 0 tokens, and requests finish at once.
 """
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
@@ -41,6 +45,7 @@ from kvmem.integrations.vllm.elastic.config import (
 from kvmem.integrations.vllm.elastic.config import ledger_device as elastic_ledger_device
 from kvmem.integrations.vllm.elastic.layout import KVLayout, TensorPlacement
 from kvmem.integrations.vllm.elastic.pool import BlockRange, ElasticPool
+from kvmem.integrations.vllm.elastic.release import WorkerFile
 from kvmem.integrations.vllm.elastic.watch import LedgerWatch
 from kvmem.integrations.vllm.elastic.worker import ElasticWorker
 from kvmem.memory.budget import MemoryWait
@@ -69,6 +74,13 @@ class ElasticStepMeta(KVConnectorMetadata):
     ops: tuple[BlockRange, ...]
     # The first message: the KV bytes per block the ledger counts for each rank.
     block_bytes: tuple[int, ...] | None = None
+
+
+@dataclass
+class ElasticHandshake(KVConnectorHandshakeMetadata):
+    """A worker's KV memory file, for the scheduler to release pages in."""
+
+    file: WorkerFile
 
 
 def rank_block_bytes(vllm_config: VllmConfig, own: int) -> list[int]:
@@ -102,6 +114,10 @@ class ElasticScheduler:
         layout = KVLayout.from_kv_cache_config(kv_cache_config)
         self.rank_bytes = rank_block_bytes(vllm_config, layout.block_bytes)
         device = vllm_config.device_config.device_type
+        self.device = device
+        self.world_size = pc.world_size
+        # One step at a time (no batch queue): no step is in flight while it schedules.
+        self.one_batch = vllm_config.max_concurrent_batches == 1
         ledger_device = elastic_ledger_device(device)
         if device == "cpu":
             import mmap
@@ -160,6 +176,20 @@ class ElasticScheduler:
                               "block 0, every other block free) when it is bound")
         block_pool.free_block_queue = self.pool.queue(block_pool.blocks, block_pool.evict_blocks)
         self.bound = True
+
+    def connect_workers(self, files: list[WorkerFile]) -> None:
+        """Release given-back pages in the workers' KV memory files from here (``files``
+        from vLLM's connector handshake), where that is safe and every worker named one."""
+        if self.device != "cpu" or not self.one_batch:
+            return
+        if sorted(f.rank for f in files) != list(range(self.world_size)):
+            log.info("kvmem: elastic KV memory: %d of %d workers named a KV memory file; "
+                     "pages given back reach the workers with a step", len(files),
+                     self.world_size)
+            return
+        if self.pool.connect_files(files):
+            log.info("kvmem: elastic KV memory: pages given back are released by the "
+                     "scheduler in the %d workers' KV memory files", len(files))
 
     def consider(self, request: Request) -> None:
         """vLLM looks at a waiting request to schedule it."""
@@ -236,6 +266,14 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None
         return self.worker_side.allocation_context()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """This worker's KV memory file (CPU), unless a connector beside it has a handshake
+        of its own: vLLM's ``MultiConnector`` passes on only the first one."""
+        if self.worker_side is None or not _only_kvmem_connectors(self):
+            return None
+        file = self.worker_side.shared_file()
+        return None if file is None else ElasticHandshake(file)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker_side is not None and isinstance(kv_connector_metadata, ElasticStepMeta)
         meta = kv_connector_metadata
@@ -258,6 +296,12 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         assert self.scheduler_side is not None
         self.scheduler_side.bind(gpu_block_pool)
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.connect_workers(
+                [m.file for m in metadata.values() if isinstance(m, ElasticHandshake)])
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -294,6 +338,18 @@ class KvmemElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.close()
+
+
+def _only_kvmem_connectors(ours: KvmemElasticConnector) -> bool:
+    """Whether every connector beside ``ours`` in vLLM's KV transfer group is kvmem's."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from kvmem.integrations.vllm.connector.kvmem_connector import KvmemConnector
+
+    if not has_kv_transfer_group():
+        return True
+    others = [c for c in getattr(get_kv_transfer_group(), "sub_connectors", []) if c is not ours]
+    return all(isinstance(c, KvmemConnector) for c in others)
 
 
 def worker_stats(_worker: Any = None) -> dict[str, int] | None:

@@ -26,7 +26,13 @@ place, with the same methods, over ``kvmem.memory.PageTable``:
   (``kvmem.memory.sharing``), the step end gives back free pages and then pages holding
   only cached blocks, least recently used first, never below the engine's floor. An idle
   engine takes no steps: ``LedgerWatch`` looks at the ledger every 50 ms and wakes vLLM's
-  engine core loop, which then runs one empty step that carries the unmaps.
+  engine core loop, which gives back on its own thread.
+- **Released at once on the CPU.** With ``release.WorkerFiles`` connected, every page
+  decision is also applied to the workers' KV memory files from here, so a page given
+  back is free when the scheduler decides, and an idle engine needs no step (its
+  workers are not woken); the workers apply the same decisions at their next step.
+  Without it (a GPU, a batch queue), pages given back are unmapped by the workers with
+  the next step, and vLLM keeps stepping until they have been.
 
 The null block (block 0, taken by vLLM's pool at construction) is mapped on every worker
 at start-up; its page is paid for here before anything else. Imports neither vLLM nor torch.
@@ -43,15 +49,16 @@ from math import ceil
 from typing import Any
 
 from kvmem.errors import KvmemError
+from kvmem.integrations.vllm.elastic.release import BlockRange, WorkerFiles
 from kvmem.memory.budget import BudgetState, EngineBudget
-from kvmem.memory.page_table import PageTable
+from kvmem.memory.page_table import PageState, PageTable
 from kvmem.memory.pages import PageGeometry
 
 log = logging.getLogger("vllm.kvmem.elastic")  # shown and formatted as vLLM's own lines
 
 NULL_BLOCK = 0
 BACKOFF_S = 0.01
-BlockRange = tuple[bool, int, int]  # (map: True / unmap: False, first block, end block)
+__all__ = ["BlockRange", "ElasticBlockQueue", "ElasticPool", "LedgerView", "PoolStats"]
 
 
 class _MappedElsewhere:
@@ -151,10 +158,11 @@ class ElasticPool:
     ``num_blocks``: vLLM's pool; ``blocks_per_page``: blocks that map and unmap together;
     ``block_bytes``: one block's bytes in the ledger's accounting (every worker of the
     engine on the ledger's device). A last page that vLLM's pool does not fill is left
-    out (fewer than ``blocks_per_page`` blocks: never handed out)."""
+    out (fewer than ``blocks_per_page`` blocks: never handed out). ``files``: the
+    workers' KV memory files, once connected (``connect_files``)."""
 
     def __init__(self, *, num_blocks: int, blocks_per_page: int, block_bytes: int,
-                 budget: EngineBudget) -> None:
+                 budget: EngineBudget, files: WorkerFiles | None = None) -> None:
         k = blocks_per_page
         num_pages = num_blocks // k
         if num_pages < 2:
@@ -173,7 +181,10 @@ class ElasticPool:
         self.table.map_now(self.table.geo.page_of(NULL_BLOCK))
         self.table.pin(NULL_BLOCK)
         self.table.remove_free(NULL_BLOCK)
-        self._pending = self._drain()  # the rest of the null block's page, if any
+        self.files = files or WorkerFiles()
+        self._pending: list[BlockRange] = []  # decisions the workers have not been sent
+        self._step_needed = False  # some unmap among them is not released yet
+        self._collect()  # the rest of the null block's page, if any
         self.seq = 0  # step messages sent
         self.limited = False  # the limit held free blocks back from vLLM since the last step
 
@@ -205,8 +216,25 @@ class ElasticPool:
         self.maintain()
         self.view.stale = True  # the next step reads the ledger again
         self.seq += 1
-        ops, self._pending = self._pending + self._drain(), []
+        self._collect()
+        ops, self._pending, self._step_needed = self._pending, [], False
         return ops
+
+    def connect_files(self, files: Sequence[Any]) -> bool:
+        """Release pages in the workers' KV memory files from here from now on (``files``:
+        ``release.WorkerFile`` of every worker); whether it is in use."""
+        k, t = self.blocks_per_page, self.table
+        mapped = [(max(p * k, NULL_BLOCK + 1), p * k + k) for p in range(t.geo.num_pages)
+                  if t.state[p] != PageState.UNMAPPED]
+        return self.files.connect(files, [r for r in mapped if r[0] < r[1]], NULL_BLOCK)
+
+    def _collect(self) -> None:
+        """Take the page table's new decisions for the workers, releasing what they give
+        back in the workers' files when those are connected."""
+        fresh = self._drain()
+        if fresh and not self.files.apply(fresh):
+            self._step_needed |= any(not mapping for mapping, _, _ in fresh)
+        self._pending += fresh
 
     def maintain(self) -> None:
         """Read the ledger; give back what other engines ask for or what is over the
@@ -241,9 +269,11 @@ class ElasticPool:
         return self.table.live_kv_blocks * self.block_bytes
 
     def has_pending(self) -> bool:
-        """Whether the workers have mapping decisions to apply (after giving back free pages)."""
+        """Whether pages given back (free pages are, first) still wait for a step of the
+        workers to be unmapped. Maps wait for the step that uses their blocks."""
         self.maintain()
-        return bool(self._pending) or self.table.has_ops()
+        self._collect()
+        return self._step_needed
 
     def _drain(self) -> list[BlockRange]:
         k = self.blocks_per_page
@@ -268,6 +298,7 @@ class ElasticPool:
                              maps=t.maps, unmaps=t.unmaps)
 
     def close(self) -> None:
+        self.files.close()
         self.view.budget.close()
 
 

@@ -19,6 +19,11 @@
   never left waiting in a collective for this one); a lone worker raises the error, and
   vLLM fails the step with it.
 
+- **On the CPU** the reservation is a memory file (``kvmem.memory.shared_mmap``), which
+  ``shared_file`` names for vLLM's connector handshake: the scheduler then releases the
+  pages it gives back itself (``release``), and this worker's unmap of them frees nothing
+  more.
+
 Rank and world size come from vLLM's ``ParallelConfig`` (``rank``,
 ``tensor_parallel_size``, ``pipeline_parallel_size``). No wait between processes is
 added here: the scheduler decides every page and the step message carries it.
@@ -40,9 +45,10 @@ from kvmem.errors import ConfigError, KvmemError
 from kvmem.integrations.vllm.elastic.config import ElasticSettings
 from kvmem.integrations.vllm.elastic.layout import GranuleMap, KVLayout
 from kvmem.memory.backends import BackendError, PageBackend, make_backend
+from kvmem.memory.shared_mmap import SharedMmapBackend
 
 if TYPE_CHECKING:
-    from kvmem.integrations.vllm.elastic.pool import BlockRange
+    from kvmem.integrations.vllm.elastic.release import BlockRange, WorkerFile
 
 log = logging.getLogger("vllm.kvmem.elastic")
 
@@ -94,7 +100,9 @@ class ElasticWorker:
         self.name = rank_name(rank, tensor_parallel_size, pipeline_parallel_size)
         # With other ranks, a failed map ends this process (see the docstring).
         self.has_peers = has_peers
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.backend = backend
+        self.reserved_bytes = 0
         self.buffer: torch.Tensor | None = None
         self.granules: GranuleMap | None = None
         self.mapped = np.zeros(layout.num_blocks, dtype=bool)
@@ -117,7 +125,7 @@ class ElasticWorker:
         """The reservation as vLLM's KV buffer, with the null block mapped."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        backend = self.backend or make_backend(str(device))
+        backend = self.backend or make_backend(str(device), shared=True)
         g = backend.granularity
         size = -(-self.layout.size // g) * g
         try:
@@ -130,11 +138,24 @@ class ElasticWorker:
             raise ElasticMapError(f"kvmem: {self.name}: cannot reserve {size} bytes of KV "
                                   f"memory and map its null block: {exc}") from None
         self.mapped[NULL_BLOCK] = True
+        self.reserved_bytes = size
         self.buffer = backend.tensor(0, self.layout.size).view(torch.int8)
         log.info("kvmem: %s: elastic KV memory: %d bytes reserved for %d blocks of %d bytes "
                  "(granules of %d bytes), %d mapped", self.name, size, self.layout.num_blocks,
                  self.layout.block_bytes, g, self.granules.mapped_bytes)
         return self.buffer
+
+    def shared_file(self) -> WorkerFile | None:
+        """The KV memory file, for the scheduler to release pages in (CPU, one pipeline
+        stage: with several, vLLM keeps steps in flight while it schedules)."""
+        from kvmem.integrations.vllm.elastic.release import WorkerFile
+
+        b = self.backend
+        if not isinstance(b, SharedMmapBackend) or b.fd is None or self.pipeline_parallel_size > 1:
+            return None
+        return WorkerFile(rank=self.rank, pid=os.getpid(), fd=b.fd, size=self.reserved_bytes,
+                          granularity=b.granularity, placements=tuple(self.layout.placements),
+                          num_blocks=self.layout.num_blocks, kv_size=self.layout.size)
 
     # -- each step ------------------------------------------------------------------------
     def apply(self, seq: int, ops: tuple[BlockRange, ...],
