@@ -515,6 +515,7 @@ if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
     role, other = cfg["role"], cfg["other"]
     from vllm import LLM, SamplingParams
+    from kvmem.integrations.vllm.elastic.connector import worker_stats
     from kvmem.memory.ledger import Ledger
     llm = LLM(model=cfg["model"], **cfg["engine"])  # vLLM's own engine core process
     ledger = Ledger.for_device("cpu", os.environ["KVMEM_LEDGER_DIR"])
@@ -545,6 +546,7 @@ if __name__ == "__main__":
         out["first"] = generate(cfg["prompts"])  # left as a's prefix cache
         time.sleep(1.0)  # its stores land; then a takes no step until the end
         out["before"] = entry("a")
+        out["worker_before"] = llm.collective_rpc(worker_stats)[0]
     barrier("idle")
     if role == "b":
         samples, stop = [], threading.Event()
@@ -562,6 +564,7 @@ if __name__ == "__main__":
     barrier("shared")
     if role == "a":
         out["after"] = entry("a")
+        out["worker_after"] = llm.collective_rpc(worker_stats)[0]
         out["again"] = generate(cfg["prompts"][:1])  # its oldest prefix: from its tier
     print("KVMEM_RESULT " + json.dumps(out), flush=True)
 """
@@ -585,7 +588,8 @@ def idle_donor(model, tmp_path_factory):
                "other": other, "sync": str(sync), "total": str(DONOR_TOTAL)}
         env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
                "KVMEM_VLLM_ENGINE_NAME": role,  # a's engine core in a process of its own
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc(worker_stats)
         procs[role] = start_script(IDLE_DONOR, json.dumps(cfg), env=env, threads_bind=core)
     results = {role: finish_script(proc, path, timeout=900) for role, (proc, path)
                in procs.items()}
@@ -607,6 +611,11 @@ def test_an_idle_vllm_engine_gives_its_cached_pages_to_a_busy_one(idle_donor):
     # b asks once for the seats its batch has left, not once for each request it admits
     # (vLLM looks at waiting requests only until one does not fit): a is woken once or twice
     assert after["reclaims"] <= 2
+    # the scheduler released the pages in its worker's KV memory file: the worker took no
+    # step for it, and holds no more than the ledger says
+    w0, w1 = a["worker_before"], a["worker_after"]
+    assert w1["seq"] == w0["seq"]
+    assert w1["resident_bytes"] <= after["mapped_bytes"] < w0["resident_bytes"]
     step_blocks = ENGINE["max_num_batched_tokens"] // BLOCK + 2
     assert max(ah + bh for _, ah, bh in b["samples"]) <= DONOR_TOTAL + step_blocks * BLOCK_BYTES
 
