@@ -37,6 +37,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -262,6 +263,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=8, help="prompts per burst")
     p.add_argument("--prompt-len", type=int, default=900)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="bursts of B beside idle A (each after a burst of A's), and one "
+                        "more of B alone; the ratio is of the medians")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--reservation-mib", type=int, default=768,
                    help="each engine's KV reservation (its ceiling)")
@@ -310,7 +314,6 @@ def main() -> None:
         a.wait_ready()
         b.wait_ready()
         Ledger.for_device(args.device, ledger_dir).set_total_limit(args.total_mib * MiB)
-        burst_a = prompts(1, args.requests, args.prompt_len)
         burst_b = prompts(2, args.requests, args.prompt_len)
         asyncio.run(burst(b, burst_b[:2], 4, running))  # warm-up: B's first forward
         asyncio.run(burst(a, [burst_b[0]], 4, running))  # and A's (not in its cache later)
@@ -318,35 +321,50 @@ def main() -> None:
         preempted = (r"kvmem_preemptions_total" if args.engine == "kvmem"
                      else r"vllm:num_preemptions_total")
         before_alone = b.metric(preempted)
-        alone = asyncio.run(burst(b, burst_b, args.max_tokens, running))
-        alone_again = asyncio.run(burst(b, burst_b, args.max_tokens, running))  # the noise
+        # B alone once more than B beside A: the spread of the alone runs is the noise
+        alone_runs = [asyncio.run(burst(b, burst_b, args.max_tokens, running))
+                      for _ in range(args.rounds + 1)]
+        alone = alone_runs[0]
         after_alone = b.metric(preempted)
-        first = asyncio.run(burst(a, burst_a, args.max_tokens, running))
-        time.sleep(1.0)  # A is idle from here on, holding its prompts as prefix cache
-        before = entry(ledger_dir, "A", args.device)
-        with LedgerSampler(ledger_dir) as sampler:
-            shared = asyncio.run(burst(b, burst_b, args.max_tokens, running))
-        after = entry(ledger_dir, "A", args.device)
+        rounds = []
+        for r in range(args.rounds):  # A fills its prefix cache, goes idle; B's burst
+            burst_a = prompts(1 + 10 * r, args.requests, args.prompt_len)
+            first = asyncio.run(burst(a, burst_a, args.max_tokens, running))
+            time.sleep(1.0)  # A is idle from here on, holding its prompts as prefix cache
+            before = entry(ledger_dir, "A", args.device)
+            with LedgerSampler(ledger_dir) as sampler:
+                shared = asyncio.run(burst(b, burst_b, args.max_tokens, running))
+            after = entry(ledger_dir, "A", args.device)
+            rounds.append({
+                "b_shared_tok_s": shared["tok_s"],
+                "b_shared_full_batch_s": shared["full_batch_s"],
+                "b_same_texts": shared["texts"] == alone["texts"],
+                "a_before_mapped": before.mapped_bytes, "a_before_cached": before.cached_bytes,
+                "a_after_mapped": after.mapped_bytes,
+                "a_reclaimed": after.reclaimed_bytes - (rounds[-1]["a_reclaimed_total"]
+                                                        if rounds else 0),
+                "a_reclaimed_total": after.reclaimed_bytes,
+                "a_reclaims": after.reclaims,
+                "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
+                "samples": len(sampler.samples),
+                "a_answered_after_s": sampler.answers_s("A"),
+                "timeline_mib": sampler.timeline()})
         preempted_shared = b.metric(preempted) - after_alone
         loaded_metric = r"kvmem_offload_bytes_loaded(_total)?\{.*tier=\"cpu\""
         loaded = a.metric(loaded_metric)
         again = asyncio.run(burst(a, burst_a[:1], args.max_tokens, running))
+        alone_tok_s = [run["tok_s"] for run in alone_runs]
+        shared_tok_s = [run["b_shared_tok_s"] for run in rounds]
         out.update({
-            "b_alone_tok_s": alone["tok_s"], "b_alone_again_tok_s": alone_again["tok_s"],
-            "b_shared_tok_s": shared["tok_s"],
-            "b_ratio": shared["tok_s"] / max(alone["tok_s"], alone_again["tok_s"]),
-            "b_preempted_alone": (after_alone - before_alone) / 2,
+            "b_alone_tok_s": alone_tok_s, "b_shared_tok_s": shared_tok_s,
+            # the median against the median (of one run: against the faster alone run)
+            "b_ratio": statistics.median(shared_tok_s) / (
+                max(alone_tok_s) if args.rounds == 1 else statistics.median(alone_tok_s)),
+            "b_preempted_alone": (after_alone - before_alone) / len(alone_runs),
             "b_preempted_shared": preempted_shared,
-            "b_alone_full_batch_s": alone["full_batch_s"],
-            "b_shared_full_batch_s": shared["full_batch_s"],
-            "b_same_texts": shared["texts"] == alone["texts"],
-            "a_before_mapped": before.mapped_bytes, "a_before_cached": before.cached_bytes,
-            "a_after_mapped": after.mapped_bytes, "a_reclaimed": after.reclaimed_bytes,
-            "a_reclaims": after.reclaims,
-            "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
-            "samples": len(sampler.samples),
-            "a_answered_after_s": sampler.answers_s("A"),
-            "timeline_mib": sampler.timeline(),
+            "b_alone_full_batch_s": [run["full_batch_s"] for run in alone_runs],
+            "rounds": rounds,
+            "max_held_together": max(r["max_held_together"] for r in rounds),
             "a_again_same_text": again["texts"] == first["texts"][:1],
             "a_again_tier_bytes_loaded": a.metric(loaded_metric) - loaded,
         })

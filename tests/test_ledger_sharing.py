@@ -103,6 +103,26 @@ def test_an_engine_limited_by_its_own_ceiling_asks_nobody(tmp_path):
     assert ledger.read().engines["other"].reclaim_bytes == 0
 
 
+def test_memory_given_back_since_an_engine_last_looked_counts_as_coming(tmp_path):
+    """An engine that read the ledger at its step's start and is short of blocks asks for
+    them: memory another engine gave back since is there already, so it is coming (the
+    engine waits a step for it rather than preempting a request of its own)."""
+    ledger = Ledger(tmp_path / "l.json")
+    ledger.set_total_limit(100 * MiB)
+    idle = ledger.register("idle")
+    busy = ledger.register("busy")
+    assert idle.try_acquire(60 * MiB) and busy.try_acquire(40 * MiB)
+    idle.report(0, 60 * MiB)
+    assert busy.want(20 * MiB)  # asked of the idle engine: coming
+    idle.release(60 * MiB)
+    idle.gave_back(60 * MiB)
+    assert busy.want(20 * MiB)  # there already (before: False, and vLLM preempted)
+    assert ledger.read().engines["busy"].wanted_bytes == 0
+    # where no limit applies, no shortage is the ledger's: nothing comes
+    ledger.set_total_limit(None)
+    assert not busy.want(20 * MiB)
+
+
 @settings(max_examples=60, deadline=None)
 @given(floors=st.lists(st.integers(0, 30), min_size=2, max_size=4),
        ops=st.lists(st.tuples(st.integers(0, 3), st.integers(-20, 40)), max_size=40))

@@ -161,13 +161,14 @@ class EngineBudget:
     def want(self, nbytes: int) -> bool:
         """It waits for ``nbytes`` more: if the device total keeps them from it, ask other
         engines for them now (asks already outstanding count), without taking anything.
-        Returns whether other engines are asked for some (it comes, at their next look
-        at the ledger)."""
+        Returns whether they come: other engines are asked for some (it comes at their
+        next look at the ledger), or the room is there already (given back since the
+        engine last read the ledger: its next read finds it)."""
         def change(entry: LedgerEntry, table: LedgerTable) -> bool:
             r = room(table, entry)
             if r is None or nbytes <= r:
                 entry.wanted_bytes = 0
-                return False
+                return r is not None
             ask_reclaim(table, entry, nbytes)
             return any(e.reclaim_bytes for e in table.others(entry.name))
 
