@@ -203,8 +203,16 @@ class ElasticScheduler:
         every 5 s (``MemoryWait``)."""
         if not self.pool.limited:
             return False
-        coming = self.pool.want(max(1, self._last_running) * self.num_groups)
-        return self._memory_wait(coming, self.pool.table.held_bytes)
+        blocks = max(1, self._last_running) * self.num_groups
+        coming = self.pool.want(blocks)
+        if self._memory_wait(coming, self.pool.table.held_bytes):
+            return True
+        view = self.pool.view
+        log.info("kvmem: a running request is short of KV blocks under the limit and %s "
+                 "(room %s bytes, %d blocks wanted, %d free on mapped pages): vLLM preempts",
+                 "none came for 5 s" if coming else "no other engine can give any",
+                 view.room, blocks, self.pool.table.free_within(0))
+        return False
 
     def step_meta(self, scheduler_output: SchedulerOutput | None = None) -> ElasticStepMeta:
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
