@@ -103,6 +103,26 @@ def test_an_engine_limited_by_its_own_ceiling_asks_nobody(tmp_path):
     assert ledger.read().engines["other"].reclaim_bytes == 0
 
 
+def test_a_new_wait_for_memory_does_not_inherit_an_old_ones_time(monkeypatch):
+    """A burst waited for memory until its requests ran; the next burst, a minute later,
+    waits afresh (before: the 5 s counted from the first wait, so the engine preempted at
+    once, with an idle engine's cache on the way)."""
+    from kvmem.memory import budget
+
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "monotonic", lambda: now[0])
+    wait = budget.MemoryWait(wait_s=5)
+    assert wait(True, 300)
+    now[0] = 1.0
+    assert wait(True, 400)  # it came; the burst ran and finished (no call said "not coming")
+    now[0] = 61.0
+    assert wait(True, 100)  # the next burst, holding less than the last one did
+    now[0] = 65.9
+    assert wait(True, 100)
+    now[0] = 66.0
+    assert not wait(True, 100)
+
+
 def test_memory_given_back_since_an_engine_last_looked_counts_as_coming(tmp_path):
     """An engine that read the ledger at its step's start and is short of blocks asks for
     them: memory another engine gave back since is there already, so it is coming (the

@@ -259,14 +259,19 @@ class MemoryWait:
 
     def __init__(self, wait_s: float = 5.0) -> None:
         self.wait_s = wait_s
-        self._since: float | None = None
+        self._since: float | None = None  # when this wait began, or memory last arrived
         self._held = 0
+        self._last = float("-inf")  # the previous call
 
     def __call__(self, coming: bool, held: int) -> bool:
         now = time.monotonic()
+        last, self._last = self._last, now
         if not coming:
             self._since = None
             return False
-        if self._since is None or held > self._held:  # memory arrived
-            self._since, self._held = now, held
+        # A wait is asked about at every step it lasts: a gap longer than the wait means
+        # the last one ended (its requests ran or finished) and this is a new one.
+        if self._since is None or held > self._held or now - last > self.wait_s:
+            self._since = now
+        self._held = held
         return now - self._since < self.wait_s
