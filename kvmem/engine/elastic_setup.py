@@ -173,8 +173,15 @@ class ElasticSetup:
         """Give about ``nbytes`` back (other engines asked, or the ceiling was lowered):
         between steps, free pages and then pages of cached blocks only, least recently
         used first; returns the bytes given."""
+        asked = time.monotonic()
         with self.lock:
-            return self._storage().give_back(nbytes, evict=self._evict)
+            start = time.monotonic()
+            given = self._storage().give_back(nbytes, evict=self._evict)
+        if given:
+            logger.info("elastic KV memory: gave back %s in %.0f ms (%.0f ms waiting for the "
+                        "step lock)", format_bytes(given), (time.monotonic() - asked) * 1e3,
+                        (start - asked) * 1e3)
+        return given
 
     def _evict(self, block_ids: list[int]) -> None:
         if self.pool is None:

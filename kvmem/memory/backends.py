@@ -62,6 +62,8 @@ def _libc() -> ctypes.CDLL:
 class MmapBackend:
     """CPU pages over an anonymous, unreserved mapping."""
 
+    unmaps_ranges = True  # one unmap may cover pages mapped separately
+
     def __init__(self) -> None:
         self.granularity = mmap.PAGESIZE
         self._libc = _libc()

@@ -198,6 +198,7 @@ class ElasticKVStorage:
             victims = t.cached_victims(short)
             if victims:
                 evict(victims)
+        t.trim_idle()
         while t.maintain_once():
             pass
         return max(0, before - t.held_bytes)

@@ -532,21 +532,61 @@ class PageTable:
             self._unmap(page)
         return True
 
+    def trim_idle(self) -> int:
+        """Unmap every page ``maintain_once`` would trim, at once: one unmap per slot for
+        each run of consecutive pages, rather than one per slot and page (giving back
+        thousands of pages to another engine). Returns the pages unmapped."""
+        k = self.geo.blocks_per_page
+        pages = []
+        with self.cond:
+            while (page := self._pick_trim()) is not None:
+                self.state[page] = PageState.UNMAPPING
+                self.free_on_mapped -= k
+                self._buckets[k].discard(page)
+                if self._ops is not None:
+                    self._ops.append(PageOp("unmap", page))
+                pages.append(page)
+        pages.sort()
+        merge = getattr(self.backend, "unmaps_ranges", False)  # else one call per mapping
+        runs = [[p] for p in pages[:1]]
+        for p in pages[1:]:
+            if merge and p == runs[-1][-1] + 1:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        try:
+            for run in runs:
+                try:
+                    for offset, length in self.geo.regions(run[0]):
+                        self.backend.unmap(offset, length * len(run))
+                finally:
+                    for page in run:
+                        self._unmapped(page, release=False)
+        finally:
+            if self.budget is not None and pages:  # one ledger write for them all
+                self.budget.release(len(pages) * self.page_bytes)
+        return len(pages)
+
     def _unmap(self, page: int) -> None:
         try:
             for offset, length in self.geo.regions(page):
                 self.backend.unmap(offset, length)
         finally:
-            with self.cond:
-                self.state[page] = PageState.UNMAPPED
-                self._taken_unmapped += self.geo.blocks_per_page - len(self._free[page])
-                self.mapped_pages -= 1
-                self.unmaps += 1
-                if self._free[page]:
-                    heapq.heappush(self._unmapped_heap, page)
-                self.cond.notify_all()
-            if self.budget is not None:
-                self.budget.release(self.page_bytes)
+            self._unmapped(page)
+
+    def _unmapped(self, page: int, release: bool = True) -> None:
+        """Bookkeeping once ``page``'s bytes are unmapped (or failed to be); ``release``:
+        its bytes go back to the budget now."""
+        with self.cond:
+            self.state[page] = PageState.UNMAPPED
+            self._taken_unmapped += self.geo.blocks_per_page - len(self._free[page])
+            self.mapped_pages -= 1
+            self.unmaps += 1
+            if self._free[page]:
+                heapq.heappush(self._unmapped_heap, page)
+            self.cond.notify_all()
+        if release and self.budget is not None:
+            self.budget.release(self.page_bytes)
 
     def apply_ops(self, ops: Iterable[PageOp]) -> None:
         """Replay the leader's mapping decisions, in order (on ranks other than 0)."""

@@ -252,6 +252,7 @@ class ElasticPool:
                 self._evict(set(victims))
                 t.remove_cached(victims)
                 t.push_free(victims)
+        t.trim_idle()
         while t.maintain_once():
             pass
         if state.reclaim_bytes:
