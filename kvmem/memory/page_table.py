@@ -539,7 +539,14 @@ class PageTable:
         k = self.geo.blocks_per_page
         pages = []
         with self.cond:
-            while (page := self._pick_trim()) is not None:
+            # _pick_trim's choice, page after page, with one sort (the target stays: pages
+            # marked here still count as held until they are unmapped)
+            target = self.promised_blocks if self._over_cap() else self._spare_pages_target()
+            for page in sorted(self._buckets[k], reverse=True):
+                if self._covered_blocks() - k < target:
+                    break
+                if self.state[page] is not PageState.MAPPED or self.live[page] != 0:
+                    continue
                 self.state[page] = PageState.UNMAPPING
                 self.free_on_mapped -= k
                 self._buckets[k].discard(page)
