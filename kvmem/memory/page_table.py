@@ -432,16 +432,30 @@ class PageTable:
             return None
         return page
 
-    def _pick_trim(self) -> int | None:
+    def _trim_target(self) -> int:
+        """Free blocks to keep mapped when trimming."""
+        return self.promised_blocks if self._over_cap() else self._spare_pages_target()
+
+    def _trimmable(self) -> list[int]:
+        """Wholly free mapped pages, highest index first: trimming them keeps live blocks
+        packed at the low end."""
         k = self.geo.blocks_per_page
-        target = self.promised_blocks if self._over_cap() else self._spare_pages_target()
-        if self._covered_blocks() - k < target:
+        return [p for p in sorted(self._buckets[k], reverse=True)
+                if self.state[p] is PageState.MAPPED and self.live[p] == 0]
+
+    def _pick_trim(self) -> int | None:
+        if self._covered_blocks() - self.geo.blocks_per_page < self._trim_target():
             return None
-        # Highest-index wholly free page: keeps live blocks packed at the low end.
-        for page in sorted(self._buckets[k], reverse=True):
-            if self.state[page] is PageState.MAPPED and self.live[page] == 0:
-                return page
-        return None
+        return next(iter(self._trimmable()), None)
+
+    def _begin_unmap(self, page: int) -> None:
+        """Take a wholly free mapped page out of use, to be unmapped (under ``cond``)."""
+        k = self.geo.blocks_per_page
+        self.state[page] = PageState.UNMAPPING
+        self.free_on_mapped -= k
+        self._buckets[k].discard(page)
+        if self._ops is not None:
+            self._ops.append(PageOp("unmap", page))
 
     def _covered_blocks(self) -> int:
         """Blocks an allocation may take without new budget: free on mapped pages, plus
@@ -504,7 +518,6 @@ class PageTable:
 
         Returns whether anything was done. Safe to call from any thread.
         """
-        k = self.geo.blocks_per_page
         with self.cond:
             page = self._premap_page()
             if page is not None:
@@ -520,11 +533,7 @@ class PageTable:
                 page = self._pick_trim()
                 if page is None:
                     return False
-                self.state[page] = PageState.UNMAPPING
-                self.free_on_mapped -= k
-                self._buckets[k].discard(page)
-                if self._ops is not None:
-                    self._ops.append(PageOp("unmap", page))
+                self._begin_unmap(page)
                 action = "unmap"
         if action == "map":
             self._map(page)
@@ -540,18 +549,12 @@ class PageTable:
         pages = []
         with self.cond:
             # _pick_trim's choice, page after page, with one sort (the target stays: pages
-            # marked here still count as held until they are unmapped)
-            target = self.promised_blocks if self._over_cap() else self._spare_pages_target()
-            for page in sorted(self._buckets[k], reverse=True):
+            # taken out here still count as held until they are unmapped)
+            target = self._trim_target()
+            for page in self._trimmable():
                 if self._covered_blocks() - k < target:
                     break
-                if self.state[page] is not PageState.MAPPED or self.live[page] != 0:
-                    continue
-                self.state[page] = PageState.UNMAPPING
-                self.free_on_mapped -= k
-                self._buckets[k].discard(page)
-                if self._ops is not None:
-                    self._ops.append(PageOp("unmap", page))
+                self._begin_unmap(page)
                 pages.append(page)
         pages.sort()
         merge = getattr(self.backend, "unmaps_ranges", False)  # else one call per mapping

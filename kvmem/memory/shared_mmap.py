@@ -15,6 +15,7 @@ process that first writes them; the file lives while any process maps or holds i
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 from kvmem.memory.backends import _MAP_FAILED, _PROT_READ, _PROT_WRITE, BackendError, MmapBackend
@@ -23,6 +24,7 @@ _MAP_SHARED, _MAP_FIXED = 0x01, 0x10
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
+@functools.cache
 def _fallocate():
     libc = ctypes.CDLL(None, use_errno=True)
     fallocate = libc.fallocate64
@@ -30,10 +32,9 @@ def _fallocate():
     return fallocate
 
 
-def punch_hole(fd: int, offset: int, length: int, *, fallocate=None) -> None:
+def punch_hole(fd: int, offset: int, length: int) -> None:
     """Free ``length`` bytes of the file at ``offset``; the file keeps its size."""
-    if (fallocate or _fallocate())(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                                   offset, length) != 0:
+    if _fallocate()(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         err = ctypes.get_errno()
         raise BackendError(f"fallocate(PUNCH_HOLE) of {length} bytes at {offset} failed: "
                            f"{os.strerror(err)}")
@@ -46,7 +47,6 @@ class SharedMmapBackend(MmapBackend):
         super().__init__()
         self.name = name
         self.fd: int | None = None
-        self._punch = _fallocate()
 
     def reserve(self, nbytes: int) -> None:
         try:
@@ -69,7 +69,7 @@ class SharedMmapBackend(MmapBackend):
 
     def unmap(self, offset: int, length: int) -> None:
         self._check(offset, length)
-        punch_hole(self.fd, offset, length, fallocate=self._punch)  # type: ignore[arg-type]
+        punch_hole(self.fd, offset, length)  # type: ignore[arg-type]
 
     def close(self) -> None:
         super().close()
@@ -95,7 +95,6 @@ class FileHoles:
                                f"{size} bytes")
         self.granularity = granularity
         self.size = size
-        self._punch = _fallocate()
 
     def reserve(self, nbytes: int) -> None:
         pass
@@ -106,7 +105,7 @@ class FileHoles:
     def unmap(self, offset: int, length: int) -> None:
         if offset < 0 or offset + length > self.size:
             raise BackendError(f"range {offset}+{length} is outside the KV memory file")
-        punch_hole(self.fd, offset, length, fallocate=self._punch)
+        punch_hole(self.fd, offset, length)
 
     def tensor(self, offset: int, length: int):
         raise BackendError("a released-only KV memory file has no tensors here")

@@ -35,7 +35,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,11 +44,9 @@ from torch.overrides import TorchFunctionMode
 from kvmem.errors import ConfigError, KvmemError
 from kvmem.integrations.vllm.elastic.config import ElasticSettings
 from kvmem.integrations.vllm.elastic.layout import GranuleMap, KVLayout
+from kvmem.integrations.vllm.elastic.release import BlockRange, WorkerFile
 from kvmem.memory.backends import BackendError, PageBackend, make_backend
 from kvmem.memory.shared_mmap import SharedMmapBackend
-
-if TYPE_CHECKING:
-    from kvmem.integrations.vllm.elastic.release import BlockRange, WorkerFile
 
 log = logging.getLogger("vllm.kvmem.elastic")
 
@@ -148,8 +146,6 @@ class ElasticWorker:
     def shared_file(self) -> WorkerFile | None:
         """The KV memory file, for the scheduler to release pages in (CPU, one pipeline
         stage: with several, vLLM keeps steps in flight while it schedules)."""
-        from kvmem.integrations.vllm.elastic.release import WorkerFile
-
         b = self.backend
         if not isinstance(b, SharedMmapBackend) or b.fd is None or self.pipeline_parallel_size > 1:
             return None
