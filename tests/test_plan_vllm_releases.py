@@ -69,7 +69,13 @@ def test_a_minor_release_has_the_rules_of_its_first_patch():
     assert groups("sssfsssf", "0.11") == groups("sssfsssf", "0.11.0")
 
 
-@pytest.mark.parametrize("text", ["0.8.5", "latest", "1", ""])
+def test_the_oldest_release_named_by_its_minor_version_is_known():
+    # the error names 0.9 as known, so "0.9" must be taken (it is 0.9.0)
+    assert VllmRelease.parse("0.9").version == (0, 9, 0)
+    assert not VllmRelease.parse("0.9").hybrid_manager
+
+
+@pytest.mark.parametrize("text", ["0.8.5", "0.8", "latest", "1", ""])
 def test_a_release_kvmem_does_not_know_is_one_error(text):
     with pytest.raises(ConfigError):
         VllmRelease.parse(text)

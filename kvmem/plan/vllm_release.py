@@ -47,7 +47,7 @@ class VllmRelease:
             raise ConfigError(f"--vllm-version: cannot read {text!r} as a vLLM version "
                               "(e.g. 0.32 or 0.10.1.1)")
         version = (int(m[1]), int(m[2]), *(int(x) for x in m[3].split(".") if x))
-        if version < OLDEST:
+        if (*version, 0)[:3] < OLDEST:  # 0.9 is 0.9.0, not older than it
             raise ConfigError(f"vLLM {text}: kvmem knows the KV cache rules of vLLM 0.9 to "
                               f"{'.'.join(map(str, NEWEST))} (vLLM's V1 engine)")
         return cls(version, ".".join(map(str, version)))
