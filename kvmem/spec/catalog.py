@@ -1,4 +1,8 @@
-"""The bundled model catalog: HuggingFace ids and short aliases -> config fields."""
+"""The bundled model catalog: HuggingFace ids and short aliases -> config fields.
+
+A name the catalog lacks that reads as a Hub repo id (``org/name``) is fetched from the
+Hugging Face Hub (``named_spec``, kvmem.spec.hub).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,12 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvmem.errors import UnknownModelError
+from kvmem.errors import ConfigError, UnknownModelError
+
+if TYPE_CHECKING:
+    from kvmem.spec.layout import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,13 @@ def find_entry(name: str) -> CatalogEntry:
     entry = _index().get(name.lower().strip())
     if entry is not None:
         return entry
+    raise UnknownModelError(f"unknown model {name!r} (not a path, not in the catalog)"
+                            f"{_close_names(name) or '; see `kvmem models`'}")
+
+
+def _close_names(name: str) -> str:
     close = difflib.get_close_matches(name.lower(), list(_index()), n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see `kvmem models`"
-    raise UnknownModelError(f"unknown model {name!r} (not a path, not in the catalog){hint}")
+    return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 def catalog_config(name: str) -> tuple[str, dict[str, Any]]:
@@ -60,3 +71,20 @@ def catalog_config(name: str) -> tuple[str, dict[str, Any]]:
         cfg["total_params"] = entry.total_params
     cfg.setdefault("_name_or_path", entry.hf_id)
     return entry.hf_id, cfg
+
+
+def named_spec(name: str) -> ModelSpec:
+    """The model ``name`` stands for: a catalog entry, else the Hub repo of that id."""
+    from kvmem.spec.config import spec_from_config
+    from kvmem.spec.hub import hub_spec, is_repo_id
+
+    try:
+        entry_name, cfg = catalog_config(name)
+    except UnknownModelError:
+        if not is_repo_id(name.strip()):
+            raise
+        try:
+            return hub_spec(name.strip())
+        except ConfigError as e:  # a misspelt catalog id is likelier than a missing repo
+            raise ConfigError(f"{e}{_close_names(name)}") from None
+    return spec_from_config(cfg, name=entry_name)

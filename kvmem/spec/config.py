@@ -10,7 +10,15 @@ from typing import Any
 from kvmem.errors import ConfigError
 from kvmem.files import read_bounded
 from kvmem.spec.dtypes import canonical_dtype
-from kvmem.spec.layout import MLA, AttentionKind, LayerKV, ModelSpec, MoE
+from kvmem.spec.layout import (
+    MLA,
+    AttentionKind,
+    LayerKV,
+    LinearState,
+    ModelSpec,
+    MoE,
+    StateKind,
+)
 
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
@@ -85,6 +93,29 @@ def _slides(cfg: dict[str, Any]) -> bool:
     return not cfg.get("full_attention_interval") and not cfg.get("attention_chunk_size")
 
 
+# Nemotron-H's hybrid_override_pattern: one character a layer
+_PATTERN_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def _hybrid_layer_types(cfg: dict[str, Any], n: int, where: str) -> list[str] | None:
+    """The layer types of a Mamba hybrid that does not list ``layer_types``: Nemotron-H's
+    ``hybrid_override_pattern`` or ``layers_block_type``, Bamba's ``attn_layer_indices``."""
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        unknown = set(pattern) - set(_PATTERN_TYPES)
+        if unknown:
+            raise ConfigError(f"{where}: unknown layer {sorted(unknown)[0]!r} in "
+                              "hybrid_override_pattern")
+        return [_PATTERN_TYPES[c] for c in pattern]
+    blocks = cfg.get("layers_block_type")
+    if isinstance(blocks, list):
+        return [str(b) for b in blocks]
+    attn = cfg.get("attn_layer_indices")
+    if isinstance(attn, list) and cfg.get("mamba_n_heads"):
+        return ["attention" if i in attn else "mamba" for i in range(n)]
+    return None
+
+
 def _layer_kinds(cfg: dict[str, Any], n: int, where: str) -> list[tuple[AttentionKind, int | None]]:
     """Each layer's attention kind and window, from whichever pattern field the family uses."""
     model_type = str(cfg.get("model_type", ""))
@@ -94,6 +125,8 @@ def _layer_kinds(cfg: dict[str, Any], n: int, where: str) -> list[tuple[Attentio
     full = (AttentionKind.FULL, None)
 
     layer_types = cfg.get("layer_types")
+    if not isinstance(layer_types, list):
+        layer_types = _hybrid_layer_types(cfg, n, where)
     if isinstance(layer_types, list):
         if len(layer_types) != n:
             raise ConfigError(f"{where}: layer_types has {len(layer_types)} entries for {n} layers")
@@ -101,6 +134,10 @@ def _layer_kinds(cfg: dict[str, Any], n: int, where: str) -> list[tuple[Attentio
             "full_attention": full, "sliding_attention": sliding,
             "chunked_attention": (AttentionKind.CHUNKED, chunk),
             "linear_attention": (AttentionKind.LINEAR, None),
+            # Granite-4.0-H, LFM2, Nemotron-H (layers_block_type)
+            "attention": full, "mamba": (AttentionKind.LINEAR, None),
+            "conv": (AttentionKind.LINEAR, None),
+            "mlp": (AttentionKind.NONE, None), "moe": (AttentionKind.NONE, None),
         }
         try:
             return [names[t] for t in layer_types]
@@ -196,31 +233,116 @@ def _mla(cfg: dict[str, Any], where: str) -> MLA | None:
     )
 
 
-def _linear_state(cfg: dict[str, Any], where: str) -> int:
-    """Elements of one linear-attention (gated delta net) state per request (0: none)."""
-    if not _int(cfg, "linear_num_value_heads", where):
-        return 0
-    kh, vh, kd, vd = (_int(cfg, f"linear_{k}", where, low=1) for k in
-                      ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
-    if None in (kh, kd, vd):
-        raise ConfigError(f"{where}: linear attention needs linear_num_key_heads, "
-                          "linear_key_head_dim and linear_value_head_dim")
-    conv = (_int(cfg, "linear_conv_kernel_dim", where) or 4) - 1
-    return vh * kd * vd + (2 * kh * kd + vh * vd) * conv
+def _need(cfg: dict[str, Any], keys: tuple[str, ...], where: str, what: str) -> list[int]:
+    """Positive integer fields a state needs, in order; one line naming those missing."""
+    values = [_int(cfg, k, where, low=1) for k in keys]
+    missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+    if missing:
+        raise ConfigError(f"{where}: {what} needs {', '.join(missing)}")
+    return values
+
+
+def _linear_state(cfg: dict[str, Any], where: str) -> LinearState | None:
+    """The per-request state of the model's linear-attention layers, with the fields vLLM's
+    model classes read (``get_mamba_state_shape_from_config``); None: no such layers."""
+    if _int(cfg, "linear_num_value_heads", where):  # Gated DeltaNet: Qwen3-Next, Qwen3.5
+        kh, vh, kd, vd = _need(cfg, tuple(f"linear_{k}" for k in (
+            "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")),
+            where, "Gated DeltaNet linear attention")
+        kernel = _int(cfg, "linear_conv_kernel_dim", where, 4, low=1)
+        return LinearState(StateKind.GATED_DELTA_NET, 2 * kh * kd + vh * vd, kernel - 1,
+                           (vh, vd, kd), ssm_dtype=_dtype_name(cfg.get("mamba_ssm_dtype")))
+    if _int(cfg, "mamba_num_heads", where):  # Nemotron-H
+        heads, head_dim, state, groups, kernel = _need(cfg, (
+            "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel"),
+            where, "Mamba2")
+        return _mamba2(heads * head_dim, heads, head_dim, state, groups, kernel,
+                       _dtype_name(cfg.get("mamba_ssm_cache_dtype")) or "float32")
+    if _int(cfg, "mamba_n_heads", where):  # Granite-4.0-H, Bamba
+        heads, head_dim, state, groups, kernel, expand = _need(cfg, (
+            "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
+            "mamba_d_conv", "mamba_expand"), where, "Mamba2")
+        return _mamba2(expand * _positive_int(cfg, "hidden_size", where), heads, head_dim,
+                       state, groups, kernel, None)
+    return None
+
+
+def _mamba2(inner: int, heads: int, head_dim: int, state: int, groups: int, kernel: int,
+            ssm_dtype: str | None) -> LinearState:
+    return LinearState(StateKind.MAMBA2, inner + 2 * groups * state, kernel - 1,
+                       (heads, head_dim, state), n_groups=groups, state_size=state,
+                       ssm_dtype=ssm_dtype)
+
+
+def _dtype_name(value: Any) -> str | None:
+    """A dtype a config names for a state (None when absent or "auto")."""
+    if value in (None, "auto"):
+        return None
+    try:
+        return canonical_dtype(str(value))
+    except ConfigError:
+        return None
+
+
+def _indexers(cfg: dict[str, Any], n: int, where: str) -> list[int]:
+    """Each layer's indexer key cache, bytes per token (DeepSeek V3.2's sparse attention,
+    ``index_topk`` set; vLLM's ``DeepseekV32IndexerCache``): ``index_head_dim`` fp8 values
+    and a float32 scale per 128 of them. ``index_topk_pattern`` ("S": skip) or every
+    ``index_topk_freq``-th layer from ``index_skip_topk_offset`` keep one; none: all."""
+    dim = _int(cfg, "index_head_dim", where, 128, low=1)
+    bytes_per_token = dim + dim // 128 * 4
+    pattern = cfg.get("index_topk_pattern")
+    if isinstance(pattern, (list, str)):
+        return [0 if i < len(pattern) and pattern[i] == "S" else bytes_per_token
+                for i in range(n)]
+    freq = _int(cfg, "index_topk_freq", where, 1, low=1)
+    offset = _int(cfg, "index_skip_topk_offset", where, 2, low=None)
+    return [0 if max(i - offset + 1, 0) % freq else bytes_per_token for i in range(n)]
+
+
+def _kv_sources(cfg: dict[str, Any], kinds: list[tuple[AttentionKind, int | None]],
+                where: str) -> list[int | None]:
+    """The layer each of the last ``num_kv_shared_layers`` reads its KV from (Gemma 3n,
+    Gemma 4; vLLM's ``kv_sharing_target_layer_name``): the last earlier layer of its
+    attention kind (Gemma 3n: the layer one before the shared ones, or two for sliding)."""
+    shared = _int(cfg, "num_kv_shared_layers", where, 0)
+    first = len(kinds) - shared
+    if not shared:
+        return [None] * len(kinds)
+    if first < 2:
+        raise ConfigError(f"{where}: field 'num_kv_shared_layers' must leave two layers "
+                          f"of their own, got {shared} of {len(kinds)}")
+    sources: list[int | None] = [None] * first
+    for i in range(first, len(kinds)):
+        if str(cfg.get("model_type", "")).startswith("gemma3n"):
+            sources.append(first - (2 if kinds[i][0] is AttentionKind.SLIDING else 1))
+            continue
+        same = [j for j in range(first) if kinds[j][0] is kinds[i][0]]
+        if not same:
+            raise ConfigError(f"{where}: shared layer {i} ({kinds[i][0].value}) has no "
+                              "earlier layer of its kind to read")
+        sources.append(same[-1])
+    return sources
 
 
 def _layers(cfg: dict[str, Any], n: int, kv_heads: int, head_dim: int, mla: MLA | None,
             where: str) -> list[LayerKV]:
     if mla is not None:
         latent = mla.kv_lora_rank + mla.qk_rope_head_dim
-        return [LayerKV(i, AttentionKind.MLA, 1, 0, latent_dim=latent) for i in range(n)]
+        if "index_topk" not in cfg:
+            return [LayerKV(i, AttentionKind.MLA, 1, 0, latent_dim=latent) for i in range(n)]
+        return [LayerKV(i, AttentionKind.MLA, 1, 0, latent_dim=latent, sparse=True,
+                        index_bytes=b) for i, b in enumerate(_indexers(cfg, n, where))]
     state = _linear_state(cfg, where)
     layers = []
-    for i, (kind, window) in enumerate(_layer_kinds(cfg, n, where)):
+    kinds = _layer_kinds(cfg, n, where)
+    for i, ((kind, window), source) in enumerate(zip(kinds, _kv_sources(cfg, kinds, where),
+                                                     strict=True)):
         if kind in (AttentionKind.SLIDING, AttentionKind.CHUNKED) and not window:
             raise ConfigError(f"{where}: layer {i} is {kind.value} but no window size is set")
         layers.append(LayerKV(i, kind, kv_heads, head_dim, window=window,
-                              state_elements=state if kind is AttentionKind.LINEAR else 0))
+                              state=state if kind is AttentionKind.LINEAR else None,
+                              kv_source=source))
     return layers
 
 
@@ -287,7 +409,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def load_spec(source: str | Path) -> ModelSpec:
-    """A ModelSpec from a config.json path, a model directory, or a catalog name/alias."""
+    """A ModelSpec from a config.json path, a model directory, a catalog name/alias, or a
+    Hugging Face Hub repo id (kvmem.spec.hub)."""
     path = Path(source).expanduser()
     if path.is_dir():
         cfg_path = path / "config.json"
@@ -297,7 +420,6 @@ def load_spec(source: str | Path) -> ModelSpec:
     if path.is_file():
         return spec_from_config(read_config_file(path), name=path.stem if path.stem != "config"
                                 else path.parent.name or "model")
-    from kvmem.spec.catalog import catalog_config
+    from kvmem.spec.catalog import named_spec
 
-    entry_name, cfg = catalog_config(str(source))
-    return spec_from_config(cfg, name=entry_name)
+    return named_spec(str(source))  # the catalog's, else the Hugging Face Hub's

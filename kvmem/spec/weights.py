@@ -6,7 +6,9 @@ are one tensor when one stage holds both ends; with pipeline parallelism the las
 needs its own copy for the LM head.
 
 With a checkpoint directory only the 8-byte header length and the JSON header of each
-``*.safetensors`` file are read, never tensor data. Without one, parameter counts come from
+``*.safetensors`` file are read, never tensor data; a model read from the Hub carries the
+same listing, from the headers there (``spec.extra["checkpoint"]``, kvmem.spec.hub). Without
+one, parameter counts come from
 the config (attention or MLA projections, dense MLP, MoE experts, shared experts and router,
 linear-attention projections) and quantised checkpoints use ``spec.weight_bits`` for the
 decoder's linear layers.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvmem.errors import ConfigError
 from kvmem.spec.dtypes import dtype_bytes
@@ -35,6 +37,24 @@ _REPLICATED_KV = ("k_proj", "v_proj")
 _ENCODERS = ("vision_tower.", "vision_model.", "multi_modal_projector.", "visual.",
              "audio_tower.")
 _HEADER_LIMIT = 100 << 20  # a safetensors header larger than this is not a header
+
+
+class Tensor(NamedTuple):
+    """One tensor of a checkpoint, as its safetensors header describes it."""
+
+    name: str
+    nbytes: int
+    ndim: int
+
+
+@dataclass(frozen=True)
+class CheckpointTensors:
+    """A checkpoint's tensors read elsewhere than a local directory (a Hub repo's headers),
+    for the spec quantised at ``weight_bits``: a spec planned at other bits (an alternative
+    the planner suggests) has its weights estimated."""
+
+    tensors: tuple[Tensor, ...]
+    weight_bits: float | None
 
 
 @dataclass(frozen=True)
@@ -85,6 +105,9 @@ def weight_breakdown(spec: ModelSpec, tp: int,
                      checkpoint_dir: str | Path | None = None) -> WeightBreakdown:
     if checkpoint_dir is not None:
         return _from_checkpoint(spec, tp, Path(checkpoint_dir))
+    read = spec.extra.get("checkpoint") if isinstance(spec.extra, dict) else None
+    if isinstance(read, CheckpointTensors) and read.weight_bits == spec.weight_bits:
+        return _from_tensors(spec, tp, read.tensors)
     return _estimate(spec, tp)
 
 
@@ -111,7 +134,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 
 
 @cache
-def _tensor_sizes(directory: str) -> tuple[tuple[str, int, int], ...]:
+def _tensor_sizes(directory: str) -> tuple[Tensor, ...]:
     """(name, bytes, ndim) of every tensor in a checkpoint directory."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
@@ -123,7 +146,7 @@ def _tensor_sizes(directory: str) -> tuple[tuple[str, int, int], ...]:
                 continue
             try:
                 start, end = info["data_offsets"]
-                tensors.append((name, int(end) - int(start), len(info["shape"])))
+                tensors.append(Tensor(name, int(end) - int(start), len(info["shape"])))
             except (KeyError, TypeError, ValueError):
                 raise ConfigError(f"{path}: tensor {name!r} has no valid data_offsets") from None
     return tuple(tensors)
@@ -132,10 +155,14 @@ def _tensor_sizes(directory: str) -> tuple[tuple[str, int, int], ...]:
 def _from_checkpoint(spec: ModelSpec, tp: int, directory: Path) -> WeightBreakdown:
     if not directory.is_dir():
         raise ConfigError(f"{directory}: checkpoint directory not found")
+    return _from_tensors(spec, tp, _tensor_sizes(str(directory.resolve())))
+
+
+def _from_tensors(spec: ModelSpec, tp: int, tensors: tuple[Tensor, ...]) -> WeightBreakdown:
     per_layer = [0] * spec.num_layers
     embedding = head = other = 0
     kv_share = max(1, spec.num_kv_heads // tp) / spec.num_kv_heads
-    for name, nbytes, ndim in _tensor_sizes(str(directory.resolve())):
+    for name, nbytes, ndim in tensors:
         # matrices are split across tensor-parallel ranks; norms and biases are tiny: kept whole
         if ndim < 2:
             shard = nbytes
@@ -155,8 +182,7 @@ def _from_checkpoint(spec: ModelSpec, tp: int, directory: Path) -> WeightBreakdo
             head += shard
         else:
             other += shard
-    tied = spec.tie_word_embeddings and not any("lm_head" in t[0]
-                                                for t in _tensor_sizes(str(directory.resolve())))
+    tied = spec.tie_word_embeddings and not any("lm_head" in t.name for t in tensors)
     return WeightBreakdown(tuple(per_layer), embedding, head, tied, other, exact=True)
 
 
