@@ -106,11 +106,11 @@ class Query:
 
 
 def _spec(model: str, config: str) -> tuple[ModelSpec, str]:
-    """The model from the catalog, or from the pasted config.json (never from a file), and
-    its name in the engine commands: a catalog entry's hub id, as `kvmem plan` names it,
+    """The model from the catalog or the Hub, or from the pasted config.json (never from a
+    file), and its name in the engine commands: its hub id, as `kvmem plan` names it,
     or the name given with the config (else its ``_name_or_path``, else ``MODEL``)."""
     from kvmem.spec import spec_from_config
-    from kvmem.spec.catalog import catalog_config
+    from kvmem.spec.catalog import named_spec
 
     if config.strip():
         try:
@@ -127,8 +127,8 @@ def _spec(model: str, config: str) -> tuple[ModelSpec, str]:
         raise QueryError("give a model: a catalog name (see `kvmem models`) or a pasted "
                          "config.json", "model")
     try:
-        name, cfg = catalog_config(model)
-        return spec_from_config(cfg, name=name), name
+        spec = named_spec(model)  # the catalog's, else the Hugging Face Hub's
+        return spec, spec.name
     except KvmemError as e:
         raise QueryError(str(e), "model") from None
 
