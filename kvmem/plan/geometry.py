@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvmem.spec import KVGroup, ModelSpec
+from kvmem.spec import KVGroup, LayerKV, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -54,21 +54,34 @@ class Geometry(ABC):
         self.notes = []
 
     @cached_property
+    def layers(self) -> tuple[LayerKV, ...]:
+        """The target's layers, then a speculative draft's (on the last stage)."""
+        return self.spec.kv_layers
+
+    def with_draft(self, layers: Sequence[int]) -> Sequence[int]:
+        """A stage's layers, and the draft's when it is the last stage (vLLM builds the
+        drafter on the last pipeline rank)."""
+        drafts = range(self.spec.num_layers, len(self.layers))
+        if drafts and layers and layers[-1] == self.spec.num_layers - 1:
+            return [*layers, *drafts]
+        return layers
+
+    @cached_property
     def layer_bytes_per_token(self) -> list[int]:
-        return [lay.bytes_per_token(self.tp, self.kv_dtype_bytes) for lay in self.spec.layers]
+        return [lay.bytes_per_token(self.tp, self.kv_dtype_bytes) for lay in self.layers]
 
     @cached_property
     def layer_state_bytes(self) -> list[int]:
-        return [lay.state_bytes(self.tp, self.state_dtype_bytes) for lay in self.spec.layers]
+        return [lay.state_bytes(self.tp, self.state_dtype_bytes) for lay in self.layers]
 
     def _stage_kv(self, layers: Sequence[int], num_slots: int, page: int,
                   block_bytes: int | None = None) -> StageKV:
-        paged = [i for i in layers if self.spec.layers[i].kind.uses_blocks]
+        paged = [i for i in layers if self.layers[i].has_own_cache]
         return StageKV(
             num_slots=num_slots, slot_page_bytes=page,
             kv_bytes_per_token=sum(self.layer_bytes_per_token[i] for i in layers),
             state_bytes_per_request=sum(self.layer_state_bytes[i] for i in layers),
-            kv_heads_on_rank=max((self.spec.layers[i].kv_heads_on_rank(self.tp)
+            kv_heads_on_rank=max((self.layers[i].kv_heads_on_rank(self.tp)
                                   for i in paged), default=0),
             block_bytes=block_bytes)
 

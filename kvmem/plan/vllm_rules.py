@@ -55,8 +55,16 @@ from kvmem.plan.vllm_release import (
     VllmRelease,
 )
 from kvmem.spec import AttentionKind, ModelSpec
+from kvmem.spec.layout import Speculative
 
 FULL, SLIDING, CHUNKED, MLA = "full", "sliding", "chunked", "mla"
+
+
+def uniform_type(kind: str) -> str:
+    """The kind vLLM's ``UniformTypeKVCacheSpecs`` groups a layer by: latent attention
+    (and an MLA model's indexer cache) is full attention (``KVCacheSpecRegistry``:
+    ``MLAAttentionSpec``'s ``uniform_type_base_spec`` is ``FullAttentionSpec``)."""
+    return FULL if kind == MLA else kind
 
 
 def default_concurrent_batches(release: VllmRelease, device: str, pp: int) -> int:
@@ -70,6 +78,28 @@ def default_concurrent_batches(release: VllmRelease, device: str, pp: int) -> in
     if pp == 1:
         return 2
     return pp + 1 if release.since(0, 29) and not release.since(0, 31) else pp
+
+
+EAGLE_FAMILY = ("eagle", "eagle3", "mtp")  # SpeculativeConfig.use_eagle (of kvmem's methods)
+
+
+def lookahead_tokens(spec: Speculative | None) -> int:
+    """``VllmConfig.num_lookahead_tokens``: slots past the scheduled tokens that
+    ``allocate_slots`` reserves for the draft (num_speculative_tokens for EAGLE, MTP and a
+    draft model; none for n-gram and suffix decoding)."""
+    if spec is None or spec.method not in (*EAGLE_FAMILY, "draft_model"):
+        return 0
+    return spec.num_speculative_tokens
+
+
+def retained_tokens(spec: Speculative | None) -> int:
+    """``SlidingWindowSpec.extra_retained_tokens`` (``get_kv_cache_configs``): the
+    prefill lookahead less one. Chained MTP modules (``use_multi_module_mtp``: more than
+    one module and token) read num_speculative_tokens ahead, other EAGLE drafts one."""
+    if spec is None or spec.method not in EAGLE_FAMILY:
+        return 0
+    k = spec.num_speculative_tokens
+    return k - 1 if spec.method == "mtp" and min(spec.num_mtp_layers, k) > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,13 @@ class VllmGeometry(Geometry):
         self.concurrent_batches = (default_concurrent_batches(release, device, pp)
                                    if max_concurrent_batches is None
                                    else max_concurrent_batches)
+        self.extra_retained_tokens = retained_tokens(spec.speculative)
+        self.lookahead_tokens = lookahead_tokens(spec.speculative)
+        if self.lookahead_tokens:
+            self.notes.append(f"{self.name} reserves {self.lookahead_tokens} lookahead slots "
+                              "per running request for the draft, never past max_model_len: "
+                              "the blocks of a request at max_model_len, the concurrency and "
+                              "the fit check are those without them")
         if any(lay.kind is AttentionKind.LINEAR for lay in spec.layers):
             self.notes.append(f"vLLM's rules for linear-attention states are not modelled: "
                               f"{self.name}'s blocks here count the attention layers, and "
@@ -131,11 +168,11 @@ class VllmGeometry(Geometry):
 
     def raw_spec(self, i: int) -> LayerSpec | None:
         """Layer i's spec as its attention layer reports it (None: no paged KV)."""
-        lay = self.spec.layers[i]
+        lay = self.layers[i]
         page = self.block_size * self.layer_bytes_per_token[i]
         kind = {AttentionKind.FULL: FULL, AttentionKind.MLA: MLA,
                 AttentionKind.SLIDING: SLIDING, AttentionKind.CHUNKED: CHUNKED}.get(lay.kind)
-        if kind is None:
+        if kind is None or lay.kv_source is not None:  # a KV-sharing layer has no spec
             return None
         if kind == CHUNKED and not self.release.chunked_local_spec:
             kind = FULL
@@ -147,7 +184,7 @@ class VllmGeometry(Geometry):
         """Layer -> spec after ``unify_hybrid_kv_cache_specs`` (without the hybrid manager
         sliding and chunked layers are charged as full attention)."""
         out = {}
-        for i in range(self.spec.num_layers):
+        for i in range(len(self.layers)):
             s = self.raw_spec(i)
             if s is None:
                 continue
@@ -163,9 +200,11 @@ class VllmGeometry(Geometry):
         specs = {i: self.specs[i] for i in layers if i in self.specs}
         if not specs:
             return []
-        kinds = {(s.kind, s.window) for s in specs.values()}
+        kinds = {(uniform_type(s.kind), s.window) for s in specs.values()}
         if len(kinds) == 1:  # _get_kv_cache_groups_uniform_spec / _uniform_type
             (kind, window), = kinds
+            if len({s.kind for s in specs.values()}) == 1:
+                kind = next(iter(specs.values())).kind
             if len({s.page for s in specs.values()}) > 1 and not self.release.global_groups:
                 raise ConfigError(f"{self.name} cannot allocate this model's KV cache: its "
                                   "layers' pages differ (vLLM raises NotImplementedError)")
@@ -202,14 +241,14 @@ class VllmGeometry(Geometry):
 
     @cached_property
     def global_groups(self) -> list[VllmGroup]:
-        return self.group_layers(range(self.spec.num_layers))
+        return self.group_layers(range(len(self.layers)))
 
     def groups_of(self, layers: Sequence[int] | None) -> list[VllmGroup]:
         """The groups a stage holding ``layers`` works with (global from 0.11; before, the
         stage's own; None: the engine's, the global groups)."""
         if layers is None or self.release.global_groups:
             return self.global_groups
-        return self.group_layers(layers)
+        return self.group_layers(self.with_draft(layers))
 
     @property
     def num_groups(self) -> int:
@@ -219,12 +258,13 @@ class VllmGeometry(Geometry):
     def pages(self) -> dict[int, int]:
         """Each paged layer's page once pages are made equal (the model's largest page;
         with one kind of layer each keeps its own, ``UniformTypeKVCacheSpecs``)."""
-        kinds = {(s.kind, s.window) for s in self.specs.values()}
+        kinds = {(uniform_type(s.kind), s.window) for s in self.specs.values()}
         largest = max((s.page for s in self.specs.values()), default=0)
         return {i: s.page if len(kinds) == 1 else largest for i, s in self.specs.items()}
 
     # ------------------------------------------------------------------ blocks
     def stage(self, layers: Sequence[int]) -> StageKV:
+        layers = self.with_draft(layers)
         held = set(layers)
         per_group = [[i for i in g.layers if i in held] for g in self.groups_of(layers)]
         widest = max(per_group, key=lambda m: sum(self.pages[i] for i in m), default=[])
@@ -238,7 +278,8 @@ class VllmGeometry(Geometry):
         spec (its ``max_memory_usage_bytes`` / ``page_size_bytes``)."""
         bs = group.block_size
         if group.kind == SLIDING:
-            return ceil(min(group.window - 1 + self.in_flight_tokens, seq_len) / bs) + 1
+            retained = group.window - 1 + self.extra_retained_tokens + self.in_flight_tokens
+            return ceil(min(retained, seq_len) / bs) + 1
         if group.kind == CHUNKED:
             return ceil(min(group.window + self.in_flight_tokens, seq_len) / bs)
         return ceil(seq_len / bs)
@@ -255,7 +296,8 @@ class VllmGeometry(Geometry):
         check = self.release.fit_check
         if check == CHECK_LAYERS:  # each layer's own spec, before any grouping
             return sum(self.charge(s, seq_len) * s.page
-                       for s in (self.raw_spec(i) for i in layers) if s is not None)
+                       for s in (self.raw_spec(i) for i in self.with_draft(layers))
+                       if s is not None)
         if check == CHECK_GLOBAL:  # the whole model, whatever the stage holds
             layers, kv = range(self.spec.num_layers), self.stage(range(self.spec.num_layers))
         groups = self.groups_of(layers)

@@ -9,7 +9,65 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from math import ceil
+from math import ceil, prod
+
+from kvmem.errors import ConfigError
+
+# vLLM's fp8_ds_mla page per token of DeepSeek's latent (kv_lora_rank 512, rope 64): 512 fp8
+# values, 4 float32 scales and the 64 rope values kept in bf16 (``MLAAttention.get_kv_cache_
+# spec``). Sparse MLA (FlashMLA sparse) stores any 8-bit KV in this layout.
+FP8_DS_MLA_BYTES = 656
+
+
+class StateKind(str, Enum):
+    """The recurrent state a linear-attention layer keeps per request (vLLM's names)."""
+
+    GATED_DELTA_NET = "gated_delta_net"  # Qwen3-Next, Qwen3.5
+    MAMBA2 = "mamba2"  # Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1
+    SHORT_CONV = "short_conv"  # LFM2
+    KDA = "kda"  # Kimi Linear
+    LIGHTNING = "linear_attention"  # MiniMax lightning attention
+
+
+def _divide(n: int, tp: int) -> int:
+    if n % tp:
+        raise ConfigError(f"a linear-attention state dimension of {n} cannot be split "
+                          f"across tensor parallel size {tp}")
+    return n // tp
+
+
+@dataclass(frozen=True)
+class LinearState:
+    """A linear-attention layer's per-request state as vLLM's ``MambaStateShapeCalculator``
+    shapes it: a causal-conv state (``conv_len`` rows of ``conv_channels``, one more row
+    per speculative token) and a temporal (SSM) state ``temporal`` = (heads, a, b), both
+    split across tensor-parallel ranks. Mamba2 repeats its B/C groups on each rank when tp
+    does not divide ``n_groups``."""
+
+    kind: StateKind
+    conv_channels: int
+    conv_len: int  # conv kernel - 1 (0: no conv state)
+    temporal: tuple[int, int, int] | None = None
+    n_groups: int = 0  # Mamba2 only
+    state_size: int = 0  # Mamba2 only
+    ssm_dtype: str | None = None  # the SSM state's dtype when left "auto" (None: the conv's)
+
+    def shapes(self, tp: int, num_spec: int = 0) -> list[tuple[tuple[int, ...], bool]]:
+        """Each state tensor's shape on one rank, and whether it is the SSM state."""
+        out: list[tuple[tuple[int, ...], bool]] = []
+        if self.conv_len:
+            channels = self.conv_channels
+            if self.n_groups % tp:
+                channels += 2 * (tp - self.n_groups) * self.state_size
+            out.append(((self.conv_len + num_spec, _divide(channels, tp)), False))
+        if self.temporal:
+            heads, a, b = self.temporal
+            out.append(((_divide(heads, tp), a, b), True))
+        return out
+
+    def bytes(self, tp: int, conv_bytes: int, ssm_bytes: int, num_spec: int = 0) -> int:
+        return sum(prod(shape) * (ssm_bytes if ssm else conv_bytes)
+                   for shape, ssm in self.shapes(tp, num_spec))
 
 
 class AttentionKind(str, Enum):
@@ -18,10 +76,11 @@ class AttentionKind(str, Enum):
     CHUNKED = "chunked_attention"
     MLA = "mla"
     LINEAR = "linear_attention"  # constant-size recurrent state per request (no blocks)
+    NONE = "none"  # no attention and no state (Nemotron-H's MLP and MoE layers)
 
     @property
     def uses_blocks(self) -> bool:
-        return self is not AttentionKind.LINEAR
+        return self not in (AttentionKind.LINEAR, AttentionKind.NONE)
 
 
 @dataclass(frozen=True)
@@ -34,7 +93,16 @@ class LayerKV:
     head_dim: int = 0
     window: int | None = None  # sliding window or attention chunk size, in tokens
     latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim
-    state_elements: int = 0  # linear attention: state elements per request, all heads
+    state: LinearState | None = None  # linear attention: the per-request state
+    kv_source: int | None = None  # KV shared across layers: the layer whose cache it reads
+    sparse: bool = False  # sparse MLA (DeepSeek V3.2): 8-bit KV is stored as fp8_ds_mla
+    index_bytes: int = 0  # sparse MLA: the indexer's key cache, bytes per token (any dtype)
+
+    @property
+    def has_own_cache(self) -> bool:
+        """Whether the layer keeps KV blocks of its own (a layer reading another's
+        cache, like Gemma 3n's last layers, keeps none and joins no group)."""
+        return self.kind.uses_blocks and self.kv_source is None
 
     def kv_heads_on_rank(self, tp: int) -> int:
         """KV heads one tensor-parallel rank holds; heads are replicated when tp exceeds them."""
@@ -43,18 +111,25 @@ class LayerKV:
     def elements_per_token(self, tp: int = 1) -> int:
         if self.kind is AttentionKind.MLA:
             return self.latent_dim  # the latent is not split across tensor-parallel ranks
-        if self.kind is AttentionKind.LINEAR:
+        if not self.kind.uses_blocks:
             return 0
         return 2 * self.kv_heads_on_rank(tp) * self.head_dim
 
     def bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
+        if self.kv_source is not None:
+            return 0
+        if self.kind is AttentionKind.MLA and self.sparse:
+            latent = FP8_DS_MLA_BYTES if dtype_bytes == 1 else self.latent_dim * dtype_bytes
+            return latent + self.index_bytes
         return self.elements_per_token(tp) * dtype_bytes
 
-    def state_bytes(self, tp: int, dtype_bytes: int) -> int:
-        """Per-request constant state (linear attention only)."""
-        if self.kind is not AttentionKind.LINEAR:
+    def state_bytes(self, tp: int, dtype_bytes: int, ssm_bytes: int | None = None) -> int:
+        """Per-request constant state (linear attention only), its SSM part at
+        ``ssm_bytes`` (default ``dtype_bytes``)."""
+        if self.kind is not AttentionKind.LINEAR or self.state is None:
             return 0
-        return ceil(self.state_elements / tp) * dtype_bytes
+        return self.state.bytes(tp, dtype_bytes, dtype_bytes if ssm_bytes is None
+                                else ssm_bytes)
 
 
 @dataclass(frozen=True)
@@ -107,6 +182,17 @@ class MLA:
 
 
 @dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding as vLLM's ``--speculative-config`` sets it up: the draft's own
+    KV layers (indexed after the target's) and the tokens proposed per step."""
+
+    method: str  # "mtp", "eagle", "eagle3", "draft_model", "ngram", ...
+    num_speculative_tokens: int
+    layers: tuple[LayerKV, ...] = ()
+    num_mtp_layers: int = 0  # the target's num_nextn_predict_layers (MTP)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything kvmem needs to know about a model to size its KV cache and weights."""
 
@@ -129,6 +215,7 @@ class ModelSpec:
     total_params: int | None = None
     weight_bits: float | None = None  # quantised checkpoints: average bits per weight
     hf_id: str | None = None
+    speculative: Speculative | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -145,6 +232,11 @@ class ModelSpec:
         idx = range(self.num_layers) if layers is None else layers
         return sum(self.layers[i].bytes_per_token(tp, dtype_bytes) for i in idx)
 
+    @property
+    def kv_layers(self) -> tuple[LayerKV, ...]:
+        """Every layer with KV: the target's, then a speculative draft's (indices go on)."""
+        return self.layers + (self.speculative.layers if self.speculative else ())
+
     def kv_groups(self) -> list[KVGroup]:
         return build_kv_groups(self.layers)
 
@@ -158,7 +250,7 @@ def build_kv_groups(layers: tuple[LayerKV, ...] | list[LayerKV]) -> list[KVGroup
     group holds the rest and may be shorter (Gemma 3 27B: sliding 10,10,10,10,10,2)."""
     classes: dict[tuple[AttentionKind, int | None], list[int]] = {}
     for layer in layers:
-        if layer.kind.uses_blocks:
+        if layer.has_own_cache:
             classes.setdefault((layer.kind, layer.window), []).append(layer.index)
     if not classes:
         return []
