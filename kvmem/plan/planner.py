@@ -47,6 +47,7 @@ from kvmem.plan.validate import check_layout, check_settings, rank_memory, rank_
 from kvmem.plan.vllm_release import VllmRelease
 from kvmem.plan.vllm_rules import VllmGeometry
 from kvmem.spec import ModelSpec, dtype_bytes
+from kvmem.spec.speculative import speculative_spec
 from kvmem.spec.weights import weight_breakdown
 
 
@@ -79,7 +80,21 @@ def engine_geometry(spec: ModelSpec, tp: int, pp: int, settings: EngineSettings,
         return KVGeometry(*args)
     return VllmGeometry(*args, release=VllmRelease.parse(settings.vllm_version), pp=pp,
                         device=settings.device, hybrid=settings.hybrid_kv_cache_manager,
-                        max_concurrent_batches=settings.max_concurrent_batches)
+                        max_concurrent_batches=settings.max_concurrent_batches,
+                        prefix_caching=settings.enable_prefix_caching,
+                        mamba_cache_dtype=settings.mamba_cache_dtype,
+                        mamba_ssm_cache_dtype=settings.mamba_ssm_cache_dtype)
+
+
+def _with_draft(spec: ModelSpec, settings: EngineSettings) -> ModelSpec:
+    """The model with the speculative draft ``settings.speculative_config`` names; only
+    under vLLM's rules (kvmem's engine runs no draft)."""
+    if settings.speculative_config is None:
+        return spec
+    if settings.vllm_version is None:
+        raise ConfigError("--speculative-config: kvmem's engine runs no speculative draft; "
+                          "plan it under vLLM's rules (--vllm-version)")
+    return speculative_spec(spec, settings.speculative_config)
 
 
 def _with_batch_defaults(settings: EngineSettings, layout: Layout,
@@ -118,6 +133,7 @@ class _Planner:
             validate_partition(layout.layer_partition, spec.num_layers,
                                layout.pipeline_parallel_size)
         settings = _with_batch_defaults(settings, layout, profile)
+        spec = _with_draft(spec, settings)
         self.kv_dtype, self.max_model_len = check_settings(spec, settings, policy)
         self.spec, self.layout, self.settings, self.policy = spec, layout, settings, policy
         self.tp, self.pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
@@ -328,6 +344,6 @@ class _Planner:
             fits=all(r.fits for r in ranks), max_model_len=self.max_model_len,
             max_model_len_that_fits=min(r.max_model_len_that_fits for r in ranks),
             layer_partition=list(partition), policy=self.policy,
-            block_size=self.settings.block_size, kv_dtype=self.kv_dtype,
+            block_size=self.geometry.block_size, kv_dtype=self.kv_dtype,
             num_kv_groups=self.geometry.num_groups,
         )

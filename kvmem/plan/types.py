@@ -55,6 +55,11 @@ class EngineSettings:
     device: str = "gpu"  # "cpu": vLLM's CPU platform
     max_concurrent_batches: int | None = None  # None: vLLM's default for the release
     hybrid_kv_cache_manager: bool | None = None  # None: vLLM's default for the release
+    # vLLM's prefix caching (on by default): linear-attention states in "align" mode
+    enable_prefix_caching: bool = True
+    mamba_cache_dtype: str = "auto"  # linear-attention conv state ("auto": the model's)
+    mamba_ssm_cache_dtype: str = "auto"  # temporal state ("auto": the model family's)
+    speculative_config: str | None = None  # vLLM's --speculative-config JSON (a draft's KV)
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,13 @@ class VllmRelease:
 
     # ------------------------------------------------------------------ charges
     @property
+    def gdn_prefill_checkpoints(self) -> bool:
+        """Gated DeltaNet layers whose prefill runs on FlashInfer export prefill
+        checkpoints in align mode: one more state block per request and a block size
+        aligned to 64 tokens (``GatedDeltaNetAttention.get_kv_cache_spec``, 0.33)."""
+        return self.since(0, 33)
+
+    @property
     def in_flight_batches(self) -> bool:
         """Sliding-window and chunked-local charges count ``max_concurrent_batches`` times
         ``max_num_batched_tokens`` (``VllmConfig.max_in_flight_tokens``, 0.26); before,

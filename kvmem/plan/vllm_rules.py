@@ -34,8 +34,9 @@ the vLLM release in ``kvmem.plan.vllm_release`` does, read in vLLM's own source:
 - **fit check** (``_check_enough_kv_cache_memory`` with its need, see
   ``VllmRelease.fit_check``).
 
-Linear-attention (Mamba-style) states are not vLLM's rules here: they are reserved per
-request as kvmem's engine does, and a note says so. Imports no torch.
+Linear-attention (Mamba2, Gated DeltaNet) layers are ``MambaSpec`` layers: their state
+page, the raised attention block size and their charge are ``kvmem.plan.vllm_mamba``'s.
+Imports no torch.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from math import ceil
 
 from kvmem.errors import ConfigError
 from kvmem.plan.geometry import Geometry, StageKV
+from kvmem.plan.vllm_mamba import MAMBA, mamba_rules
 from kvmem.plan.vllm_release import (
     CHECK_FIRST_GROUP,
     CHECK_GLOBAL,
@@ -128,7 +130,8 @@ class VllmGeometry(Geometry):
     def __init__(self, spec: ModelSpec, tp: int, kv_dtype_bytes: int, state_dtype_bytes: int,
                  block_size: int, max_num_batched_tokens: int, *, release: VllmRelease,
                  pp: int = 1, device: str = "gpu", hybrid: bool | None = None,
-                 max_concurrent_batches: int | None = None) -> None:
+                 max_concurrent_batches: int | None = None, prefix_caching: bool = True,
+                 mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto") -> None:
         super().__init__(spec, tp, kv_dtype_bytes, state_dtype_bytes, block_size,
                          max_num_batched_tokens)
         self.release = release
@@ -145,11 +148,22 @@ class VllmGeometry(Geometry):
                               "per running request for the draft, never past max_model_len: "
                               "the blocks of a request at max_model_len, the concurrency and "
                               "the fit check are those without them")
-        if any(lay.kind is AttentionKind.LINEAR for lay in spec.layers):
-            self.notes.append(f"vLLM's rules for linear-attention states are not modelled: "
-                              f"{self.name}'s blocks here count the attention layers, and "
-                              f"each running request's states are reserved as kvmem's "
-                              f"engine does")
+        self.mamba = mamba_rules(
+            spec, release, tp=tp, kv_dtype_bytes=kv_dtype_bytes, block_size=block_size,
+            device=device, prefix_caching=prefix_caching, mamba_cache_dtype=mamba_cache_dtype,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+            num_spec=spec.speculative.num_speculative_tokens if spec.speculative else 0)
+        if self.mamba is not None and self.mamba.block_size != block_size:
+            self.block_size = self.mamba.block_size
+            self.notes.append(f"{self.name} raises the attention block size to "
+                              f"{self.block_size} tokens so that a page holds one "
+                              f"linear-attention state, and pads the state page by "
+                              f"{self.mamba.padding:.2f}%")
+
+    @cached_property
+    def layer_state_bytes(self) -> list[int]:
+        """vLLM keeps linear-attention states in blocks (``MambaSpec``), nothing apart."""
+        return [0] * len(self.layers)
 
     def _hybrid_default(self) -> bool:
         """Whether vLLM runs its hybrid KV cache manager by default (``VllmConfig``)."""
@@ -169,6 +183,8 @@ class VllmGeometry(Geometry):
     def raw_spec(self, i: int) -> LayerSpec | None:
         """Layer i's spec as its attention layer reports it (None: no paged KV)."""
         lay = self.layers[i]
+        if lay.kind is AttentionKind.LINEAR and self.mamba is not None:  # MambaSpec
+            return LayerSpec(MAMBA, None, self.mamba.page, self.block_size)
         page = self.block_size * self.layer_bytes_per_token[i]
         kind = {AttentionKind.FULL: FULL, AttentionKind.MLA: MLA,
                 AttentionKind.SLIDING: SLIDING, AttentionKind.CHUNKED: CHUNKED}.get(lay.kind)
@@ -277,6 +293,8 @@ class VllmGeometry(Geometry):
         """Blocks one request of seq_len tokens is charged in a group, or by one layer's
         spec (its ``max_memory_usage_bytes`` / ``page_size_bytes``)."""
         bs = group.block_size
+        if group.kind == MAMBA:
+            return self.mamba.charge
         if group.kind == SLIDING:
             retained = group.window - 1 + self.extra_retained_tokens + self.in_flight_tokens
             return ceil(min(retained, seq_len) / bs) + 1

@@ -1,0 +1,112 @@
+"""vLLM's rules for linear-attention states (Mamba2, Gated DeltaNet): pages, block size,
+charges. Imports no torch.
+
+Read in vLLM 0.32's and 0.33's source; ``kvmem.plan.vllm_rules`` applies them:
+
+- **the state page** (``MambaSpec.page_size_bytes``): the bytes of one layer's state
+  tensors on a rank, shaped by ``MambaStateShapeCalculator`` (``kvmem.spec.LinearState``),
+  the conv state in ``mamba_cache_dtype`` (``auto``: the model's dtype) and the temporal
+  state in ``mamba_ssm_cache_dtype`` (``auto``: the conv's, except where the model's
+  config class sets it: Nemotron-H float32, Qwen3.5 its ``mamba_ssm_dtype``). The KV cache
+  dtype (fp8) does not apply to states.
+- **the attention block size** (``Platform._align_hybrid_block_size``): raised to the
+  smallest multiple of the attention kernel's block (16 for FlashAttention on GPUs, 32 for
+  vLLM's CPU attention; at least ``--block-size``) whose attention page (block size x the
+  attention layer's bytes per token) holds one state; then the state page is padded to
+  that attention page (``mamba_page_size_padded``), so every layer's page is the same.
+- **prefix caching** (``MambaModelConfig.verify_and_update_config``): on (vLLM's default
+  for generative models) it sets ``mamba_cache_mode="align"`` and the state block size to
+  the attention block size; off, ``"none"`` and max_model_len.
+- **the per-request charge** (``MambaSpec.max_memory_usage_bytes``): one state page per
+  linear group and request with ``"none"``; with ``"align"`` two, plus one checkpoint
+  block where the layer exports prefill checkpoints (``num_prefill_checkpoint_blocks``):
+  Mamba2 layers always (0.32 and 0.33), Gated DeltaNet layers from 0.33 when their
+  prefill runs on FlashInfer (CUDA; not vLLM's CPU platform), which also aligns the block
+  size to 64 tokens. Plus one page per speculative token.
+- The groups (``_get_kv_cache_groups_uniform_page_size``) treat the state layers as one
+  more kind: every kind is split into groups of the smallest kind's layer count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil, lcm
+
+from kvmem.errors import ConfigError
+from kvmem.plan.vllm_release import VllmRelease
+from kvmem.spec import AttentionKind, ModelSpec, dtype_bytes
+from kvmem.spec.layout import LinearState, StateKind
+
+MAMBA = "mamba"
+MAMBA_CACHE_MODES = ("align", "none")
+KERNEL_BLOCK = {"gpu": 16, "cpu": 32}  # FlashAttention MultipleOf(16); CPU MultipleOf(32)
+FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64  # vllm/v1/attention/backends/gdn_attn.py (0.33)
+
+
+@dataclass(frozen=True)
+class MambaRules:
+    """How vLLM pages one model's linear-attention states on a rank."""
+
+    cache_mode: str  # "align" (prefix caching) or "none"
+    state_bytes: int  # one layer's state on a rank, unpadded
+    block_size: int  # the attention block size, raised to hold a state page
+    page: int  # the state page, padded to the attention page
+    charge: int  # pages one request holds in each linear group
+
+    @property
+    def padding(self) -> float:
+        """How much the state page is padded, as vLLM logs it (percent)."""
+        return 100 * (self.page - self.state_bytes) / self.state_bytes
+
+
+def state_dtype_bytes(state: LinearState, model_dtype: str, mamba_cache_dtype: str,
+                      mamba_ssm_cache_dtype: str) -> tuple[int, int]:
+    """(conv, ssm) bytes per element (``MambaStateDtypeCalculator``)."""
+    conv = dtype_bytes(model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype)
+    if mamba_ssm_cache_dtype != "auto":
+        return conv, dtype_bytes(mamba_ssm_cache_dtype)
+    return conv, dtype_bytes(state.ssm_dtype) if state.ssm_dtype else conv
+
+
+def checkpoint_blocks(state: LinearState, release: VllmRelease, device: str) -> int:
+    """``MambaSpec.num_prefill_checkpoint_blocks`` of the model's state layers."""
+    if state.kind is StateKind.MAMBA2:
+        return 1
+    if state.kind is StateKind.GATED_DELTA_NET and release.gdn_prefill_checkpoints:
+        return int(device == "gpu")
+    return 0
+
+
+def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_bytes: int,
+                block_size: int, device: str, prefix_caching: bool,
+                mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
+                num_spec: int = 0) -> MambaRules | None:
+    """vLLM's paging of ``spec``'s states (None: the model has no linear-attention layer)."""
+    states = {lay.state for lay in spec.layers if lay.kind is AttentionKind.LINEAR}
+    if not states:
+        return None
+    if None in states:
+        raise ConfigError(f"{spec.name}: kvmem does not know the state of its "
+                          "linear-attention layers (model type "
+                          f"{spec.model_type or 'unknown'})")
+    if len(states) > 1:
+        raise ConfigError(f"{spec.name}: linear-attention layers with different states "
+                          "are not planned")
+    state, = states
+    conv, ssm = state_dtype_bytes(state, spec.dtype, mamba_cache_dtype, mamba_ssm_cache_dtype)
+    raw = state.bytes(tp, conv, ssm, num_spec)
+    mode = "align" if prefix_caching else "none"
+    checkpoints = checkpoint_blocks(state, release, device)
+    charge = (2 + checkpoints if mode == "align" else 1) + num_spec
+    per_token = max((lay.bytes_per_token(tp, kv_dtype_bytes) for lay in spec.layers
+                     if lay.kind.uses_blocks), default=0)
+    if not per_token:  # attention-free: no attention page to match
+        return MambaRules(mode, raw, block_size, raw, charge)
+    kernel = KERNEL_BLOCK.get(device, KERNEL_BLOCK["gpu"])
+    align = max(kernel, block_size)
+    if mode == "align" and checkpoints and state.kind is StateKind.GATED_DELTA_NET:
+        align = lcm(align, FLASHINFER_GDN_CHECKPOINT_ALIGNMENT)
+    needed = align * ceil(raw / (align * per_token))
+    needed = kernel * ceil(needed / kernel)
+    block = max(block_size, needed)
+    return MambaRules(mode, raw, block, block * per_token, charge)
