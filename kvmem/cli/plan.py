@@ -115,6 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="vLLM: charge sliding-window and chunked layers as full attention, "
                         "as vLLM's flag of that name does")
+    e.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's speculative decoding config, e.g. '{\"method\": \"mtp\", "
+                        "\"num_speculative_tokens\": 2}' or an EAGLE draft's \"model\": the "
+                        "draft's KV layers join the plan's")
     e.add_argument("--profile", metavar="FILE.json",
                    help="measured memory from `kvmem profile --output`: its weights, activation, "
                         "non-torch, CUDA-graph and total memory replace the estimates")
@@ -200,7 +204,8 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         cpu_offload_bytes=offload, kv_cache_dtype=args.kv_cache_dtype,
         vllm_version=version, device=args.device,
         max_concurrent_batches=args.max_concurrent_batches,
-        hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None)
+        hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None,
+        speculative_config=getattr(args, "speculative_config", None))
     if version is not None and 1 <= batched < seqs:  # only where --max-num-seqs was given
         default = " (vLLM's default)" if args.max_num_batched_tokens is None else ""
         raise ConfigError(f"--max-num-seqs {seqs:,} is more than --max-num-batched-tokens "

@@ -120,6 +120,8 @@ def _vllm_tail(plan: Plan) -> list[str]:
         argv.append("--enforce-eager")
     if s.hybrid_kv_cache_manager is False:
         argv.append("--disable-hybrid-kv-cache-manager")
+    if s.speculative_config is not None:
+        argv += ["--speculative-config", s.speculative_config]
     return argv
 
 

@@ -41,6 +41,21 @@ def parse_speculative_config(text: str) -> dict[str, Any]:
     return value
 
 
+def speculative_spec(spec: ModelSpec, text: str) -> ModelSpec:
+    """``spec`` with the draft that vLLM's ``--speculative-config`` ``text`` describes; an
+    EAGLE or draft model named by ``model`` is read as any MODEL is (``load_spec``)."""
+    config = parse_speculative_config(text)
+    draft = config.get("model")
+    if draft is not None and config.get("method") != MTP:
+        if not isinstance(draft, str) or not draft:
+            raise ConfigError(f"{FLAG}: field 'model' must be a model name or path, "
+                              f"got {draft!r}")
+        from kvmem.spec.config import load_spec
+
+        return with_speculative(spec, config, load_spec(draft))
+    return with_speculative(spec, config)
+
+
 def _tokens(config: dict[str, Any], default: int | None) -> int:
     k = config.get("num_speculative_tokens", default)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
