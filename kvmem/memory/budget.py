@@ -5,7 +5,10 @@ it unmaps them (``release``); its heartbeat (``report``) records what of its mem
 live and cached KV and reads back what it may hold and what other engines asked it to
 give back (``kvmem.memory.sharing`` decides both). It is the authority on what it holds:
 every write puts its own count in its entry, so an entry edited, deleted or reset while
-it runs is put right (a lost entry is registered again, with a warning).
+it runs is put right (a lost or damaged entry is registered again, with a warning), and
+so is the device total, which it remembers as it was started or last set: a total lost
+to damage is put back. A read (``peek``, an idle engine's poll) that finds either wrong
+writes at once, so an idle engine is never left out of the total.
 
 Nothing in the ledger file can stop an engine: when the file cannot be used (replaced by
 a directory or a link, another user's, locked by a stuck process, no room on its file
@@ -32,6 +35,7 @@ from kvmem.memory.ledger import (
     LedgerError,
     LedgerTable,
     alive,
+    process_start_time,
 )
 from kvmem.memory.sharing import (
     allowed,
@@ -69,8 +73,10 @@ class EngineBudget:
         self.attainable_bytes: int | None = ceiling_bytes
         self.reclaimed_bytes = 0  # given back to other engines, in all
         self.reclaims = 0
+        self.total_limit: int | None = None  # the device total, as last known
         self.problem: str | None = None  # why the ledger is not used now, if it is not
         self._lock = threading.RLock()
+        self._start_time = process_start_time(os.getpid())
 
     # -- the entry ---------------------------------------------------------------------
     def _entry(self) -> LedgerEntry:
@@ -79,22 +85,40 @@ class EngineBudget:
                            floor_bytes=self.floor_bytes, ceiling_bytes=self.ceiling_bytes,
                            mapped_bytes=self.held_bytes, request_bytes=self.request_bytes,
                            reclaimed_bytes=self.reclaimed_bytes, reclaims=self.reclaims,
-                           active_at=now, heartbeat=now)
+                           active_at=now, heartbeat=now, start_time=self._start_time)
+
+    def _mine(self, table: LedgerTable) -> LedgerEntry | None:
+        """Its entry, if the table holds it intact."""
+        entry = table.engines.get(self.name)
+        if entry is None or entry.pid != os.getpid() or self.name in table.damaged:
+            return None
+        return entry
+
+    def _keep_total(self, table: LedgerTable) -> None:
+        """Learn the device total from the table, or put back the one it knew when the
+        table's was lost to damage."""
+        if table.total_known:
+            self.total_limit = table.total_limit
+        elif self.total_limit is not None:
+            log.warning("KV memory ledger %s lost the device total; putting back %d bytes",
+                        self.ledger.path, self.total_limit)
+            table.total_limit, table.total_known = self.total_limit, True
 
     def register(self, total_limit: int | None = None) -> None:
         """Add the entry; refused in one line when a live engine of another process has
         the name or the floors would not fit the total (start-up errors, not degraded)."""
         def change(table: LedgerTable) -> None:
             old = table.engines.get(self.name)
-            if old is not None and alive(old.pid) and old.pid != os.getpid():
+            if old is not None and alive(old.pid, old.start_time) and old.pid != os.getpid():
                 raise ConfigError(f"an engine named {self.name!r} (pid {old.pid}) already "
                                   f"uses {self.ledger.device}; pick another name")
             if total_limit is not None and table.total_limit is None:
                 check_total(table, total_limit)
-                table.total_limit = total_limit
+                table.total_limit, table.total_known = total_limit, True
             check_limits(table, self.name, self.floor_bytes, self.ceiling_bytes,
                          self.request_bytes)
             table.engines[self.name] = self._entry()
+            self.total_limit = table.total_limit
 
         with self._lock:
             self.ledger.change(change)
@@ -105,12 +129,15 @@ class EngineBudget:
         registered again if it is gone; ``fallback()`` when the ledger cannot be used."""
         def change(table: LedgerTable) -> T:
             entry = table.engines.get(self.name)
-            if entry is not None and entry.pid != os.getpid() and alive(entry.pid):
+            if entry is not None and entry.pid != os.getpid() and alive(entry.pid,
+                                                                        entry.start_time):
                 raise LedgerError(f"engine name {self.name!r} in the KV memory ledger "
                                   f"{self.ledger.path} was taken by pid {entry.pid}")
-            if entry is None or entry.pid != os.getpid():
-                log.warning("KV memory ledger %s lost engine %r; registering it again "
-                            "(holding %d bytes)", self.ledger.path, self.name, self.held_bytes)
+            self._keep_total(table)
+            if self._mine(table) is None:
+                log.warning("KV memory ledger %s lost engine %r or damaged its entry; "
+                            "registering it again (holding %d bytes)", self.ledger.path,
+                            self.name, self.held_bytes)
                 entry = table.engines[self.name] = self._entry()
             entry.heartbeat = time.time()
             entry.mapped_bytes = self.held_bytes
@@ -125,8 +152,10 @@ class EngineBudget:
             result = self.ledger.change(change)
         except LedgerError as e:
             if str(e) != self.problem:
-                log.warning("%s; engine %r goes on with its own accounting (at most %s bytes)",
-                            e, self.name, self.allowed_bytes)
+                limit = ("no limit" if self.allowed_bytes is None
+                         else f"at most {self.allowed_bytes} bytes")
+                log.warning("%s; engine %r goes on with its own accounting (%s)", e,
+                            self.name, limit)
                 self.problem = str(e)
             return fallback()
         if self.problem is not None:
@@ -216,18 +245,20 @@ class EngineBudget:
 
     def peek(self) -> BudgetState:
         """What it may hold and is asked to give back, read without writing (cheap enough
-        to poll often); its last known state when the ledger cannot be read."""
-        fallback = self._state(0)
-        try:
-            table = self.ledger.read()
-        except LedgerError:
-            return fallback
-        entry = table.engines.get(self.name)
-        if entry is None or entry.pid != os.getpid():
-            return fallback
-        entry.mapped_bytes = self.held_bytes
-        return BudgetState(self.held_bytes, allowed(table, entry), entry.reclaim_bytes,
-                           attainable(table, entry))
+        to poll often) unless its entry or the device total needs putting right; its
+        last known state when the ledger cannot be read."""
+        with self._lock:
+            try:
+                table = self.ledger.read()
+            except LedgerError:
+                return self._state(0)
+            entry = self._mine(table)
+            if (entry is None or entry.mapped_bytes != self.held_bytes
+                    or not table.total_known and self.total_limit is not None):
+                return self._state(self._update(lambda e, t: e.reclaim_bytes, lambda: 0))
+            self._keep_total(table)
+            return BudgetState(self.held_bytes, allowed(table, entry), entry.reclaim_bytes,
+                               attainable(table, entry))
 
     def gave_back(self, nbytes: int) -> None:
         """It answered the ask: ``nbytes`` went back (already ``release``d). Whatever it

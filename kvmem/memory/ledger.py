@@ -7,15 +7,19 @@ live and cached KV, what others asked it to give back and what it gave. The rule
 read the table (how much an engine may take, who gives back what) are in
 ``kvmem.memory.sharing``; an engine's handle on its entry is ``kvmem.memory.budget``.
 
-The file lives in ``$KVMEM_LEDGER_DIR`` (default ``/dev/shm``, else the temp directory)
-as ``kvmem-ledger-<device>.json``. It is treated as hostile input:
+The file is ``kvmem-ledger-<device>.json`` in ``$KVMEM_LEDGER_DIR``; by default it is
+``kvmem-<uid>-ledger-<device>.json`` in ``/dev/shm`` (else the temp directory): a folder
+every user writes to, so each user has a name of their own. It is treated as hostile input:
 
 - it is opened without following links, created ``0600`` (``0660`` in a set-group-ID
   folder, for engines of one group), and only a regular file owned by this user (or, in
-  such a folder, by its group) is read or written;
+  such a folder, by its group) with no other hard link is read or written;
 - the read is bounded, every entry is validated field by field; a bad entry or field is
   dropped, the table is used without it, and what was wrong is kept in ``damage`` (shown
-  by ``kvmem top``) until the next clean write;
+  by ``kvmem top``) until the next clean write. No content raises: nesting too deep to
+  parse is damage like any other. A total that is missing or not valid is *unknown*
+  (``total_known``), not "none": a write leaves it unknown, and engines put back the
+  total they last knew;
 - the lock wait is bounded, and a write reserves its space first, so a full file system
   leaves the old table intact (a ``LedgerError``, which engines survive).
 """
@@ -27,6 +31,7 @@ import fcntl
 import json
 import math
 import os
+import reprlib
 import stat
 import tempfile
 import time
@@ -71,6 +76,8 @@ class LedgerEntry:
     reclaims: int = 0  # times it gave back
     active_at: float = 0.0  # when it last took memory (least recently active give first)
     heartbeat: float = 0.0
+    start_time: int | None = None  # its process's start (clock ticks after boot): a reused
+    # pid is another process; None (older entries): the pid alone is checked
 
     @property
     def givable_bytes(self) -> int:
@@ -83,6 +90,8 @@ class LedgerTable:
     total_limit: int | None = None
     engines: dict[str, LedgerEntry] = field(default_factory=dict)
     damage: list[str] = field(default_factory=list)  # what validation dropped
+    total_known: bool = True  # False: the file's total was missing or damaged
+    damaged: set[str] = field(default_factory=set)  # engines whose entries were damaged
 
     def others(self, name: str) -> list[LedgerEntry]:
         return [e for n, e in self.engines.items() if n != name]
@@ -94,6 +103,15 @@ def ledger_dir() -> Path:
         return Path(env)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _location(directory: str | Path | None) -> tuple[Path, str]:
+    """The ledger folder and its files' name prefix: in the default folder, which every
+    user can write to, the prefix names this user, so that another user's file of the
+    same name cannot keep this user's engines from starting."""
+    if directory or os.environ.get("KVMEM_LEDGER_DIR"):
+        return ledger_dir() if not directory else Path(directory), "kvmem-ledger-"
+    return ledger_dir(), f"kvmem-{os.geteuid()}-ledger-"
 
 
 def _device_key(device: str) -> str:
@@ -108,30 +126,69 @@ def _device_name(key: str) -> str:
     return f"{kind}:{index}" if kind == "cuda" and index.isdecimal() else key
 
 
+def _is_name(name: object) -> bool:
+    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and name.isprintable()
+            and name == name.strip())
+
+
 def check_engine_name(name: str) -> str:
-    """An engine name as the ledger keeps it: 1-128 printable characters."""
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable():
-        raise ConfigError(f"engine name {name!r}: use 1-{MAX_NAME} printable characters")
+    """An engine name as the ledger keeps it: 1-128 printable characters, not starting
+    or ending with a space."""
+    if not _is_name(name):
+        raise ConfigError(f"engine name {_shown(name)}: use 1-{MAX_NAME} printable "
+                          "characters, not starting or ending with a space")
     return name
 
 
-def alive(pid: int) -> bool:
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (the state first), or
+    None when it cannot be read."""
+    try:
+        line = Path(f"/proc/{pid}/stat").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return line[line.rfind(b")") + 2:].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field
+    22): with the pid, it names one process even after the pid is reused."""
+    fields_ = _proc_stat(pid)
+    try:
+        return int(fields_[19]) if fields_ else None
+    except (IndexError, ValueError):
+        return None
+
+
+def alive(pid: int, start_time: int | None = None) -> bool:
     """Whether process ``pid`` runs (a zombie, killed and not yet waited for by its
-    parent, holds no memory and does not)."""
+    parent, holds no memory and does not), and, given its ``start_time``, is still the
+    process that started then (not another one that reuses the pid)."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # another user's process
-        return True
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
+        pass
+    fields_ = _proc_stat(pid)
+    if fields_ is None:
         return True  # no /proc here: the signal said it exists
-    return stat_line[stat_line.rfind(b")") + 2:][:1] != b"Z"
+    if fields_[:1] == [b"Z"]:
+        return False
+    return start_time is None or process_start_time(pid) in (None, start_time)
 
 
 # -- validation ------------------------------------------------------------------------
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlevel = 2  # never recurses far: a value may be nested thousands deep
+
+
+def _shown(v: object) -> str:
+    """``v`` for a message: short, whatever its size or depth."""
+    return _REPR.repr(v)
+
+
 def _is_size(v: object, *, optional: bool = False) -> bool:
     if v is None:
         return optional
@@ -142,29 +199,28 @@ def _is_time(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-_SIZES = ("floor_bytes", "mapped_bytes", "live_bytes", "cached_bytes", "reclaim_bytes",
-          "wanted_bytes", "reclaimed_bytes", "reclaims")
+_OPTIONAL = ("ceiling_bytes", "request_bytes", "start_time")
 _DEFAULTS = {f.name: f.default for f in fields(LedgerEntry) if f.name not in ("name", "pid",
                                                                                 "device")}
 
 
 def _entry(key: object, raw: object, device: str) -> tuple[LedgerEntry | None, list[str]]:
     """A validated entry (None when it cannot be one) and what was wrong in it."""
-    if not isinstance(key, str) or not key.isprintable() or not 0 < len(key) <= MAX_NAME:
-        return None, [f"an entry named {key!r}: not a printable name"]
+    if not _is_name(key):
+        return None, [f"an entry named {_shown(key)}: not an engine name"]
     if not isinstance(raw, dict):
         return None, [f"entry {key!r}: not an object"]
     pid = raw.get("pid")
     if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < MAX_PID):
-        return None, [f"entry {key!r}: pid {pid!r} is not a process id"]
+        return None, [f"entry {key!r}: pid {_shown(pid)} is not a process id"]
     values: dict[str, object] = {}
     problems = []
     for name, default in _DEFAULTS.items():
         v = raw.get(name, default)
         ok = (_is_time(v) if name in ("active_at", "heartbeat") else
-              _is_size(v, optional=name in ("ceiling_bytes", "request_bytes")))
+              _is_size(v, optional=name in _OPTIONAL))
         if not ok:
-            problems.append(f"entry {key!r}: {name} {v!r} is not valid")
+            problems.append(f"entry {key!r}: {name} {_shown(v)} is not valid")
             v = default
         values[name] = v
     return LedgerEntry(name=key, pid=pid, device=device, **values), problems
@@ -172,21 +228,26 @@ def _entry(key: object, raw: object, device: str) -> tuple[LedgerEntry | None, l
 
 def parse_table(raw: bytes, device: str) -> LedgerTable:
     """The table in ``raw``, validated; what could not be used is dropped and described
-    in ``damage``. An empty file is an empty table."""
+    in ``damage``. An empty file is an empty table whose total is unknown. Never raises."""
     if not raw:
-        return LedgerTable()
+        return LedgerTable(total_known=False)
     try:
         doc = json.loads(raw)
     except ValueError:  # JSON or UTF-8 errors
-        return LedgerTable(damage=["not a JSON document"])
+        return LedgerTable(damage=["not a JSON document"], total_known=False)
+    except RecursionError:
+        return LedgerTable(damage=["nested too deep to read"], total_known=False)
     if not isinstance(doc, dict):
-        return LedgerTable(damage=["not a JSON object"])
+        return LedgerTable(damage=["not a JSON object"], total_known=False)
     table = LedgerTable()
     total = doc.get("total_limit")
-    if _is_size(total, optional=True):
+    if "total_limit" not in doc:
+        table.total_known = False
+    elif _is_size(total, optional=True):
         table.total_limit = total
     else:
-        table.damage.append(f"total_limit {total!r} is not a size")
+        table.total_known = False
+        table.damage.append(f"total_limit {_shown(total)} is not a size")
     engines = doc.get("engines", {})
     if not isinstance(engines, dict):
         table.damage.append("engines is not an object")
@@ -194,9 +255,16 @@ def parse_table(raw: bytes, device: str) -> LedgerTable:
     for key, value in engines.items():
         entry, problems = _entry(key, value, device)
         table.damage.extend(problems)
+        if problems and isinstance(key, str):
+            table.damaged.add(key)
         if entry is not None:
             table.engines[key] = entry
     return table
+
+
+def _living(table: LedgerTable) -> dict[str, LedgerEntry]:
+    """The table's engines whose processes run."""
+    return {n: e for n, e in table.engines.items() if alive(e.pid, e.start_time)}
 
 
 # -- the file --------------------------------------------------------------------------
@@ -209,16 +277,16 @@ class Ledger:
 
     @classmethod
     def for_device(cls, device: str, directory: str | Path | None = None) -> Ledger:
-        root = Path(directory) if directory else ledger_dir()
-        return cls(root / f"kvmem-ledger-{_device_key(device)}.json", device)
+        root, prefix = _location(directory)
+        return cls(root / f"{prefix}{_device_key(device)}.json", device)
 
     @classmethod
     def all(cls, directory: str | Path | None = None) -> list[Ledger]:
-        root = Path(directory) if directory else ledger_dir()
+        root, prefix = _location(directory)
         if root.exists() and not root.is_dir():
             raise LedgerError(f"the ledger folder {root} is not a directory")
-        return [cls(p, _device_name(p.stem.removeprefix("kvmem-ledger-")))
-                for p in sorted(root.glob("kvmem-ledger-*.json"))]
+        return [cls(p, _device_name(p.stem.removeprefix(prefix)))
+                for p in sorted(root.glob(f"{prefix}*.json"))]
 
     def _open(self) -> int:
         folder = self.path.parent
@@ -238,9 +306,12 @@ class Ledger:
             problem = "is not a regular file"
         elif st.st_uid != os.geteuid() and not (shared and st.st_gid == os.stat(folder).st_gid):
             problem = f"belongs to user {st.st_uid}, not to this user"
+        elif st.st_nlink > 1:  # a hard link would carry the table to another file
+            problem = f"has {st.st_nlink} hard links"
         if problem:
             os.close(fd)
-            raise LedgerError(f"the KV memory ledger {self.path} {problem}; not touching it")
+            raise LedgerError(f"the KV memory ledger {self.path} {problem}; not touching it "
+                              "(set KVMEM_LEDGER_DIR to a folder of your own)")
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
             os.fchmod(fd, mode)  # past the umask; an older ledger's 0644 too
         return fd
@@ -283,10 +354,13 @@ class Ledger:
             os.close(fd)  # closing the descriptor drops the lock
 
     def _write(self, fd: int, table: LedgerTable, old_size: int) -> None:
-        live = {n: asdict(e) for n, e in table.engines.items() if alive(e.pid)}
+        live = {n: asdict(e) for n, e in table.engines.items() if alive(e.pid, e.start_time)}
         for entry in live.values():
             del entry["name"], entry["device"]
-        data = json.dumps({"total_limit": table.total_limit, "engines": live,
+        # an unknown total stays unknown (no key) for engines to put back, never "none"
+        total = ({"total_limit": table.total_limit}
+                 if table.total_known or table.total_limit is not None else {})
+        data = json.dumps({**total, "engines": live,
                            **({"damage": table.damage[:8]} if table.damage else {})}).encode()
         try:
             if len(data) > old_size:  # the space first: a full file system fails here
@@ -301,7 +375,7 @@ class Ledger:
     def read(self) -> LedgerTable:
         """The table as it is (dead engines left out); damage is described, not fixed."""
         with self._locked(write=False) as table:
-            table.engines = {n: e for n, e in table.engines.items() if alive(e.pid)}
+            table.engines = _living(table)
             return table
 
     def entries(self) -> list[LedgerEntry]:
@@ -314,7 +388,7 @@ class Ledger:
         """``fn(table)`` under the exclusive lock, then the table written back (dead
         engines reaped, damage cleared)."""
         with self._locked(write=True) as table:
-            table.engines = {n: e for n, e in table.engines.items() if alive(e.pid)}
+            table.engines = _living(table)
             result = fn(table)
             table.damage = []
             return result
@@ -336,7 +410,7 @@ class Ledger:
 
         def change(table: LedgerTable) -> None:
             check_total(table, nbytes)
-            table.total_limit = nbytes
+            table.total_limit, table.total_known = nbytes, True
 
         self.change(change)
 
