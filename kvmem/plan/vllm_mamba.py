@@ -7,8 +7,9 @@ Read in vLLM 0.32's and 0.33's source; ``kvmem.plan.vllm_rules`` applies them:
   tensors on a rank, shaped by ``MambaStateShapeCalculator`` (``kvmem.spec.LinearState``),
   the conv state in ``mamba_cache_dtype`` (``auto``: the model's dtype) and the temporal
   state in ``mamba_ssm_cache_dtype`` (``auto``: the conv's, except where the model's
-  config class sets it: Nemotron-H float32, Qwen3.5 its ``mamba_ssm_dtype``). The KV cache
-  dtype (fp8) does not apply to states.
+  config class sets it: Nemotron-H float32, Qwen3.5 its ``mamba_ssm_dtype``; on vLLM's CPU
+  platform float32, see ``state_dtype_bytes``). The KV cache dtype (fp8) does not apply to
+  states.
 - **the attention block size** (``Platform._align_hybrid_block_size``): raised to the
   smallest multiple of the attention kernel's block (16 for FlashAttention on GPUs, 32 for
   vLLM's CPU attention; at least ``--block-size``) whose attention page (block size x the
@@ -60,12 +61,18 @@ class MambaRules:
 
 
 def state_dtype_bytes(state: LinearState, model_dtype: str, mamba_cache_dtype: str,
-                      mamba_ssm_cache_dtype: str) -> tuple[int, int]:
-    """(conv, ssm) bytes per element (``MambaStateDtypeCalculator``)."""
-    conv = dtype_bytes(model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype)
-    if mamba_ssm_cache_dtype != "auto":
-        return conv, dtype_bytes(mamba_ssm_cache_dtype)
-    return conv, dtype_bytes(state.ssm_dtype) if state.ssm_dtype else conv
+                      mamba_ssm_cache_dtype: str, device: str) -> tuple[int, int]:
+    """(conv, ssm) bytes per element (``MambaStateDtypeCalculator``). On vLLM's CPU
+    platform (a CPU with AVX512-BF16) an SSM state not float32 becomes float32, except a
+    Gated DeltaNet state in float16 or bfloat16 (``CpuPlatform.check_and_update_config``)."""
+    conv_dtype = model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype
+    ssm_dtype = (mamba_ssm_cache_dtype if mamba_ssm_cache_dtype != "auto"
+                 else state.ssm_dtype or "auto")
+    if device == "cpu" and not (state.kind is StateKind.GATED_DELTA_NET
+                                and ssm_dtype in ("float16", "bfloat16")):
+        ssm_dtype = "float32"
+    return dtype_bytes(conv_dtype), dtype_bytes(conv_dtype if ssm_dtype == "auto"
+                                                else ssm_dtype)
 
 
 def checkpoint_blocks(state: LinearState, release: VllmRelease, device: str) -> int:
@@ -93,7 +100,8 @@ def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_byte
         raise ConfigError(f"{spec.name}: linear-attention layers with different states "
                           "are not planned")
     state, = states
-    conv, ssm = state_dtype_bytes(state, spec.dtype, mamba_cache_dtype, mamba_ssm_cache_dtype)
+    conv, ssm = state_dtype_bytes(state, spec.dtype, mamba_cache_dtype, mamba_ssm_cache_dtype,
+                                  device)
     raw = state.bytes(tp, conv, ssm, num_spec)
     mode = "align" if prefix_caching else "none"
     checkpoints = checkpoint_blocks(state, release, device)

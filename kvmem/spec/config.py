@@ -250,8 +250,11 @@ def _linear_state(cfg: dict[str, Any], where: str) -> LinearState | None:
             "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")),
             where, "Gated DeltaNet linear attention")
         kernel = _int(cfg, "linear_conv_kernel_dim", where, 4, low=1)
+        # Qwen3.5's config class (vLLM's, not Qwen3-Next's) takes its mamba_ssm_dtype
+        qwen35 = str(cfg.get("model_type", "")).startswith("qwen3_5")
         return LinearState(StateKind.GATED_DELTA_NET, 2 * kh * kd + vh * vd, kernel - 1,
-                           (vh, vd, kd), ssm_dtype=_dtype_name(cfg.get("mamba_ssm_dtype")))
+                           (vh, vd, kd), ssm_dtype=_dtype_name(cfg.get("mamba_ssm_dtype"))
+                           if qwen35 else None)
     if _int(cfg, "mamba_num_heads", where):  # Nemotron-H
         heads, head_dim, state, groups, kernel = _need(cfg, (
             "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel"),

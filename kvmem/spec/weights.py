@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from kvmem.errors import ConfigError
 from kvmem.spec.dtypes import dtype_bytes
-from kvmem.spec.layout import AttentionKind, ModelSpec
+from kvmem.spec.layout import AttentionKind, ModelSpec, StateKind
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
 _EMBED = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings")
@@ -210,6 +210,11 @@ def _is_moe_layer(spec: ModelSpec, i: int) -> bool:
     return (i + 1) % max(1, moe.interleave_step) == 0
 
 
+def _one_block_a_layer(cfg: dict) -> bool:
+    """Nemotron-H: each layer is one Mamba, attention or MLP block, not attention + MLP."""
+    return "hybrid_override_pattern" in cfg or "layers_block_type" in cfg
+
+
 def layer_params(spec: ModelSpec, i: int) -> LayerParams:
     cfg = _cfg(spec)
     h, heads, hd = spec.hidden_size, spec.num_attention_heads, spec.head_dim
@@ -222,6 +227,14 @@ def layer_params(spec: ModelSpec, i: int) -> LayerParams:
         attention = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim)
                      + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
                      + heads * m.v_head_dim * h)
+    elif layer.kind is AttentionKind.NONE:  # Nemotron-H's MLP and MoE layers
+        attention = 0
+    elif layer.state is not None and layer.state.kind is StateKind.MAMBA2:
+        st = layer.state
+        heads_m, inner = st.temporal[0], st.temporal[0] * st.temporal[1]
+        # in_proj (z, x, B, C, dt), conv, out_proj, and A, D, dt_bias
+        attention = (h * (inner + st.conv_channels + heads_m)
+                     + st.conv_channels * (st.conv_len + 1) + inner * h + 3 * heads_m)
     elif layer.kind is AttentionKind.LINEAR:  # gated delta net (Qwen3-Next)
         kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
         kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
@@ -234,7 +247,11 @@ def layer_params(spec: ModelSpec, i: int) -> LayerParams:
 
     mlp = experts = 0
     moe = spec.moe
-    if moe is not None and _is_moe_layer(spec, i):
+    if _one_block_a_layer(cfg) and layer.kind is not AttentionKind.NONE:
+        pass  # Nemotron-H: a mixer layer has no MLP of its own
+    elif _one_block_a_layer(cfg):
+        mlp = 2 * h * spec.intermediate_size  # squared-ReLU MLP, no gate
+    elif moe is not None and _is_moe_layer(spec, i):
         expert_i = moe.moe_intermediate_size
         shared_i = int(cfg.get("shared_expert_intermediate_size") or 0) or \
             expert_i * moe.num_shared_experts

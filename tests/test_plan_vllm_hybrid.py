@@ -1,0 +1,174 @@
+"""kvmem's vLLM rules for Mamba2 and Gated DeltaNet hybrids against vLLM's own, 0.32 and 0.33.
+
+One subprocess per vLLM venv runs ``tests/vllm_hybrid_rules.py`` over a grid of tiny
+Qwen3-Next-shaped (Gated DeltaNet 3 : 1 full attention) and Nemotron-H-shaped (Mamba2,
+attention and MLP layers) configs: vLLM's engine arguments read each as a model, its
+platform raises the attention block size to hold a state page, and its KV cache functions
+group, size, charge and check the layers. Each case is planned here under the same
+release's rules from the same config; the attention block size, the state page, the
+groups, each group's charge, each stage's bytes per block, the engine's blocks, the
+logged KV cache size and concurrency, the start-up check's need and its estimate of the
+longest length that fits must be vLLM's.
+
+The grid: tp 1 and 2, pp 1 and 2, the model's bfloat16 KV and fp8 KV, prefix caching on
+("align") and off ("none"), vLLM's CPU attention and FlashAttention's kernel blocks,
+Mamba2 groups that tp does not divide, block sizes below and above the raise.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import cache
+
+import pytest
+import vllm_cpu
+
+from kvmem.plan import EngineSettings, Layout, RankProfile, plan
+from kvmem.plan.partition import even_partition, stage_layers
+from kvmem.plan.planner import engine_geometry
+from kvmem.plan.vllm_mamba import MAMBA
+from kvmem.spec import spec_from_config
+
+pytestmark = [pytest.mark.vllm]
+
+SERIES = ("0.32", "0.33")
+SPEC_CLASSES = {"full": "FullAttentionSpec", MAMBA: "MambaSpec"}
+NEMOTRON_PATTERN = "M-M*M-M*M-M*"
+
+
+def qwen3_next(n: int, dtype: str) -> dict:
+    """A tiny Qwen3-Next: every fourth layer full attention, the rest Gated DeltaNet."""
+    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "hidden_size": 64, "num_hidden_layers": n, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+            "vocab_size": 320, "max_position_embeddings": 8192, "full_attention_interval": 4,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "torch_dtype": dtype, "tie_word_embeddings": False}
+
+
+def nemotron_h(dtype: str, n_groups: int) -> dict:
+    """A tiny Nemotron-H: Mamba2 (M), MLP (-) and attention (*) layers."""
+    return {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+            "hidden_size": 64, "num_hidden_layers": len(NEMOTRON_PATTERN),
+            "hybrid_override_pattern": NEMOTRON_PATTERN, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+            "vocab_size": 320, "max_position_embeddings": 8192, "mamba_num_heads": 4,
+            "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": n_groups,
+            "conv_kernel": 4, "mlp_hidden_act": "relu2", "torch_dtype": dtype,
+            "tie_word_embeddings": False}
+
+
+def layer_kinds(config: dict) -> list[str]:
+    """"full", "linear" or "none" for each layer (the script builds specs from these)."""
+    if config["model_type"] == "nemotron_h":
+        return [{"M": "linear", "*": "full"}.get(c, "none")
+                for c in config["hybrid_override_pattern"]]
+    step = config["full_attention_interval"]
+    return ["full" if (i + 1) % step == 0 else "linear"
+            for i in range(config["num_hidden_layers"])]
+
+
+def planned(case: dict, series: str, memory: list[int]):
+    """kvmem's plan of the case under vLLM ``series``'s rules, each stage's workers holding
+    ``memory`` of KV."""
+    partition = [len(s) for s in case["stages"]]
+    tp = case["tp"]
+    return plan(spec_from_config(case["config"], "hybrid"),
+                Layout(tensor_parallel_size=tp, pipeline_parallel_size=len(partition),
+                       layer_partition=partition),
+                EngineSettings(gpu_memory_utilization=1.0, block_size=case["block_size"],
+                               max_model_len=case["max_model_len"], max_num_seqs=256,
+                               max_num_batched_tokens=case["batched"], cuda_graphs=False,
+                               vllm_version=series, device=case["device"],
+                               kv_cache_dtype=case["kv_dtype"],
+                               enable_prefix_caching=case["prefix_caching"]),
+                profile=[RankProfile(0, 0, 0, 0, m) for m in memory for _ in range(tp)],
+                suggest=False)
+
+
+@cache
+def grid() -> list[dict]:
+    rng = random.Random(49)
+    cases = []
+    for shape in ("gdn", "mamba2"):
+        for k in range(16):
+            dtype = rng.choice(["bfloat16", "float32"])
+            config = (qwen3_next(rng.choice([8, 12]), dtype) if shape == "gdn"
+                      else nemotron_h(dtype, rng.choice([1, 2])))
+            n = config["num_hidden_layers"]
+            pp = 1 + k % 2  # each of tp, pp, prefix caching and device half the cases
+            case = {"id": len(cases), "config": config, "dtype": dtype,
+                    "layers": layer_kinds(config), "tp": 1 + k // 2 % 2,
+                    "prefix_caching": bool(k // 4 % 2),
+                    "device": ("cpu", "gpu")[k // 8 % 2],
+                    "kv_dtype": rng.choice(["auto", "fp8"]),
+                    "block_size": rng.choice([16, 32, 64, 1024]),
+                    "max_model_len": rng.choice([96, 1000, 4096]),
+                    "batched": rng.choice([512, 2048]),
+                    "stages": [list(r) for r in stage_layers(even_partition(n, pp))]}
+            cases.append(case)
+    for case in cases:  # enough KV memory for one request on every stage, and more
+        ranks = planned(case, SERIES[-1], [1] * len(case["stages"])).ranks[::case["tp"]]
+        case["memory"] = [int(r.need_bytes_at_max_model_len * rng.uniform(1.0, 4.0))
+                          + rng.randrange(5000) for r in ranks]
+    return cases
+
+
+@pytest.fixture(scope="module", params=SERIES)
+def vllm_hybrid(request, tmp_path_factory) -> tuple[str, dict]:
+    cases_file = tmp_path_factory.mktemp("hybrid") / "cases.json"
+    cases_file.write_text(json.dumps(grid()))
+    script = (vllm_cpu.REPO / "tests" / "vllm_hybrid_rules.py").read_text()
+    result = vllm_cpu.run_for_json(script, "KVMEM_HYBRID", str(vllm_cpu.REPO / "tests"),
+                                   str(vllm_cpu.model_dir()), str(cases_file),
+                                   series=request.param, timeout=600)
+    return request.param, result
+
+
+def test_the_grid_covers_what_the_rules_distinguish():
+    cases = grid()
+    for key in ("tp", "prefix_caching", "device", "kv_dtype", "dtype"):
+        for shape in ("qwen3_next", "nemotron_h"):
+            assert len({c[key] for c in cases if c["config"]["model_type"] == shape}) == 2, key
+    assert {len(c["stages"]) for c in cases} == {1, 2}
+    assert any(c["config"].get("n_groups") == 1 and c["tp"] == 2 for c in cases)
+    # a --block-size below the raise and one above it
+    assert {c["block_size"] for c in cases} >= {16, 1024}
+
+
+@pytest.mark.parametrize("index", range(32))
+def test_kvmem_follows_vllms_hybrid_rules(vllm_hybrid, index):
+    series, results = vllm_hybrid
+    case, got = grid()[index], results["cases"][index]
+    assert "traceback" not in got, got["traceback"]
+    p = planned(case, series, case["memory"])
+    geometry = engine_geometry(spec_from_config(case["config"], "hybrid"), case["tp"],
+                               len(case["stages"]), p.settings, p.engine.kv_dtype)
+    assert p.engine.block_size == got["block_size"]
+    assert (geometry.mamba.state_bytes, geometry.mamba.page) == (got["state_bytes"],
+                                                                 got["state_page"])
+    assert geometry.mamba.cache_mode == got["mamba_cache_mode"]
+    groups = [[SPEC_CLASSES[g.kind], list(g.layers)] for g in geometry.global_groups]
+    assert groups == got["groups"]
+    assert [geometry.charge(g, case["max_model_len"]) for g in geometry.global_groups] \
+        == got["charges"]
+    stages = p.ranks[::case["tp"]]  # every tensor-parallel rank of a stage is the same
+    assert [r.bytes_per_block for r in stages] == got["bytes_per_block"]
+    assert [p.engine.num_blocks] * len(stages) == got["num_blocks"]
+    assert (p.engine.kv_cache_size_tokens, p.engine.max_concurrency) == (
+        got["tokens"], got["concurrency"])
+    assert [r.need_bytes_at_max_model_len - r.bytes_per_block for r in stages] \
+        == got["need"]
+    assert p.engine.fits
+    short = planned(case, series, [r.need_bytes_at_max_model_len - 1 if r.rank == 0
+                                   else r.need_bytes_at_max_model_len for r in stages])
+    assert not short.ranks[0].fits and all(r.fits for r in short.ranks[case["tp"]:])
+    assert "KV cache is needed, which is larger than the available KV cache memory" \
+        in got["short_of_need"]
+    longest = short.ranks[0].max_model_len_that_fits
+    assert (f"the estimated maximum model length is {longest}." in got["short_of_need"]) \
+        == (longest > 0)
