@@ -227,18 +227,21 @@ def _tensor(repo_id: str, filename: str, name: str, dtype: Any, shape: Any,
             offsets: Any) -> Tensor:
     """One header entry, checked: a known dtype, a shape of sizes, and data offsets that
     span exactly the bytes the dtype and shape take."""
-    where = f"{repo_id}: {filename}: tensor {name[:80]!r}"
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{repo_id}: {filename}: tensor {name[:80]!r} {what}; "
+                           f"{_pass_config(repo_id)}")
+
     bits = _DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
     if bits is None:
-        raise ConfigError(f"{where} has an unknown dtype {str(dtype)[:40]!r}")
+        raise bad(f"has an unknown dtype {str(dtype)[:40]!r}")
     if not isinstance(shape, (list, tuple)) or len(shape) > 16 or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ConfigError(f"{where} has no valid shape")
+        raise bad("has no valid shape")
     nbytes = -(-math.prod(shape) * bits // 8)
     if not (isinstance(offsets, (list, tuple)) and len(offsets) == 2
             and all(isinstance(o, int) for o in offsets) and offsets[1] - offsets[0] == nbytes):
-        raise ConfigError(f"{where}: its data offsets {str(offsets)[:60]} do not span the "
-                          f"{nbytes} bytes its dtype and shape take")
+        raise bad(f"has data offsets {str(offsets)[:60]} that do not span the {nbytes} bytes "
+                  "its dtype and shape take")
     return Tensor(name, nbytes, len(shape))
 
 
