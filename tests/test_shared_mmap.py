@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from kvmem.memory.backends import BackendError, make_backend
-from kvmem.memory.shared_mmap import FileHoles, SharedMmapBackend
+from kvmem.memory.shared_mmap import FileHoles, MemoryFile, SharedMmapBackend
 
 PAGE = 4096
 
@@ -41,7 +43,7 @@ def test_pages_follow_map_and_unmap(backend) -> None:
 def test_another_holder_of_the_file_releases_pages(backend) -> None:
     backend.map(0, 32 * PAGE)
     backend.tensor(0, 32 * PAGE).fill_(1)
-    holes = FileHoles(__import__("os").getpid(), backend.fd, 64 * PAGE, PAGE)
+    holes = FileHoles(backend.memory_file(), PAGE)
     try:
         holes.map(0, 32 * PAGE)  # bookkeeping only: the owner maps
         holes.unmap(0, 16 * PAGE)
@@ -53,13 +55,13 @@ def test_another_holder_of_the_file_releases_pages(backend) -> None:
 
 
 _OWNER = textwrap.dedent("""
-    import os, sys
+    import dataclasses, sys
     from kvmem.memory.shared_mmap import SharedMmapBackend
     b = SharedMmapBackend()
     b.reserve(64 * 4096)
     b.map(0, 64 * 4096)
     b.tensor(0, 64 * 4096).fill_(3)
-    print(os.getpid(), b.fd, b.resident_bytes(), flush=True)
+    print(*dataclasses.astuple(b.memory_file()), b.resident_bytes(), flush=True)
     sys.stdin.readline()  # asleep while the other process releases its pages
     t = b.tensor(0, 64 * 4096)
     print(b.resident_bytes(), int(t[:32 * 4096].sum()), int(t[32 * 4096:].sum()), flush=True)
@@ -70,9 +72,9 @@ def test_a_process_releases_pages_of_a_process_that_takes_no_step() -> None:
     owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
-        pid, fd, resident = map(int, owner.stdout.readline().split())
+        *file, resident = map(int, owner.stdout.readline().split())
         assert resident == 64 * PAGE
-        holes = FileHoles(pid, fd, 64 * PAGE, PAGE)
+        holes = FileHoles(MemoryFile(*file), PAGE)
         holes.unmap(0, 32 * PAGE)
         holes.close()
         out, _ = owner.communicate("go\n", timeout=60)
@@ -84,10 +86,74 @@ def test_a_process_releases_pages_of_a_process_that_takes_no_step() -> None:
 
 
 def test_a_file_that_is_not_the_kv_file_is_refused(backend) -> None:
+    named = backend.memory_file()
     with pytest.raises(BackendError, match="not the KV memory file"):
-        FileHoles(__import__("os").getpid(), backend.fd, 32 * PAGE, PAGE)
+        FileHoles(dataclasses.replace(named, size=32 * PAGE), PAGE)
+    with pytest.raises(BackendError, match="not the one that named"):
+        FileHoles(dataclasses.replace(named, pid=2**22 + 7), PAGE)
     with pytest.raises(BackendError, match="cannot open process"):
-        FileHoles(2**22 + 7, 3, 64 * PAGE, PAGE)
+        FileHoles(dataclasses.replace(named, fd=10**6), PAGE)
+
+
+def _punched_bytes(fd: int) -> bytes:
+    return os.pread(fd, 8 * PAGE, 0)
+
+
+@pytest.fixture
+def other_files(tmp_path):
+    """Files of the right size that are not the KV memory file, each filled with 7s: one
+    on disk held read-only, one on tmpfs, another program's memory file, and a kvmem
+    memory file other than the one named."""
+    on_disk = tmp_path / "precious"
+    on_disk.write_bytes(b"\7" * 64 * PAGE)
+    tmpfs = f"/dev/shm/kvmem-test-{os.getpid()}"
+    with open(tmpfs, "wb") as f:
+        f.write(b"\7" * 64 * PAGE)
+    fds = [os.open(on_disk, os.O_RDONLY), os.open(tmpfs, os.O_RDWR)]
+    os.unlink(tmpfs)  # no name on disk either
+    for name in ("other-program", "kvmem-kv"):
+        fd = os.memfd_create(name)
+        os.write(fd, b"\7" * 64 * PAGE)
+        fds.append(fd)
+    yield fds
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_stale_or_forged_name_punches_nothing(backend, other_files) -> None:
+    """The scheduler punched holes in any same-user file of the right size that a
+    handshake named: a file on disk, a tmpfs file, another program's memory file."""
+    named = backend.memory_file()
+    *others, kvmem_file = other_files
+    for fd in others:
+        st = os.fstat(fd)
+        for forged in (dataclasses.replace(named, fd=fd),
+                       dataclasses.replace(named, fd=fd, dev=st.st_dev, ino=st.st_ino)):
+            with pytest.raises(BackendError, match="not a kvmem memory file"):
+                FileHoles(forged, PAGE)
+    with pytest.raises(BackendError, match="another memory file than the one named"):
+        FileHoles(dataclasses.replace(named, fd=kvmem_file), PAGE)
+    for fd in other_files:
+        assert _punched_bytes(fd) == b"\7" * 8 * PAGE
+
+
+def test_a_name_from_a_process_whose_pid_was_reused_is_refused(backend) -> None:
+    named = backend.memory_file()
+    with pytest.raises(BackendError, match="another process has its pid"):
+        FileHoles(dataclasses.replace(named, start_time=named.start_time - 1), PAGE)
+
+
+@pytest.mark.parametrize("change", [dict(size=0), dict(size=-PAGE), dict(fd=-1), dict(pid=0),
+                                    dict(pid="1"), dict(ino=None), dict(start_time=True)])
+def test_a_garbled_name_is_refused(backend, change) -> None:
+    with pytest.raises(BackendError, match="does not name a KV memory file"):
+        FileHoles(dataclasses.replace(backend.memory_file(), **change), PAGE)
+
+
+@pytest.mark.parametrize("granularity", [0, -PAGE, 3, "4096", None])
+def test_granules_that_do_not_divide_the_file_are_refused(backend, granularity) -> None:
+    with pytest.raises(BackendError, match="do not divide"):
+        FileHoles(backend.memory_file(), granularity)
 
 
 def test_make_backend_shared_on_the_cpu_only() -> None:

@@ -18,24 +18,36 @@ worker's file there and then, in the scheduler's process.
   it back, when no block on it is live.
 - **The workers still apply every decision** with their next step (unmapping a page
   already punched frees nothing more), so their page maps stay the scheduler's.
-- **On any failure** (a file that cannot be opened or punched) it stops and says so in
-  one line; the decisions then reach the workers with a step, as without it.
+- **Only the worker's own file.** A handshake names the worker's process with its start
+  time and the file's device and inode; ``FileHoles`` opens nothing else (a stale
+  handshake whose pid another process took, a file on disk, another program's memory
+  file are refused).
+- **On any failure** (a file that cannot be checked, opened or punched, a handshake that
+  makes no sense) it stops and says so in one line; the decisions then reach the workers
+  with a step, as without it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from kvmem.errors import KvmemError
 from kvmem.integrations.vllm.elastic.layout import GranuleMap, KVLayout, TensorPlacement
 from kvmem.memory.backends import BackendError
-from kvmem.memory.shared_mmap import FileHoles
+from kvmem.memory.shared_mmap import FileHoles, MemoryFile
 
 log = logging.getLogger("vllm.kvmem.elastic")
 
 BlockRange = tuple[bool, int, int]  # (map: True / unmap: False, first block, end block)
+# what a forged or garbled handshake can raise on its way through the layout arithmetic
+_REFUSALS = (BackendError, KvmemError, OSError, ValueError, TypeError, ArithmeticError,
+             LookupError)
+
+
+def _counts(*values: object) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
 
 
 @dataclass(frozen=True)
@@ -50,9 +62,26 @@ class WorkerFile:
     placements: tuple[TensorPlacement, ...]
     num_blocks: int
     kv_size: int  # the KV buffer's bytes within it
+    start_time: int  # the worker process's (``/proc/PID/stat`` field 22)
+    dev: int  # the file's device and inode
+    ino: int
 
     def layout(self) -> KVLayout:
+        """Its KV layout; refused (``KvmemError``) unless every block of every tensor lies
+        within the KV buffer, which lies within the file."""
+        sane = (_counts(self.num_blocks, self.kv_size, self.size) and self.num_blocks > 0
+                and 0 < self.kv_size <= self.size and self.placements
+                and all(isinstance(p, TensorPlacement) and _counts(*astuple(p))
+                        and p.block_stride > 0 and p.num_layers > 0 and p.block_extent > 0
+                        and p.offset + (p.num_layers - 1) * p.layer_stride
+                        + (self.num_blocks - 1) * p.block_stride + p.block_extent
+                        <= self.kv_size for p in self.placements))
+        if not sane:
+            raise KvmemError(f"worker {self.rank}'s KV layout does not fit its memory file")
         return KVLayout(self.placements, self.num_blocks, self.kv_size)
+
+    def memory_file(self) -> MemoryFile:
+        return MemoryFile(self.pid, self.start_time, self.fd, self.size, self.dev, self.ino)
 
 
 class WorkerFiles:
@@ -71,12 +100,13 @@ class WorkerFiles:
         ranges = [(null_block, null_block + 1), *mapped]
         try:
             for f in sorted(files, key=lambda f: f.rank):
-                holes = FileHoles(f.pid, f.fd, f.size, f.granularity)
-                layout, granules = f.layout(), GranuleMap(holes, f.size)
+                layout = f.layout()
+                holes = FileHoles(f.memory_file(), f.granularity)
+                granules = GranuleMap(holes, f.size)
                 self._workers.append((layout, granules, holes))
                 for start, end in ranges:
                     granules.map(layout.spans(start, end))
-        except (BackendError, KvmemError, OSError) as exc:
+        except _REFUSALS as exc:
             self._stop(f"cannot open the workers' KV memory files ({exc})")
             return False
         self.active = bool(self._workers)
@@ -95,7 +125,7 @@ class WorkerFiles:
                         granules.map(spans)
                     else:
                         self.released_bytes += granules.unmap(spans)
-        except (BackendError, KvmemError, OSError) as exc:
+        except _REFUSALS as exc:
             self._stop(f"cannot release KV pages in the workers' memory files ({exc})")
             return False
         return True

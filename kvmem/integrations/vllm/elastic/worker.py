@@ -149,9 +149,11 @@ class ElasticWorker:
         b = self.backend
         if not isinstance(b, SharedMmapBackend) or b.fd is None or self.pipeline_parallel_size > 1:
             return None
-        return WorkerFile(rank=self.rank, pid=os.getpid(), fd=b.fd, size=self.reserved_bytes,
+        m = b.memory_file()
+        return WorkerFile(rank=self.rank, pid=m.pid, fd=m.fd, size=self.reserved_bytes,
                           granularity=b.granularity, placements=tuple(self.layout.placements),
-                          num_blocks=self.layout.num_blocks, kv_size=self.layout.size)
+                          num_blocks=self.layout.num_blocks, kv_size=self.layout.size,
+                          start_time=m.start_time, dev=m.dev, ino=m.ino)
 
     # -- each step ------------------------------------------------------------------------
     def apply(self, seq: int, ops: tuple[BlockRange, ...],
