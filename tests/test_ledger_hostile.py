@@ -200,6 +200,13 @@ def test_blank_or_padded_engine_names_are_refused(tmp_path, name):
     assert table.engines == {} and table.damage
 
 
+@pytest.mark.parametrize("name", [" ", "a\x01"])
+def test_kvmem_limit_refuses_a_blank_engine_name_in_one_line(tmp_path, capsys, name):
+    assert main(["limit", name, "1GiB", "--ledger-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "printable characters, not starting" in err
+
+
 def test_a_blank_engine_name_flag_is_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVMEM_LEDGER_DIR", str(tmp_path))
     assert main(["generate", "--kv-memory", "elastic", "--engine-name", " ", "--max-tokens",

@@ -61,6 +61,7 @@ def _size(text: str, what: str) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmem.memory import control
+    from kvmem.memory.ledger import check_engine_name
     from kvmem.units import format_bytes
 
     def shown(n: int | None) -> str:
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.name is None or (ceiling_text is None and args.floor is None):
         raise ConfigError("usage: kvmem limit NAME SIZE, kvmem limit NAME [--min SIZE] "
                           "[--max SIZE], or kvmem limit --total SIZE --device DEVICE")
+    check_engine_name(args.name)
     floor = None if args.floor is None else (_size(args.floor, "--min") or 0)
     ceiling = "keep" if ceiling_text is None else _size(ceiling_text, "--max")
     changed = control.set_limits(args.name, floor_bytes=floor, ceiling_bytes=ceiling,
