@@ -414,3 +414,106 @@ def test_the_engine_sizes_without_searching_alternatives():
     p = plan(load_spec("qwen3-8b"), Layout(gpus=["L4"]),
              EngineSettings(max_model_len=40960, max_num_seqs=1024), suggest=False)
     assert not p.engine.fits and p.alternatives == []
+
+
+MTP_MODEL = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+             "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+             "vocab_size": 1000, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+             "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
+
+
+def _vllm_plan(spec, speculative=None, pp=1, **settings):
+    return plan(spec, Layout(pipeline_parallel_size=pp),
+                EngineSettings(kv_cache_memory_bytes=GiB, max_model_len=4096,
+                               max_num_seqs=16, max_num_batched_tokens=512, vllm_version="0.33",
+                               speculative_config=speculative, **settings), suggest=False)
+
+
+def test_mtp_layers_join_the_last_stage_and_take_the_targets_shape():
+    spec = spec_from_config(MTP_MODEL)
+    per_layer = (64 + 16) * 2
+    alone = _vllm_plan(spec, pp=2)
+    drafted = _vllm_plan(spec, '{"method": "mtp", "num_speculative_tokens": 2}', pp=2)
+    assert [r.kv_bytes_per_token for r in alone.ranks] == [2 * per_layer] * 2
+    assert [r.kv_bytes_per_token for r in drafted.ranks] == [2 * per_layer, 3 * per_layer]
+    assert drafted.ranks[1].num_blocks < alone.ranks[1].num_blocks
+    assert any("2 lookahead slots" in n for n in drafted.notes)
+    assert "--speculative-config" in " ".join(_vllm_argv(drafted))
+
+
+def _vllm_argv(p) -> list[str]:
+    from kvmem.plan.flags import engine_command
+
+    return engine_command(p, "vllm", "m").argv
+
+
+def test_an_eagle3_draft_brings_its_own_layers(tmp_path):
+    draft = tmp_path / "draft.json"
+    draft.write_text('{"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, '
+                     '"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, '
+                     '"head_dim": 64, "vocab_size": 1000}')
+    spec = spec_from_config({**MTP_MODEL, "num_nextn_predict_layers": 0})
+    p = _vllm_plan(spec, f'{{"method": "eagle3", "model": "{draft}", '
+                         '"num_speculative_tokens": 3}')
+    assert p.ranks[0].kv_bytes_per_token == 4 * (64 + 16) * 2 + 2 * 2 * 64 * 2
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ("{", "not valid JSON"),
+    ('["mtp"]', "must be a JSON object"),
+    ('{"method": "medusa", "num_speculative_tokens": 1}', "field 'method'"),
+    ('{"method": "eagle", "num_speculative_tokens": 0, "model": "x"}',
+     "num_speculative_tokens"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "needs field 'model'"),
+    ('{"method": "mtp"}', "no num_nextn_predict_layers"),
+])
+def test_bad_speculative_configs_are_one_line_errors(config, message):
+    spec = spec_from_config({**MTP_MODEL, "num_nextn_predict_layers": None})
+    with pytest.raises(ConfigError, match=message):
+        _vllm_plan(spec, config)
+
+
+def test_kvmems_engine_refuses_a_draft():
+    with pytest.raises(ConfigError, match="kvmem's engine runs no speculative draft"):
+        plan(spec_from_config(MTP_MODEL), Layout(),
+             EngineSettings(kv_cache_memory_bytes=GiB, max_model_len=4096,
+                            speculative_config='{"method": "mtp"}'))
+
+
+def test_chained_mtp_modules_keep_more_of_a_sliding_window():
+    # vLLM: extra_retained_tokens = num_speculative_tokens - 1 with more than one module;
+    # window 113 - 1 + 2 batches in flight x 512 tokens = 1136 tokens, 71 blocks of 16
+    from kvmem.plan.planner import engine_geometry
+    from kvmem.spec.speculative import speculative_spec
+
+    cfg = {**MTP_MODEL, "kv_lora_rank": None, "num_key_value_heads": 2, "head_dim": 64,
+           "num_nextn_predict_layers": 3, "sliding_window": 113,
+           "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    spec = spec_from_config(cfg)
+
+    def sliding_charge(tokens: int) -> int:
+        config = f'{{"method": "mtp", "num_speculative_tokens": {tokens}}}'
+        p = _vllm_plan(spec, config)
+        geometry = engine_geometry(speculative_spec(spec, config), 1, 1, p.settings,
+                                   p.engine.kv_dtype)
+        charges = {geometry.charge(g, 4096) for g in geometry.global_groups
+                   if g.kind == "sliding"}
+        assert len(charges) == 1
+        return charges.pop()
+
+    assert sliding_charge(1) == 71 + 1
+    assert sliding_charge(3) == 72 + 1  # 1138 tokens
+
+
+@pytest.mark.parametrize("config", ['{"method": "mtp", ', '{"method": "mtp"}'])
+def test_plan_cli_refuses_a_bad_speculative_config_in_one_line(tmp_path, capsys, config):
+    import json
+
+    from kvmem.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MTP_MODEL, "num_nextn_predict_layers": None}))
+    assert main(["plan", str(path), "--kv-cache-memory-bytes", "1GiB",
+                 "--speculative-config", config]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("kvmem: error: --speculative-config:"), err

@@ -168,3 +168,77 @@ def test_bad_configs_give_one_line_errors(tmp_path):
         load_spec(bad)
     with pytest.raises(ConfigError, match="no config.json"):
         load_spec(tmp_path / "..")
+
+
+def _config(**fields) -> dict:
+    base = {"architectures": ["X"], "num_hidden_layers": 6, "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 100}
+    return {**base, **fields}
+
+
+def test_gemma3n_shared_layers_read_the_last_sliding_and_full_layer_and_keep_no_kv():
+    # vLLM's Gemma3nAttention: a shared sliding layer reads the layer two before the first
+    # shared one, a shared full layer the one just before
+    types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(15)]
+    spec = spec_from_config(_config(model_type="gemma3n_text", num_hidden_layers=15,
+                                    layer_types=types, sliding_window=512,
+                                    num_kv_shared_layers=5))
+    assert [lay.kv_source for lay in spec.layers[10:]] == [8, 8, 8, 8, 9]
+    assert all(lay.kv_source is None for lay in spec.layers[:10])
+    assert sorted(i for g in spec.kv_groups() for i in g.layers) == list(range(10))
+    assert spec.kv_bytes_per_token(dtype_bytes=2) == 10 * 2 * 2 * 16 * 2
+
+
+def test_gemma4_shared_layers_read_the_last_earlier_layer_of_their_type():
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12)]
+    spec = spec_from_config(_config(model_type="gemma4_text", num_hidden_layers=12,
+                                    layer_types=types, sliding_window=512,
+                                    num_kv_shared_layers=4))
+    assert [lay.kv_source for lay in spec.layers[8:]] == [7, 7, 7, 5]
+
+
+def test_too_many_shared_layers_is_one_line_error():
+    with pytest.raises(ConfigError, match="num_kv_shared_layers"):
+        spec_from_config(_config(model_type="gemma4_text", num_kv_shared_layers=6))
+
+
+DEEPSEEK_V32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+                "num_hidden_layers": 4, "hidden_size": 7168, "num_attention_heads": 128,
+                "vocab_size": 129280, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                "q_lora_rank": 1536, "index_topk": 2048, "index_head_dim": 128}
+
+
+@pytest.mark.parametrize(("kv_dtype", "latent"), [(2, 576 * 2), (1, 656)])
+def test_deepseek_v32_keeps_its_indexer_and_fp8_ds_mla(kv_dtype, latent):
+    # vLLM: the indexer caches 128 fp8 values and a float32 scale per token and layer;
+    # sparse MLA stores 8-bit KV as fp8_ds_mla, 656 bytes per token
+    spec = spec_from_config(DEEPSEEK_V32)
+    assert [lay.index_bytes for lay in spec.layers] == [132] * 4
+    assert spec.layers[0].bytes_per_token(8, kv_dtype) == latent + 132
+
+
+def test_dense_mla_in_fp8_is_its_latent_in_bytes():
+    dense = {k: v for k, v in DEEPSEEK_V32.items() if not k.startswith("index")}
+    assert spec_from_config(dense).layers[0].bytes_per_token(1, 1) == 576
+
+
+@pytest.mark.parametrize(("fields", "indexed"), [
+    ({"index_topk_freq": 2}, [0, 1, 3]),  # from index_skip_topk_offset 2: every other
+    ({"index_topk_pattern": "FSSF"}, [0, 3]),
+])
+def test_deepseek_indexer_skips_the_layers_its_pattern_names(fields, indexed):
+    spec = spec_from_config({**DEEPSEEK_V32, **fields})
+    assert [lay.index for lay in spec.layers if lay.index_bytes] == indexed
+    assert all(lay.sparse for lay in spec.layers)
+
+
+def test_gpt_oss_sinks_leave_its_sliding_and_full_layers_as_they_are():
+    # the attention sinks are per-head logits (weights), not KV: vLLM's layers build plain
+    # sliding-window and full-attention specs
+    types = ["sliding_attention", "full_attention"] * 3
+    spec = spec_from_config(_config(model_type="gpt_oss", layer_types=types,
+                                    sliding_window=128, num_key_value_heads=8, head_dim=64))
+    assert [(lay.kind, lay.window) for lay in spec.layers[:2]] == [
+        (AttentionKind.SLIDING, 128), (AttentionKind.FULL, None)]
+    assert spec.kv_bytes_per_token(dtype_bytes=2) == 6 * 2 * 8 * 64 * 2

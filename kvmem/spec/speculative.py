@@ -46,7 +46,8 @@ def speculative_spec(spec: ModelSpec, text: str) -> ModelSpec:
     EAGLE or draft model named by ``model`` is read as any MODEL is (``load_spec``)."""
     config = parse_speculative_config(text)
     draft = config.get("model")
-    if draft is not None and config.get("method") != MTP:
+    if draft is not None and _method(config) != MTP:
+        _tokens(config, None)  # before the draft is read
         if not isinstance(draft, str) or not draft:
             raise ConfigError(f"{FLAG}: field 'model' must be a model name or path, "
                               f"got {draft!r}")
@@ -54,6 +55,14 @@ def speculative_spec(spec: ModelSpec, text: str) -> ModelSpec:
 
         return with_speculative(spec, config, load_spec(draft))
     return with_speculative(spec, config)
+
+
+def _method(config: dict[str, Any]) -> str:
+    method = config.get("method")
+    if method not in METHODS:
+        raise ConfigError(f"{FLAG}: field 'method' must be one of {', '.join(METHODS)}, "
+                          f"got {method!r}")
+    return method
 
 
 def _tokens(config: dict[str, Any], default: int | None) -> int:
@@ -83,10 +92,7 @@ def with_speculative(spec: ModelSpec, config: dict[str, Any],
                      draft: ModelSpec | None = None) -> ModelSpec:
     """``spec`` with the draft layers and speculative tokens of ``config`` (vLLM's
     ``--speculative-config``); ``draft`` is the EAGLE or draft model (its ``model``)."""
-    method = config.get("method")
-    if method not in METHODS:
-        raise ConfigError(f"{FLAG}: field 'method' must be one of {', '.join(METHODS)}, "
-                          f"got {method!r}")
+    method = _method(config)
     if method == MTP:
         n, layers = _mtp_layers(spec)
         return replace(spec, speculative=Speculative(method, _tokens(config, n), layers, n))
