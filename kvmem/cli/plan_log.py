@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 from kvmem.errors import ConfigError, KvmemError
 
@@ -20,7 +21,11 @@ LOG_LIMIT = 256 << 20  # far above any start-up log
 
 def _read(path: str) -> str:
     if path == "-":
-        data = sys.stdin.buffer.read(LOG_LIMIT + 1)
+        try:
+            data = sys.stdin.buffer.read(LOG_LIMIT + 1)
+        except (AttributeError, OSError, ValueError):  # no stdin, or it was closed (<&-)
+            raise ConfigError("standard input is closed: give the log's path, or pipe "
+                              "the log in") from None
         if len(data) > LOG_LIMIT:
             raise ConfigError("standard input: larger than 256 MiB; is it a vLLM log?")
     else:
@@ -38,27 +43,77 @@ def _spec(model: str | None, logged: str | None):
         raise ConfigError("the log names no model: give its config.json or model directory "
                           "(kvmem plan --from-vllm-log FILE MODEL)")
     try:
-        return load_spec(name), name
+        try:
+            return load_spec(name), name
+        except OSError as exc:  # a logged name no file system takes (too long, ...)
+            raise ConfigError(f"cannot read it ({exc.strerror})") from None
     except KvmemError as exc:
         if model is not None:
             raise
-        raise ConfigError(f"the log's model {logged!r}: {exc}; give its config.json or model "
+        shown = logged if len(logged) <= 80 else logged[:77] + "..."
+        raise ConfigError(f"the log's model {shown!r}: {exc}; give its config.json or model "
                           "directory (kvmem plan --from-vllm-log FILE MODEL)") from None
 
 
-def run_from_log(args: argparse.Namespace) -> int:
+def _compare(log, args: argparse.Namespace):
     from kvmem.plan.from_log import compare_log
-    from kvmem.plan.vllm_log import parse_vllm_log
 
-    source = "standard input" if args.from_vllm_log == "-" else args.from_vllm_log
-    log = parse_vllm_log(_read(args.from_vllm_log), source)
     spec, name = _spec(args.model, log.model)
     # commands name the model as vLLM served it
-    result = compare_log(log, spec, log.model or name, args.vllm_version)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
-    else:
-        from kvmem.plan.log_report import print_comparison
+    return compare_log(log, spec, log.model or name, args.vllm_version)
 
-        print_comparison(result)
+
+@dataclass
+class _Failed:
+    """An engine of several that kvmem cannot compare, and why."""
+
+    lines: tuple[int, int]
+    error: str
+
+    def to_dict(self) -> dict:
+        return {"lines": list(self.lines), "error": self.error}
+
+
+def _print(reports: list, as_json: bool) -> None:
+    """Each engine's report: one as it is, several each under the log lines it read."""
+    if as_json:
+        documents = [r.to_dict() for r in reports]
+        print(json.dumps(documents[0] if len(documents) == 1 else {"engines": documents},
+                         indent=1))
+        return
+    from kvmem.plan.log_report import print_comparison
+
+    for i, report in enumerate(reports):
+        if len(reports) > 1:
+            print(f"{'' if i == 0 else chr(10)}engine {i + 1} of {len(reports)} (log lines "
+                  f"{report.lines[0]}-{report.lines[1]}):")
+        if isinstance(report, _Failed):
+            print(f"kvmem: error: {report.error}")
+        else:
+            print_comparison(report)
+
+
+def run_from_log(args: argparse.Namespace) -> int:
+    from kvmem.cli.output import PIPE_CLOSED, guarded_stdout
+    from kvmem.plan.vllm_log import parse_vllm_engines
+
+    source = "standard input" if args.from_vllm_log == "-" else args.from_vllm_log
+    engines = parse_vllm_engines(_read(args.from_vllm_log), source)
+    reports: list = []
+    errors = []
+    for log in engines:
+        try:
+            reports.append(_compare(log, args))
+        except KvmemError as exc:
+            if len(engines) == 1:
+                raise
+            error = f"the engine at log lines {log.lines[0]}-{log.lines[1]}: {exc}"
+            reports.append(_Failed(log.lines, error))
+            errors.append(error)
+    with guarded_stdout() as written:
+        _print(reports, args.json)
+    if written.closed_early:
+        return PIPE_CLOSED
+    if errors:
+        raise ConfigError("; ".join(errors))
     return 0

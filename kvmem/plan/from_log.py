@@ -45,13 +45,16 @@ class LogComparison:
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
     better: list[Better] = field(default_factory=list)
+    lines: tuple[int, int] = (1, 0)  # the log lines of this engine
+    logged: dict = field(default_factory=dict)  # hybrid and speculative settings as logged
 
     @property
     def matches(self) -> bool:
         return all(r.verdict == "match" for r in self.rows)
 
     def to_dict(self) -> dict:
-        return {"release": self.release, "deployment": self.deployment, "ranks": self.ranks,
+        return {"release": self.release, "deployment": self.deployment,
+                "lines": list(self.lines), "logged": self.logged, "ranks": self.ranks,
                 "rows": [vars(r) for r in self.rows], "notes": self.notes,
                 "better": [vars(b) for b in self.better], "matches": self.matches,
                 "plan": self.plan.to_dict()}
@@ -87,7 +90,30 @@ def compare_log(log: VllmLog, spec: ModelSpec, model: str,
         if row.verdict != "match":
             row.verdict += _explain(log, spec, d, row)
     result.better = better(log, spec, d, low, model)
+    result.lines, result.logged = log.lines, logged_settings(log)
     return result
+
+
+def logged_settings(log: VllmLog) -> dict:
+    """What the log says of a hybrid model's pages, a speculative decoder and its KV cache
+    size lines, as logged (with their line numbers)."""
+    out: dict = {}
+    if log.attention_block_size is not None:
+        line, tokens = log.attention_block_size
+        out["attention_block_size"] = {"line": line, "tokens": tokens}
+    if log.mamba_padding is not None:
+        line, percent = log.mamba_padding
+        out["mamba_page_padding"] = {"line": line, "percent": percent}
+    spec = log.speculative or log.args.get("speculative_config")
+    if isinstance(spec, dict) and spec:
+        tokens = spec.get("num_spec_tokens", spec.get("num_speculative_tokens"))
+        out["speculative"] = {"method": spec.get("method"), "model": spec.get("model"),
+                              "num_speculative_tokens": tokens}
+    out["kv_cache_size"] = [{"line": n, "device": device, "tokens": tokens}
+                            for n, device, tokens in log.sizes]
+    out["maximum_concurrency"] = [{"line": n, "max_model_len": length, "concurrency": value}
+                                  for n, length, value in log.concurrency]
+    return out
 
 
 def _gib(n: int) -> str:

@@ -30,11 +30,30 @@ class Deployment:
     notes: list[str]
 
 
-def _setting(log: VllmLog, key: str, config_key: str | None = None):
+# The most each whole-number setting may be, so that a garbled log is one error line.
+_LIMITS = {"tensor_parallel_size": 1024, "pipeline_parallel_size": 1024,
+           "max_model_len": 1 << 40, "block_size": 1 << 20,
+           "max_num_batched_tokens": 1 << 40, "max_num_seqs": 1 << 24}
+
+
+def _setting(log: VllmLog, key: str, config_key: str | None = None) -> int | None:
+    """A whole-number setting from the non-default args, else the engine config line;
+    ConfigError when the log gives it as anything else."""
     value = log.args.get(key)
     if value is None and config_key:
         raw = log.config.get(config_key)
-        value = int(raw) if raw is not None and raw.isdigit() else raw
+        value = int(raw) if raw is not None and raw.isdigit() and len(raw) < 16 else raw
+    return _whole(value, key)
+
+
+def _whole(value: object, key: str) -> int | None:
+    limit = _LIMITS[key]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ConfigError(f"the log gives {key} as {shown}: kvmem reads a whole number from 1 "
+                          f"to {limit:,}")
     return value
 
 
@@ -50,18 +69,24 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
     tp = _setting(log, "tensor_parallel_size", "tensor_parallel_size") or 1
     pp = _setting(log, "pipeline_parallel_size", "pipeline_parallel_size") or 1
     device = "cpu" if log.config.get("device_config") == "cpu" else "gpu"
-    max_len = (log.max_model_len or _setting(log, "max_model_len", "max_seq_len")
-               or spec.max_position_embeddings)
+    max_len = (_whole(log.max_model_len, "max_model_len")
+               or _setting(log, "max_model_len", "max_seq_len") or spec.max_position_embeddings)
     if not isinstance(max_len, int):
         raise ConfigError("the log does not say max_model_len and the model's config has no "
                           "max_position_embeddings")
     block = _setting(log, "block_size")
-    if block is None:
+    if log.attention_block_size is not None:
+        line, block = log.attention_block_size
+        block = _whole(block, "block_size")
+        notes.append(f"block size {block}: vLLM raised the attention block size so an "
+                     f"attention page holds a Mamba state page (line {line})")
+    elif block is None:
         block = vllm_cpu_defaults(spec, tp * pp)[0] if device == "cpu" else 16
         notes.append(f"block size {block}: vLLM's default on "
                      f"{'its CPU build' if device == 'cpu' else 'GPUs'} (the log does not "
                      "say)")
-    batched = log.max_num_batched_tokens or _setting(log, "max_num_batched_tokens")
+    batched = (_whole(log.max_num_batched_tokens, "max_num_batched_tokens")
+               or _setting(log, "max_num_batched_tokens"))
     if batched is None:
         batched = vllm_batch_defaults(None)[0]
         notes.append(f"max_num_batched_tokens {batched}: assumed (the log does not say); "
@@ -75,7 +100,7 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
         batches = pp
     settings = EngineSettings(
         gpu_memory_utilization=1.0, block_size=int(block), max_model_len=int(max_len),
-        max_num_seqs=int(log.args.get("max_num_seqs") or 256),
+        max_num_seqs=_setting(log, "max_num_seqs") or 256,
         max_num_batched_tokens=int(batched), cuda_graphs=False, kv_cache_dtype=kv_dtype,
         vllm_version=release.name, device=device, max_concurrent_batches=batches,
         hybrid_kv_cache_manager=hybrid)

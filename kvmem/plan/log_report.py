@@ -1,10 +1,14 @@
-"""A vLLM log beside kvmem's plan, as tables a person reads (``kvmem plan --from-vllm-log``)."""
+"""A vLLM log beside kvmem's plan, as tables a person reads (``kvmem plan --from-vllm-log``).
+
+Everything taken from the log (the model's name, the logged figures) is printed as plain
+text: square brackets in it are never read as rich markup."""
 
 from __future__ import annotations
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvmem.plan.from_log import LogComparison
 from kvmem.units import format_bytes
@@ -18,9 +22,34 @@ def _table(title: str, columns: list[str]) -> Table:
     return table
 
 
+def _plain(*cells: str) -> list[Text]:
+    return [Text(cell) for cell in cells]
+
+
+def logged_lines(logged: dict) -> list[str]:
+    """The hybrid-page and speculative-decoding settings the log states, one line each."""
+    out = []
+    block, padding = logged.get("attention_block_size"), logged.get("mamba_page_padding")
+    if block:
+        out.append(f"vLLM raised the attention block size to {block['tokens']:,} tokens so an "
+                   f"attention page holds a Mamba state page (line {block['line']})")
+    if padding:
+        out.append(f"vLLM padded the Mamba state page by {padding['percent']}% to the "
+                   f"attention page's size (line {padding['line']})")
+    spec = logged.get("speculative")
+    if spec:
+        tokens = spec["num_speculative_tokens"]
+        out.append(f"speculative decoding: {spec['method'] or 'method not logged'}"
+                   + (f", {tokens} speculative tokens" if tokens is not None else "")
+                   + (f", draft model {spec['model']}" if spec["model"] else ""))
+    return out
+
+
 def print_comparison(result: LogComparison, console: Console | None = None) -> None:
     console = console or Console(width=None if Console().is_terminal else 200)
-    console.print(f"{result.release} log: {result.deployment}", highlight=False)
+    console.print(f"{result.release} log: {result.deployment}", highlight=False, markup=False)
+    for line in logged_lines(result.logged):
+        console.print(line, highlight=False, markup=False)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False, markup=False)
     ranks = _table(f"per rank: the KV memory vLLM logged; blocks and need by "
@@ -29,15 +58,15 @@ def print_comparison(result: LogComparison, console: Console | None = None) -> N
                     "need (vLLM's check)", "fits"])
     for r in result.ranks:
         held = f" + {format_bytes(r['held_back'])} null block" if r["held_back"] else ""
-        ranks.add_row(str(r["rank"]), str(r["pp"]), str(r["tp"]), r["layers"],
-                      r["kv_memory"], f"{r['bytes_per_block']:,}", r["blocks"],
-                      f"{format_bytes(r['need'])}{held}",
-                      "[green]yes[/]" if r["fits"] else "[red]no[/]")
+        ranks.add_row(*_plain(str(r["rank"]), str(r["pp"]), str(r["tp"]), r["layers"],
+                              r["kv_memory"], f"{r['bytes_per_block']:,}", r["blocks"],
+                              f"{format_bytes(r['need'])}{held}"),
+                      Text("yes", "green") if r["fits"] else Text("no", "red"))
     console.print(ranks)
     rows = _table("vLLM logged, kvmem computes", ["figure", "vLLM logged", "kvmem", "verdict"])
     for row in result.rows:
-        verdict = row.verdict if row.verdict != "match" else "[green]match[/]"
-        rows.add_row(row.what, row.logged, row.kvmem, verdict)
+        verdict = Text(row.verdict, "green" if row.verdict == "match" else "")
+        rows.add_row(*_plain(row.what, row.logged, row.kvmem), verdict)
     if result.rows:
         console.print(rows)
     else:
