@@ -9,6 +9,7 @@ from typing import Any
 
 from kvmem.errors import ConfigError
 from kvmem.files import read_bounded
+from kvmem.spec.bounds import check_bounds
 from kvmem.spec.dtypes import canonical_dtype
 from kvmem.spec.layout import (
     MLA,
@@ -354,6 +355,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     if not isinstance(cfg, dict):
         raise ConfigError(f"{name}: config must be a JSON object")
     cfg = text_config(cfg)
+    check_bounds(cfg, name)
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ConfigError(f"{name}: config.json is missing {', '.join(missing)}")
