@@ -117,9 +117,28 @@ def test_chunked_local_layers_are_full_before_their_spec_and_without_the_manager
     assert groups("cccf", "0.10.0") == [("chunked", (0,)), ("chunked", (1,)),
                                         ("chunked", (2,)), ("full", (3,))]
     assert geometry("cccf", "0.10.0").blocks_per_request(1000) == 3 * 19 + 63
-    for version in ("0.9.2", "0.10.1", "0.32"):  # 0.9: no chunked spec; 0.10.1+: manager off
+    # 0.9: no chunked spec; 0.10.1 to 0.13: the manager off by default for chunked models
+    for version in ("0.9.2", "0.10.1", "0.13.0"):
         assert groups("cccf", version) == [("full", (0, 1, 2, 3))], version
-    assert groups("cccf", "0.32", hybrid_kv_cache_manager=True)[0] == ("chunked", (0,))
+    assert groups("cccf", "0.32", hybrid_kv_cache_manager=False) == [("full", (0, 1, 2, 3))]
+
+
+@pytest.mark.parametrize(("version", "chunk_blocks"), [
+    ("0.14.0", 19), ("0.19.1", 19), ("0.32", 32), ("0.33", 32)])
+def test_chunked_local_layers_keep_the_hybrid_manager_from_0_14(version, chunk_blocks):
+    # VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE defaults to 1 from 0.14: a chunked
+    # model keeps its chunked groups, and one request of 1,000 tokens needs 3 chunked
+    # charges + 63 blocks of one layer's page, not 63 blocks of four layers' pages. A
+    # chunked charge is cdiv(100 + 200, 16) = 19, from 0.26 cdiv(100 + 2 x 200, 16) = 32
+    # (two batches in flight under asynchronous scheduling)
+    need = 3 * chunk_blocks + 63
+    assert groups("cccf", version) == [("chunked", (0,)), ("chunked", (1,)),
+                                       ("chunked", (2,)), ("full", (3,))]
+    assert geometry("cccf", version).blocks_per_request(1000) == need
+    on = planned("cccf", version, [4 * PAGE * 1200])
+    off = planned("cccf", version, [4 * PAGE * 1200], hybrid_kv_cache_manager=False)
+    assert on.engine.max_concurrency == 4800 / need
+    assert off.engine.max_concurrency == 1200 / 63  # 19.0: what kvmem said before
 
 
 def test_without_the_hybrid_manager_sliding_layers_are_full_attention():

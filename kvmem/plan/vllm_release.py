@@ -76,9 +76,10 @@ class VllmRelease:
     @property
     def chunked_local_disables_hybrid(self) -> bool:
         """A model with chunked local attention turns the hybrid manager off by default
-        (``VllmConfig.__post_init__``, 0.10.1; ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_
-        KV_CACHE=1`` keeps it on)."""
-        return self.since(0, 10, 1)
+        (``VllmConfig.__post_init__``, 0.10.1, unless ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_
+        HYBRID_KV_CACHE=1``); from 0.14 that variable defaults to 1 (``vllm/envs.py``), so the
+        manager stays on."""
+        return self.since(0, 10, 1) and not self.since(0, 14)
 
     @property
     def cpu_hybrid(self) -> bool:
