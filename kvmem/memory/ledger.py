@@ -109,9 +109,10 @@ def _location(directory: str | Path | None) -> tuple[Path, str]:
     """The ledger folder and its files' name prefix: in the default folder, which every
     user can write to, the prefix names this user, so that another user's file of the
     same name cannot keep this user's engines from starting."""
-    if directory or os.environ.get("KVMEM_LEDGER_DIR"):
-        return ledger_dir() if not directory else Path(directory), "kvmem-ledger-"
-    return ledger_dir(), f"kvmem-{os.geteuid()}-ledger-"
+    if directory:
+        return Path(directory), "kvmem-ledger-"
+    chosen = bool(os.environ.get("KVMEM_LEDGER_DIR"))
+    return ledger_dir(), "kvmem-ledger-" if chosen else f"kvmem-{os.geteuid()}-ledger-"
 
 
 def _device_key(device: str) -> str:
@@ -150,14 +151,18 @@ def _proc_stat(pid: int) -> list[bytes] | None:
     return line[line.rfind(b")") + 2:].split()
 
 
+def _start_time(stat_fields: list[bytes]) -> int | None:
+    try:
+        return int(stat_fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
 def process_start_time(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field
     22): with the pid, it names one process even after the pid is reused."""
-    fields_ = _proc_stat(pid)
-    try:
-        return int(fields_[19]) if fields_ else None
-    except (IndexError, ValueError):
-        return None
+    stat_fields = _proc_stat(pid)
+    return None if stat_fields is None else _start_time(stat_fields)
 
 
 def alive(pid: int, start_time: int | None = None) -> bool:
@@ -170,12 +175,12 @@ def alive(pid: int, start_time: int | None = None) -> bool:
         return False
     except PermissionError:  # another user's process
         pass
-    fields_ = _proc_stat(pid)
-    if fields_ is None:
+    stat_fields = _proc_stat(pid)
+    if stat_fields is None:
         return True  # no /proc here: the signal said it exists
-    if fields_[:1] == [b"Z"]:
+    if stat_fields[:1] == [b"Z"]:
         return False
-    return start_time is None or process_start_time(pid) in (None, start_time)
+    return start_time is None or _start_time(stat_fields) in (None, start_time)
 
 
 # -- validation ------------------------------------------------------------------------
@@ -354,7 +359,7 @@ class Ledger:
             os.close(fd)  # closing the descriptor drops the lock
 
     def _write(self, fd: int, table: LedgerTable, old_size: int) -> None:
-        live = {n: asdict(e) for n, e in table.engines.items() if alive(e.pid, e.start_time)}
+        live = {n: asdict(e) for n, e in _living(table).items()}
         for entry in live.values():
             del entry["name"], entry["device"]
         # an unknown total stays unknown (no key) for engines to put back, never "none"
