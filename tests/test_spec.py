@@ -1,6 +1,7 @@
 """kvmem.spec: config parsing, layer kinds, sharding rules and the catalog."""
 
 import json
+import re
 
 import pytest
 
@@ -152,6 +153,43 @@ def test_kv_dtype_auto_follows_model_and_fp8_is_one_byte():
 def test_unknown_model_suggests_close_names():
     with pytest.raises(UnknownModelError, match="did you mean"):
         load_spec("qwen3-32")
+
+@pytest.mark.parametrize(("name", "kinds", "kv_bf16"), [
+    # the layer mixes the configs state (layer_types, hybrid_override_pattern)
+    ("qwen3.5-27b", {"full_attention": 16, "linear_attention": 48}, 16 * 2 * 4 * 256 * 2),
+    ("nemotron-nano-9b-v2", {"full_attention": 4, "linear_attention": 27, "none": 25},
+     4 * 2 * 8 * 128 * 2),
+    ("glm-4.5", {"full_attention": 92}, 376_832),  # a KV calculator's published figure
+    ("deepseek-r1", {"mla": 61}, 61 * 576 * 2),
+])
+def test_this_seasons_catalog_models_have_their_layer_mix(name, kinds, kv_bf16):
+    spec = load_spec(name)
+    counts: dict[str, int] = {}
+    for layer in spec.layers:
+        counts[layer.kind.value] = counts.get(layer.kind.value, 0) + 1
+    assert counts == kinds
+    assert spec.kv_bytes_per_token(dtype_bytes=2) == kv_bf16
+
+
+
+def test_a_known_model_kvmem_cannot_plan_yet_says_so_in_one_line(capsys):
+    """Catalog entries whose attention kind is not planned are named, never planned as
+    the wrong layers: the CLI exits 2 with the kind, `kvmem models` lists them apart."""
+    from kvmem.cli import main
+    from kvmem.spec.catalog import unplanned
+
+    waiting = unplanned()
+    assert waiting and not {e.hf_id for e in waiting} & {e.hf_id for e in catalog()}
+    for entry in waiting:
+        with pytest.raises(ConfigError, match=f"cannot plan {re.escape(entry.unplanned)} yet"):
+            load_spec(entry.aliases[0])
+        assert main(["plan", entry.hf_id, "--gpu", "H100"]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    assert main(["models", "--json"]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert len(rows) == len(catalog()) + len(waiting)
+    assert all(rows[e.hf_id]["kv_bytes_per_token_bf16"] is None
+               and rows[e.hf_id]["unplanned"] == e.unplanned for e in waiting)
 
 
 def test_bad_configs_give_one_line_errors(tmp_path):

@@ -1,5 +1,8 @@
 """The bundled model catalog: HuggingFace ids and short aliases -> config fields.
 
+``catalog()`` holds the models kvmem plans; ``unplanned()`` those whose attention kind it
+cannot plan yet (an entry's ``unplanned`` names the kind): their names are known, and
+planning one is a one-line ConfigError saying why, never a plan of the wrong layers.
 A name the catalog lacks that reads as a Hub repo id (``org/name``) is fetched from the
 Hugging Face Hub (``named_spec``, kvmem.spec.hub).
 """
@@ -28,22 +31,35 @@ class CatalogEntry:
     total_params: int | None
     source_quality: str
     notes: str | None
+    unplanned: str | None = None  # the kind kvmem cannot plan yet
 
 
 @cache
-def catalog() -> tuple[CatalogEntry, ...]:
+def _entries() -> tuple[CatalogEntry, ...]:
     raw = json.loads(resources.files("kvmem.spec").joinpath("catalog/models.json").read_text())
     return tuple(
         CatalogEntry(m["id"], m["name"], tuple(m["aliases"]), m["config"], m.get("total_params"),
-                     m.get("source_quality", ""), m.get("notes"))
+                     m.get("source_quality", ""), m.get("notes"), m.get("unplanned"))
         for m in raw["models"]
     )
 
 
 @cache
+def catalog() -> tuple[CatalogEntry, ...]:
+    """The models kvmem plans."""
+    return tuple(e for e in _entries() if e.unplanned is None)
+
+
+@cache
+def unplanned() -> tuple[CatalogEntry, ...]:
+    """Known models whose attention kind kvmem cannot plan yet."""
+    return tuple(e for e in _entries() if e.unplanned is not None)
+
+
+@cache
 def _index() -> dict[str, CatalogEntry]:
     index: dict[str, CatalogEntry] = {}
-    for entry in catalog():
+    for entry in _entries():
         for key in (entry.hf_id, entry.name, *entry.aliases):
             index[key.lower()] = entry
     return index
@@ -66,6 +82,8 @@ def _close_names(name: str) -> str:
 def catalog_config(name: str) -> tuple[str, dict[str, Any]]:
     """(display name, config dict) for a catalog model; total_params travels in the config."""
     entry = find_entry(name)
+    if entry.unplanned is not None:
+        raise ConfigError(f"{entry.hf_id}: kvmem cannot plan {entry.unplanned} yet")
     cfg = dict(entry.config)
     if entry.total_params:
         cfg["total_params"] = entry.total_params
