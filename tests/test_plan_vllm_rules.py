@@ -32,6 +32,7 @@ from kvmem.plan.estimates import vllm_batch_limits, vllm_cpu_defaults
 from kvmem.plan.partition import even_partition, stage_layers
 from kvmem.plan.planner import engine_geometry
 from kvmem.spec import AttentionKind, LayerKV, ModelSpec
+from kvmem.spec.layout import Speculative
 
 pytestmark = [pytest.mark.vllm]
 
@@ -61,22 +62,35 @@ def pattern(name: str, n: int, window: int) -> list[list]:
 
 
 def model_spec(case: dict) -> ModelSpec:
+    """The case's model: its layers (a KV-sharing layer reads ``kv_sources``' layer; an
+    ``indexed`` layer carries DeepSeek V3.2's indexer cache), then a draft's."""
+    sources = {int(k): v for k, v in case.get("kv_sources", {}).items()}
+    indexed = set(case.get("indexed", ()))
+    sparse = bool(indexed) or case.get("kv_dtype") == "fp8_ds_mla"
+    index_bytes = case.get("index_head_dim", 0) + case.get("index_head_dim", 0) // 128 * 4
     layers = []
     for i, (kind, window, *head_dim) in enumerate(case["layers"]):
         dim = head_dim[0] if head_dim else case["head_dim"]
         layers.append(LayerKV(i, KINDS[kind], case["heads"], dim, window=window,
-                              latent_dim=case["latent"] if kind == "mla" else 0))
+                              latent_dim=case["latent"] if kind == "mla" else 0,
+                              kv_source=sources.get(i), sparse=sparse and kind == "mla",
+                              index_bytes=index_bytes if i in indexed else 0))
+    n = case.get("num_target", len(layers))
+    draft = case.get("speculative")
     return ModelSpec(name="grid", architecture="Grid", model_type="grid",
-                     num_layers=len(layers), hidden_size=64, num_attention_heads=4,
+                     num_layers=n, hidden_size=64, num_attention_heads=4,
                      num_kv_heads=case["heads"], head_dim=case["head_dim"],
                      intermediate_size=128, vocab_size=320, tie_word_embeddings=False,
-                     dtype="float32", max_position_embeddings=None, layers=tuple(layers))
+                     dtype="float32", max_position_embeddings=None, layers=tuple(layers[:n]),
+                     speculative=draft and Speculative(draft["method"], draft["tokens"],
+                                                       tuple(layers[n:]), draft["mtp_layers"]))
 
 
 def planned(case: dict, series: str, memory: list[int]):
     """kvmem's plan of the case under vLLM ``series``'s rules, each worker holding
     ``memory`` of KV (as the plugin plans a running vLLM)."""
-    partition = [len(s) for s in case["stages"]]
+    n = case.get("num_target", len(case["layers"]))
+    partition = [len([i for i in s if i < n]) for s in case["stages"]]
     return plan(model_spec(case), Layout(pipeline_parallel_size=len(partition),
                                          layer_partition=partition),
                 EngineSettings(gpu_memory_utilization=1.0, block_size=case["block_size"],
@@ -84,7 +98,9 @@ def planned(case: dict, series: str, memory: list[int]):
                                max_num_batched_tokens=case["batched"], cuda_graphs=False,
                                vllm_version=series,
                                device="gpu" if case["async"] else "cpu",
-                               hybrid_kv_cache_manager=case.get("hybrid")),
+                               hybrid_kv_cache_manager=case.get("hybrid"),
+                               kv_cache_dtype="auto" if case.get("kv_dtype", "auto") == "auto"
+                               else "fp8"),
                 profile=[RankProfile(0, 0, 0, 0, m) for m in memory], suggest=False)
 
 
@@ -114,6 +130,90 @@ def grid() -> list[dict]:
     return cases
 
 
+def kind_case(shape: str, rng: random.Random) -> dict:
+    """One case of a KV kind beyond the grid's: KV shared across layers (Gemma 3n, Gemma
+    4), DeepSeek V3.2's indexer with bf16-like or fp8_ds_mla latents, dense MLA in fp8, and
+    speculative drafts (MTP modules, an EAGLE3 layer) with their lookahead."""
+    case = {"heads": 2, "head_dim": 32, "latent": 72, "block_size": rng.choice([16, 64]),
+            "max_model_len": rng.choice([96, 1000, 5000]),
+            "batched": rng.choice([64, 512]), "async": rng.random() < 0.5}
+    draft: list[list] = []
+    if shape == "gemma3n":  # 4 sliding : 1 full, the last 5 read layers 8 (sliding) and 9
+        layers = [["full", None] if (i + 1) % 5 == 0 else ["sliding", 60] for i in range(15)]
+        case["kv_sources"] = {str(i): 9 if layers[i][0] == "full" else 8 for i in range(10, 15)}
+    elif shape == "gemma4":  # 5 : 1, full layers with twice the head size, last 4 shared
+        layers = [["full", None, 64] if (i + 1) % 6 == 0 else ["sliding", 128, 32]
+                  for i in range(12)]
+        case["kv_sources"] = {str(i): 5 if layers[i][0] == "full" else 7 for i in range(8, 12)}
+    elif shape in ("ds32", "ds32-eagle"):  # an indexer on every layer, or on every other
+        layers = [["mla", None]] * 7
+        step = rng.choice([1, 2])
+        case.update(index_head_dim=128, indexed=list(range(0, 7, step)),
+                    kv_dtype=rng.choice(["auto", "fp8_ds_mla"]))
+        if shape == "ds32":
+            n = rng.choice([1, 2])
+            draft = [["mla", None]] * n
+            case["indexed"] += list(range(7, 7 + n))  # MTP layers always index
+            case["speculative"] = {"method": "mtp", "tokens": rng.choice([1, 3]),
+                                   "mtp_layers": n}
+        else:
+            draft = [["full", None, 64]]
+            case["speculative"] = {"method": "eagle3", "tokens": 3, "mtp_layers": 1}
+    elif shape == "mla-fp8":
+        layers, case["kv_dtype"] = [["mla", None]] * 7, "fp8"
+    elif shape == "gpt-oss-eagle3":  # sliding 128 and full in turn, an EAGLE3 full layer
+        layers = [["sliding", 128] if i % 2 == 0 else ["full", None] for i in range(8)]
+        draft = [["full", None, 64]]
+        case["speculative"] = {"method": "eagle3", "tokens": rng.choice([1, 4]),
+                               "mtp_layers": 1}
+    else:  # "mtp-hybrid": Gemma-3-like with chained MTP modules of its full layers' shape
+        layers = [["full", None] if (i + 1) % 6 == 0 else ["sliding", 60] for i in range(12)]
+        draft = [["full", None]] * 3
+        case["speculative"] = {"method": "mtp", "tokens": rng.choice([2, 3]), "mtp_layers": 3}
+    n = len(layers)
+    # vLLM refuses a stage that holds only KV-sharing layers (no KV of its own: "KV cache
+    # layout LBHNC cannot express this model's mixed page sizes ([])"), as three stages of
+    # these Gemma shapes would
+    pp = rng.choice([1, 2] if "kv_sources" in case else [1, 2, 3])
+    stages = [list(r) for r in stage_layers(even_partition(n, pp))]
+    stages[-1] += range(n, n + len(draft))  # vLLM builds the drafter on the last rank
+    case.update(layers=layers + draft, num_target=n, stages=stages)
+    return case
+
+
+KIND_SHAPES = ("gemma3n", "gemma4", "ds32", "ds32-eagle", "mla-fp8", "gpt-oss-eagle3",
+               "mtp-hybrid")
+
+
+@cache
+def kinds_grid() -> list[dict]:
+    rng = random.Random(49)
+    cases = [kind_case(shape, rng) for shape in KIND_SHAPES for _ in range(4)]
+    for case in cases:
+        need = [r.need_bytes_at_max_model_len
+                for r in planned(case, SERIES[-1], [1] * len(case["stages"])).ranks]
+        case["memory"] = [int(x * rng.uniform(1.0, 4.0)) + rng.randrange(5000) for x in need]
+    return cases
+
+
+@pytest.mark.parametrize("index", range(4 * len(KIND_SHAPES)))
+def test_kvmem_follows_vllm_for_shared_indexed_fp8_and_draft_kv(vllm_rules, index):
+    """KV sharing, the indexer, fp8 latents and draft layers against vLLM's functions."""
+    series, results = vllm_rules
+    check_case(series, kinds_grid()[index], results["cases"][len(grid()) + index])
+
+
+def test_the_kinds_grid_covers_each_rule():
+    cases = kinds_grid()
+    assert {c.get("kv_dtype") for c in cases} >= {"auto", "fp8", "fp8_ds_mla"}
+    assert {len(c["stages"]) for c in cases if "speculative" in c} == {1, 2, 3}
+    chained = [c for c in cases if c.get("speculative", {}).get("method") == "mtp"
+               and min(c["speculative"]["tokens"], c["speculative"]["mtp_layers"]) > 1]
+    assert any(kind == "sliding" for c in chained for kind, *_ in c["layers"])
+    assert any(i not in c["indexed"] for c in cases if "indexed" in c
+               for i in range(c["num_target"]))  # a layer without an indexer
+
+
 # (max_model_len, max_num_batched_tokens, max_num_seqs, pp); None: vLLM's default
 BATCH_CASES = [
     (96, 64, None, 1),  # tests/test_plan_vllm_live.py's short start, planned without seqs
@@ -127,7 +227,7 @@ def vllm_rules(request, tmp_path_factory) -> tuple[str, dict]:
     cases_file = tmp_path_factory.mktemp("rules") / "cases.json"
     batch = [dict(zip(("max_model_len", "batched", "seqs", "pp"), c, strict=True))
              for c in BATCH_CASES]
-    cases_file.write_text(json.dumps({"kv": grid(), "batch": batch}))
+    cases_file.write_text(json.dumps({"kv": grid() + kinds_grid(), "batch": batch}))
     script = (vllm_cpu.REPO / "tests" / "vllm_kv_rules.py").read_text()
     result = vllm_cpu.run_for_json(script, "KVMEM_RULES", str(vllm_cpu.model_dir()),
                                    str(cases_file), series=request.param, timeout=600)
@@ -147,16 +247,37 @@ def test_the_grid_covers_what_the_rules_distinguish():
     assert {c.get("hybrid") for c in cases if c["layers"][0][0] == "chunked"} == {True, False}
 
 
+def group_class(geometry, group, indexed: set[int]) -> str:
+    """The class of vLLM's spec for a kvmem group: one layer spec for all, else (latent
+    attention with its indexer, layers of one type with different pages) the wrapper."""
+    if len({geometry.specs[i] for i in group.layers}) > 1 or indexed & set(group.layers):
+        return "UniformTypeKVCacheSpecs"
+    return SPEC_CLASSES[group.kind]
+
+
+def vllm_group(got_group: list) -> list:
+    """A vLLM group with its layers once each (an indexer names its layer again)."""
+    return [got_group[0], list(dict.fromkeys(got_group[1]))]
+
+
 @pytest.mark.parametrize("index", range(96))
 def test_kvmem_follows_vllms_own_functions(vllm_rules, index):
     series, results = vllm_rules
-    case, got = grid()[index], results["cases"][index]
+    check_case(series, grid()[index], results["cases"][index])
+
+
+def check_case(series: str, case: dict, got: dict) -> None:
+    """kvmem's plan of ``case`` against what vLLM's functions made of it (``got``)."""
     assert "traceback" not in got, got["traceback"]
     p = planned(case, series, case["memory"])
-    geometry = engine_geometry(model_spec(case), 1, len(case["stages"]), p.settings,
-                               p.engine.kv_dtype)
-    groups = [[SPEC_CLASSES[g.kind], list(g.layers)] for g in geometry.global_groups]
-    assert groups == got["groups"]
+    spec = model_spec(case)
+    geometry = engine_geometry(spec, 1, len(case["stages"]), p.settings, p.engine.kv_dtype)
+    indexed = set(case.get("indexed", ()))
+    groups = [[group_class(geometry, g, indexed), list(g.layers)]
+              for g in geometry.global_groups]
+    assert groups == [vllm_group(g) for g in got["groups"]]
+    assert [geometry.lookahead_tokens, geometry.extra_retained_tokens] == [
+        got["lookahead"][0], max(0, got["lookahead"][1] - 1)]
     assert [geometry.charge(g, case["max_model_len"]) for g in geometry.global_groups] \
         == got["charges"]
     assert geometry.concurrent_batches == got["max_concurrent_batches"]

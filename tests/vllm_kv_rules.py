@@ -36,23 +36,86 @@ def layer_spec(case: dict, kind: str, window: int | None, head_dim: int | None =
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
-        MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
+    # an 8-bit KV cache is fp8 in attention layers (the sparse MLA backend alone packs
+    # DeepSeek's latent as fp8_ds_mla)
+    dtype = torch.float32 if case.get("kv_dtype", "auto") == "auto" else torch.float8_e4m3fn
     common = {"block_size": case["block_size"], "num_kv_heads": case["heads"],
-              "head_size": head_dim or case["head_dim"], "dtype": torch.float32}
+              "head_size": head_dim or case["head_dim"], "dtype": dtype}
     if kind == "full":
         return FullAttentionSpec(**common)
     if kind == "sliding":
         return SlidingWindowSpec(**common, sliding_window=window)
     if kind == "chunked":
         return ChunkedLocalAttentionSpec(**common, attention_chunk_size=window)
-    return MLAAttentionSpec(**{**common, "num_kv_heads": 1, "head_size": case["latent"]})
+    return mla_spec(case)
+
+
+def mla_spec(case: dict):
+    """An MLA layer's spec as ``MLAAttention.get_kv_cache_spec`` builds it for the case's
+    KV cache dtype (auto: the model's float32; fp8; fp8_ds_mla: DeepSeek's packed page)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    kv_dtype = case.get("kv_dtype", "auto")
+    dtype = {"auto": torch.float32, "fp8": torch.float8_e4m3fn,
+             "fp8_ds_mla": torch.uint8}[kv_dtype]
+    return MLAAttentionSpec(block_size=case["block_size"], num_kv_heads=1, max_tp_shards=1,
+                            head_size=case["latent"], dtype=dtype, cache_dtype_str=kv_dtype,
+                            kv_quant_mode=get_kv_quant_mode(kv_dtype),
+                            state_content_bytes=656 if kv_dtype == "fp8_ds_mla" else None)
+
+
+def indexer_spec(case: dict):
+    """DeepSeek V3.2's indexer key cache (``DeepseekV32IndexerCache.get_kv_cache_spec``):
+    index_head_dim fp8 values and a float32 scale per 128, one vector per token."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    dim = case["index_head_dim"]
+    return MLAAttentionSpec(block_size=case["block_size"], num_kv_heads=1, max_tp_shards=1,
+                            head_size=dim + dim // 128 * 4, dtype=torch.uint8,
+                            cache_role=SparseCacheRole.INDEXER)
+
+
+def worker_specs(case: dict, stage: list[int]) -> dict:
+    """The specs one worker's runner collects: a layer reading another's KV (``kv_sharing_
+    target_layer_name``) has none, an indexed MLA layer has its indexer's beside its own."""
+    specs = {}
+    for i in stage:
+        if str(i) in case.get("kv_sources", {}):
+            continue
+        specs[name(i)] = layer_spec(case, *case["layers"][i])
+        if i in case.get("indexed", ()):
+            specs[indexer_name(i)] = indexer_spec(case)
+    return specs
+
+
+def speculative(case: dict):
+    """vLLM's own SpeculativeConfig for the case's method, its fields set without building
+    a draft model (its methods decide the lookahead)."""
+    from types import SimpleNamespace
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    draft = case["speculative"]
+    config = object.__new__(SpeculativeConfig)
+    hf = SimpleNamespace(num_nextn_predict_layers=draft["mtp_layers"], model_type="draft")
+    for field, value in (("method", draft["method"]),
+                         ("num_speculative_tokens", draft["tokens"]),
+                         ("draft_model_config", SimpleNamespace(hf_config=hf)),
+                         ("disable_eagle_block_drop", False),
+                         ("disable_lookahead_block_hashes", False)):
+        object.__setattr__(config, field, value)
+    return config
 
 
 def name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
+
+
+def indexer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.indexer.k_cache"
 
 
 class Rules:
@@ -109,11 +172,13 @@ def run_case(base, case: dict) -> dict:
     config.parallel_config.pipeline_parallel_size = len(case["stages"])
     if case.get("hybrid") is False:  # --disable-hybrid-kv-cache-manager
         config.scheduler_config.disable_hybrid_kv_cache_manager = True
-    specs = [{name(i): layer_spec(case, *case["layers"][i]) for i in stage}
-             for stage in case["stages"]]
+    if "speculative" in case:
+        object.__setattr__(config, "speculative_config", speculative(case))
+    specs = [worker_specs(case, stage) for stage in case["stages"]]
     rules = Rules(config)
     groups = rules.global_groups(config, specs)
     index = {name(i): i for i in range(len(case["layers"]))}
+    index.update({indexer_name(i): i for i in case.get("indexed", ())})
     projected = [rules.planning._project_kv_cache_groups_to_worker(groups, worker)
                  for worker in specs]
     per_block = [rules.pool_bytes_per_block(config, g) for g in projected]
@@ -132,6 +197,7 @@ def run_case(base, case: dict) -> dict:
         short = str(exc)
     return {
         "max_concurrent_batches": config.max_concurrent_batches,
+        "lookahead": [config.num_lookahead_tokens, config.num_prefill_lookahead_tokens],
         "groups": [[type(g.kv_cache_spec).__name__, [index[n] for n in g.layer_names]]
                    for g in groups],
         "charges": [-(-g.kv_cache_spec.max_memory_usage_bytes(config)
