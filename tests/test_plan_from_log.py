@@ -247,3 +247,109 @@ def test_parse_reads_ranks_from_worker_prefixes():
     assert log.version == "0.15.1" and log.needed[1:4] == (1_000_000, 223.68, 15.57)
     low, high = log.workers[0].bytes_range
     assert low == round(15.565 * GiB) and high == round(15.575 * GiB) - 1
+
+
+# ---------------------------------------------------------------------- hybrid and speculative
+# vLLM 0.33 serving Qwen3-Coder-Next (Qwen3-Next's architecture: 12 full attention and 36
+# Gated DeltaNet layers) at tp 4 with MTP, in the shape of its start-up log, each line from
+# vLLM's format
+# strings. The block size and padding as vLLM works them out: a rank's attention token is 1
+# KV head (2 / 4, at least 1) x 256 x K and V x bf16 = 1,024 bytes per layer; its DeltaNet
+# state page is the conv state 2,048 channels (8,192 / 4) x 3 x 2 bytes = 12,288 plus the
+# recurrent state 8 heads x 128 x 128 x 2 bytes = 262,144: 274,432 bytes. The attention
+# block is 16 x cdiv(274,432, 16 x 1,024) = 272 tokens, its page 278,528 bytes: the state
+# page is padded by 4,096 / 274,432 = 1.49%. A block is 12 layers' pages (one attention
+# group, three DeltaNet groups of 12): 3,342,336 bytes, so 27.96 GiB is 8,223 to 8,227
+# blocks; with 8,225, one request is charged 121 attention blocks (32,768 / 272) and 1 + 2
+# speculative blocks in each DeltaNet group: 130, 63.27x, 2,073,206 tokens. kvmem does not
+# model vLLM's charge for the states (its report says so): these figures are read, not
+# matched.
+QWEN3_NEXT_MTP = (DATA / "gpu-0.33.0-qwen3-coder-next-tp4-mtp.log").read_text()
+
+
+def test_a_hybrid_models_raised_block_and_padded_state_page_are_read_and_shown(
+        capsys, tmp_path):
+    result = run_json(capsys, _log_file(tmp_path, QWEN3_NEXT_MTP))
+    logged = result["logged"]
+    assert logged["attention_block_size"] == {"line": 5, "tokens": 272}
+    assert logged["mamba_page_padding"] == {"line": 6, "percent": "1.49"}
+    # the block vLLM raised to is the one planned with
+    assert ", block 272," in result["deployment"]
+    assert any("block size 272: vLLM raised the attention block size" in n
+               for n in result["notes"])
+    assert main(["plan", "--from-vllm-log", _log_file(tmp_path, QWEN3_NEXT_MTP)]) == 0
+    out = capsys.readouterr().out
+    assert ("vLLM raised the attention block size to 272 tokens so an attention page holds "
+            "a Mamba state page (line 5)") in out
+    assert "vLLM padded the Mamba state page by 1.49% to the attention page's size (line 6)" \
+        in out
+
+
+def test_the_speculative_config_is_read_from_the_engine_config_else_the_args(
+        capsys, tmp_path):
+    result = run_json(capsys, _log_file(tmp_path, QWEN3_NEXT_MTP))
+    assert result["logged"]["speculative"] == {
+        "method": "mtp", "model": "Qwen/Qwen3-Coder-Next", "num_speculative_tokens": 2}
+    assert any("speculative decoding" in n for n in result["notes"])
+    # without the engine config line: the non-default args' nested dict
+    args_only = "\n".join(line for line in QWEN3_NEXT_MTP.splitlines()
+                          if "Initializing" not in line)
+    result = run_json(capsys, _log_file(tmp_path, args_only), "--vllm-version", "0.33")
+    assert result["logged"]["speculative"] == {
+        "method": "qwen3_next_mtp", "model": None, "num_speculative_tokens": 2}
+    assert main(["plan", "--from-vllm-log", _log_file(tmp_path, QWEN3_NEXT_MTP)]) == 0
+    assert "speculative decoding: mtp, 2 speculative tokens, draft model Qwen/Qwen3-Coder-Next" \
+        in capsys.readouterr().out
+
+
+def test_a_speculative_config_without_a_draft_model_reads(tmp_path):
+    # vLLM leaves the model out for methods that have none (ngram, suffix)
+    text = QWEN3_NEXT_MTP.replace(
+        "SpeculativeConfig(method='mtp', model='Qwen/Qwen3-Coder-Next', num_spec_tokens=2)",
+        "SpeculativeConfig(method='ngram', num_spec_tokens=4)")
+    assert parse_vllm_log(text).speculative == {"method": "ngram", "num_spec_tokens": 4}
+
+
+def test_the_nested_args_are_their_own_dicts_not_top_level_settings():
+    log = parse_vllm_log(QWEN3_NEXT_MTP)
+    assert log.args["speculative_config"] == {"method": "qwen3_next_mtp",
+                                              "num_speculative_tokens": 2}
+    assert "method" not in log.args and log.args["tensor_parallel_size"] == 4
+
+
+@pytest.mark.parametrize("lines", [
+    # 0.30 and later: one line
+    ["INFO [kv_cache_utils.py:2033] GPU KV cache size: 2,073,206 tokens, Maximum concurrency "
+     "for 32,768 tokens per request: 63.27x"],
+    # before: two lines
+    ["INFO [kv_cache_utils.py:849] GPU KV cache size: 2,073,206 tokens",
+     "INFO [kv_cache_utils.py:853] Maximum concurrency for 32,768 tokens per request: 63.27x"],
+    # a wrapper that prints numbers without grouping (str(), not f"{:,}")
+    ["INFO GPU KV cache size: 2073206 tokens",
+     "INFO Maximum concurrency for 32768 tokens per request: 63.27x"],
+])
+def test_the_kv_size_lines_read_the_same_in_each_form(lines):
+    log = parse_vllm_log("vLLM API server version 0.33.0\n" + "\n".join(lines))
+    assert [s[1:] for s in log.sizes] == [("GPU", 2_073_206)]
+    assert [c[1:] for c in log.concurrency] == [(32_768, "63.27")]
+
+
+def test_per_worker_kv_size_lines_are_each_read(capsys, tmp_path):
+    result = run_json(capsys, _log_file(tmp_path, GEMMA_0_11))
+    assert [(s["line"], s["tokens"]) for s in result["logged"]["kv_cache_size"]] == [
+        (7, 114_208), (9, 114_208)]
+    assert [c["concurrency"] for c in result["logged"]["maximum_concurrency"]] == [
+        "13.92", "13.92"]
+
+
+def test_a_line_a_wrapper_broke_in_two_still_reads():
+    """A container log that wraps long lines with a backslash: the block size is before
+    the break."""
+    log = parse_vllm_log("vLLM API server version 0.33.0\n"
+                         "(Worker_DP0_EP0 pid=2) INFO 08-13 11:26:35 [interface.py:911] Setting "
+                         "attention block size to 1056 tokens to \\\n"
+                         "ensure that attention page size is >= mamba page size.\n"
+                         "(Worker_DP0_EP0 pid=2) INFO 08-13 11:26:35 [interface.py:935] Padding "
+                         "mamba page size by 0.19% to ensure that \\\n"
+                         "mamba page size and attention page size are exactly equal.\n")
+    assert log.attention_block_size == (2, 1056) and log.mamba_padding == (4, "0.19")

@@ -7,7 +7,9 @@ maximum concurrency, the start-up check's need, memory and estimate). A figure v
 logged rounded (GiB to two decimals) is compared with kvmem's figures at both ends of its
 rounding interval. Where a figure differs, the settings the log does not state are varied
 to say which value explains it. Then what kvmem would do better
-(``kvmem.plan.log_advice``). Imports no torch.
+(``kvmem.plan.log_advice``), and what the log states beside the figures
+(``logged_settings``: a hybrid model's raised attention block size and padded Mamba page,
+a speculative decoder, each KV cache size and concurrency line). Imports no torch.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ def compare_log(log: VllmLog, spec: ModelSpec, model: str,
             row.verdict += _explain(log, spec, d, row)
     result.better = better(log, spec, d, low, model)
     result.lines, result.logged = log.lines, logged_settings(log)
+    if "speculative" in result.logged:
+        result.notes.append("the log runs speculative decoding: kvmem's plan counts no draft "
+                            "model's KV layers and no speculative tokens' slots, which "
+                            "vLLM's figures include")
     return result
 
 

@@ -42,9 +42,9 @@ from kvmem.units import GiB
 
 # Numbers of bounded length, never a prefix of a longer one (a figure of 5,000 digits is
 # a line kvmem cannot read, not a number Python refuses to convert).
-_INT = r"(\d{1,12})(?![\d.,])"
-_GROUPED = r"(\d{1,3}(?:,\d{3}){1,4}|\d{1,15})(?![\d.,])"  # 1,460,255 or 1460255
-_FLOAT = r"(-?\d{1,9}(?:\.\d{1,6})?)(?![\d.,])"
+_INT = r"(\d{1,12})(?!\d|[.,]\d)"
+_GROUPED = r"(\d{1,3}(?:,\d{3}){1,4}|\d{1,15})(?!\d|[.,]\d)"  # 1,460,255 or 1460255
+_FLOAT = r"(-?\d{1,9}(?:\.\d{1,6})?)(?!\d|[.,]\d)"
 _WINDOW = 400  # characters after a marker a windowed pattern may reach
 
 
@@ -87,7 +87,9 @@ class VllmLog:
 
     @property
     def model(self) -> str | None:
-        return self.config.get("model")
+        """The served model: the engine config's, else the one the args name."""
+        named = self.args.get("model")
+        return self.config.get("model") or (named if isinstance(named, str) else None)
 
     @property
     def is_engine(self) -> bool:
