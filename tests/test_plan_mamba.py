@@ -1,0 +1,170 @@
+"""Linear-attention hybrids (Gated DeltaNet, Mamba2) read from their configs and planned
+under vLLM's rules (kvmem.plan.vllm_mamba), without vLLM.
+
+The expected figures are worked out by hand from vLLM 0.32's and 0.33's source (see
+docs/plan.md, "Linear-attention states"); tests/test_plan_vllm_hybrid.py checks the same
+rules against vLLM's own functions over a grid of tiny configs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from math import ceil
+
+import pytest
+
+from kvmem.errors import ConfigError
+from kvmem.plan import EngineSettings, Layout, plan
+from kvmem.plan.planner import engine_geometry
+from kvmem.spec import AttentionKind, spec_from_config
+from kvmem.spec.layout import StateKind
+
+GiB = 1 << 30
+
+# Qwen3-Coder-Next (Qwen3-Next-80B-A3B's shape): 48 layers, every fourth full attention
+QWEN3_CODER_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120,
+    "vocab_size": 151936, "max_position_embeddings": 262144, "full_attention_interval": 4,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
+NEMOTRON_H = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+    "hidden_size": 4096, "num_hidden_layers": 8, "hybrid_override_pattern": "M-M*M-ME",
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 21504, "vocab_size": 131072, "max_position_embeddings": 8192,
+    "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+    "conv_kernel": 4, "torch_dtype": "bfloat16",
+}
+
+
+def settings(version: str = "0.33", **kw) -> EngineSettings:
+    return EngineSettings(vllm_version=version, kv_cache_memory_bytes=8 * GiB,
+                          max_model_len=32768, max_num_seqs=256,
+                          max_num_batched_tokens=8192, **kw)
+
+
+def qwen3_coder_next_plan(version: str, **kw):
+    return plan(spec_from_config(QWEN3_CODER_NEXT, "Qwen3-Coder-Next"), Layout(),
+                settings(version, **kw))
+
+
+# One Gated DeltaNet state on a rank in bf16: conv (4 - 1) x (2 x 16 x 128 + 32 x 128)
+# and temporal 32 x 128 x 128; a full-attention token 2 x 2 heads x 256 x 2 bytes.
+STATE = (3 * 8192 + 32 * 128 * 128) * 2
+TOKEN = 2 * 2 * 256 * 2
+
+
+@pytest.mark.parametrize(("version", "align", "checkpoint"), [("0.32", 16, 0),
+                                                               ("0.33", 64, 1)])
+def test_qwen3_coder_next_in_8_gib_is_planned_as_vllm_plans_it(version, align, checkpoint):
+    """The block size rises until a page holds a state (0.33's FlashInfer GDN prefill also
+    aligns it to 64 tokens), 36 GDN layers make 3 groups of 12 beside the 12 full ones, and
+    a request holds its attention blocks and 2 (+1 checkpoint in 0.33) pages per GDN group."""
+    p = qwen3_coder_next_plan(version)
+    block = align * ceil(STATE / (align * TOKEN))
+    assert p.engine.block_size == block  # 544 in 0.32, 576 in 0.33
+    assert p.engine.num_kv_groups == 4
+    bytes_per_block = 12 * block * TOKEN
+    blocks = 8 * GiB // bytes_per_block
+    per_request = ceil(32768 / block) + 3 * (2 + checkpoint)
+    assert p.engine.num_blocks == blocks
+    assert p.engine.max_concurrency == blocks / per_request
+    assert p.engine.kv_cache_size_tokens == int(blocks / per_request * 32768)
+    assert p.engine.fits and p.ranks[0].state_bytes_reserved == 0
+    assert p.ranks[0].need_bytes_at_max_model_len == (per_request + 1) * bytes_per_block
+
+
+def test_without_prefix_caching_a_request_holds_one_state_page_per_group():
+    p = qwen3_coder_next_plan("0.33", enable_prefix_caching=False)
+    block = 16 * ceil(STATE / (16 * TOKEN))  # no checkpoint alignment without align mode
+    assert p.engine.block_size == block
+    assert p.engine.max_concurrency == p.engine.num_blocks / (ceil(32768 / block) + 3)
+
+
+def test_kvmem_plan_command_plans_qwen3_coder_next(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_CODER_NEXT))
+    run = subprocess.run([sys.executable, "-m", "kvmem", "plan", str(config),
+                          "--max-model-len", "32768", "--kv-cache-memory-bytes", "8GiB",
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    engine = json.loads(run.stdout)["engine"]
+    assert engine["fits"] and engine["block_size"] == 576
+    assert engine["max_concurrency"] > 9
+
+
+def test_gated_delta_net_state_is_split_across_tensor_parallel_ranks():
+    spec = spec_from_config(QWEN3_CODER_NEXT)
+    state = spec.layers[0].state
+    assert spec.layers[3].kind is AttentionKind.FULL and state.kind is StateKind.GATED_DELTA_NET
+    assert state.shapes(1) == [((3, 8192), False), ((32, 128, 128), True)]
+    assert state.shapes(2, num_spec=2) == [((5, 4096), False), ((16, 128, 128), True)]
+    with pytest.raises(ConfigError, match="tensor parallel size 3"):
+        state.shapes(3)
+
+
+def test_nemotron_h_pattern_gives_mamba2_attention_and_stateless_layers():
+    spec = spec_from_config(NEMOTRON_H)
+    assert [lay.kind for lay in spec.layers] == [
+        AttentionKind.LINEAR, AttentionKind.NONE, AttentionKind.LINEAR, AttentionKind.FULL,
+        AttentionKind.LINEAR, AttentionKind.NONE, AttentionKind.LINEAR, AttentionKind.NONE]
+    state = spec.layers[0].state
+    assert state.kind is StateKind.MAMBA2 and state.ssm_dtype == "float32"
+    # conv channels: 128 x 64 + 2 x 8 groups x 128; at tp 16 the 8 groups are repeated
+    assert state.shapes(1) == [((3, 8192 + 2 * 8 * 128), False), ((128, 64, 128), True)]
+    assert state.shapes(16)[0] == ((3, (8192 + 2 * 16 * 128) // 16), False)
+
+
+def test_nemotron_h_plan_groups_four_mamba_layers_and_one_attention_layer():
+    """4 Mamba2 layers and 1 attention layer: groups of 1, the state (conv in bf16, SSM in
+    float32) padded to the attention page at the raised block size; with prefix caching a
+    Mamba2 layer holds 2 pages and a checkpoint page."""
+    p = plan(spec_from_config(NEMOTRON_H), Layout(), settings())
+    geometry = engine_geometry(spec_from_config(NEMOTRON_H), 1, 1, p.settings, "bfloat16")
+    state = 3 * (8192 + 2048) * 2 + 128 * 64 * 128 * 4
+    token = 2 * 8 * 128 * 2
+    block = 16 * ceil(state / (16 * token))
+    assert (geometry.mamba.state_bytes, p.engine.block_size) == (state, block)
+    assert p.engine.num_kv_groups == 5
+    assert p.engine.max_concurrency == p.engine.num_blocks / (ceil(32768 / block) + 4 * 3)
+
+
+def test_granite_layer_types_and_bamba_attention_indices_name_the_mamba_layers():
+    granite = {"model_type": "granitemoehybrid", "hidden_size": 1536, "num_hidden_layers": 4,
+               "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 100352,
+               "layer_types": ["mamba", "mamba", "attention", "mamba"],
+               "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128,
+               "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}
+    spec = spec_from_config(granite)
+    assert [lay.kind.value for lay in spec.layers] == [
+        "linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    assert spec.layers[0].state.shapes(1)[0] == ((3, 2 * 1536 + 2 * 128), False)
+    bamba = {**granite, "model_type": "bamba", "attn_layer_indices": [1]}
+    del bamba["layer_types"]
+    assert [lay.kind for lay in spec_from_config(bamba).layers][:2] == [
+        AttentionKind.LINEAR, AttentionKind.FULL]
+
+
+def test_a_state_field_missing_is_one_line_naming_it():
+    broken = {k: v for k, v in NEMOTRON_H.items() if k != "ssm_state_size"}
+    with pytest.raises(ConfigError, match="Mamba2 needs ssm_state_size"):
+        spec_from_config(broken)
+
+
+def test_on_vllms_cpu_platform_the_ssm_state_is_float32():
+    """vLLM's CPU platform (AVX512-BF16) keeps SSM states in float32 unless a Gated
+    DeltaNet state is asked for in bfloat16 or float16."""
+    spec = spec_from_config(QWEN3_CODER_NEXT)
+    cpu = engine_geometry(spec, 1, 1, settings(device="cpu"), "bfloat16")
+    assert cpu.mamba.state_bytes == 3 * 8192 * 2 + 32 * 128 * 128 * 4
+    kept = engine_geometry(spec, 1, 1, settings(device="cpu", mamba_ssm_cache_dtype="bfloat16"),
+                           "bfloat16")
+    assert kept.mamba.state_bytes == STATE
