@@ -22,6 +22,13 @@ def _table(title: str, columns: list[str]) -> Table:
     return table
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A closed pipe is the caller's to end (``kvmem.cli.output``), not an exit here."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def _plain(*cells: str) -> list[Text]:
     return [Text(cell) for cell in cells]
 
@@ -46,7 +53,7 @@ def logged_lines(logged: dict) -> list[str]:
 
 
 def print_comparison(result: LogComparison, console: Console | None = None) -> None:
-    console = console or Console(width=None if Console().is_terminal else 200)
+    console = console or _Console(width=None if Console().is_terminal else 200)
     console.print(f"{result.release} log: {result.deployment}", highlight=False, markup=False)
     for line in logged_lines(result.logged):
         console.print(line, highlight=False, markup=False)
