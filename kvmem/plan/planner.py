@@ -168,6 +168,9 @@ class _Planner:
         w = self.weights.stage_bytes(range(start, end), stage == 0, last,
                                      encoders=self.settings.vllm_version is not None)
         s = self.settings
+        if s.device == "cpu":  # a CPU worker's resident memory: weights and the process
+            return _NonKV(weights=max(0, w - s.cpu_offload_bytes), activation=0,
+                          cuda_graphs=0, non_torch=estimates.VLLM_CPU_PROCESS_BYTES)
         graphs = (estimates.cuda_graph_bytes(end - start, self.tp, s.max_num_seqs)
                   if s.cuda_graphs and s.reserve_cuda_graphs else 0)
         return _NonKV(
