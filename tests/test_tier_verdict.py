@@ -110,7 +110,7 @@ def test_vllm_check_stats_reads_a_server(server, capsys):
 
 @pytest.mark.parametrize(("url", "message"), [
     ("ftp://x/metrics", "not an http(s) URL: 'ftp://x/metrics'"),
-    ("{base}/nothing", "cannot read {base}/nothing: Not Found"),
+    ("{base}/nothing", "cannot read {base}/nothing: 404 Not Found"),
     ("{base}/plain", "{base}/plain shows no kvmem_offload_* figures"),
 ])
 def test_vllm_check_stats_errors_are_one_line(server, capsys, url, message):

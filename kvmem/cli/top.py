@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 
 MAX_WATCH_S = 86400.0  # a day
-STALE_S = 5.0  # heartbeats come every 0.25 s
+STALE_S = 5.0  # a stepping engine's heartbeats come every 0.25 s, or with every step
+MAX_ENGINES = 64  # rows of a device's table; --json lists all
+MAX_NOTES = 8  # engines stopped or stuck, named one by one
+MAX_AGE_S = 366 * 86400.0  # an age beyond is no age of an engine (when boot time is unknown)
+CLOCK_SLACK_S = 2.0  # process start times are known to a clock tick, boot time to 1 s
 
 
 def _interval(text: str) -> float:
@@ -43,11 +48,75 @@ def _views(ledger_dir: str | None) -> list:
     return control.devices(ledger_dir)
 
 
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch); None when unknown."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _boot_time() -> float | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.boot_time()
+
+
+@dataclass
+class _Clock:
+    """What an age read from the ledger may be: no older than the engine's process (a
+    process started after its entry's last heartbeat is not that engine: its pid was
+    reused), or than the machine's boot."""
+
+    now: float
+    boot: float | None
+
+    def process_age(self, pid: int) -> float | None:
+        started = _started_at(pid)
+        return None if started is None else self.now - started
+
+    def plausible(self, age_s: float, process_age_s: float | None) -> bool:
+        oldest = process_age_s if process_age_s is not None else \
+            (self.now - self.boot if self.boot is not None else MAX_AGE_S)
+        return age_s <= oldest + CLOCK_SLACK_S
+
+
+def _age(seconds: float, plausible: bool) -> str:
+    if not plausible:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _trouble(e, process_age: float | None, clock: _Clock) -> str | None:
+    """What is wrong with engine ``e`` (a ``control.EngineView``), if anything. No
+    heartbeat alone is not: an idle vLLM engine runs no step, so it writes none; without
+    running requests it is idle, not stuck."""
+    if process_age is not None and e.heartbeat_age_s > process_age + CLOCK_SLACK_S:
+        return (f"stopped: pid {e.pid} is another process now (one started after the "
+                "engine's last heartbeat)")
+    if e.heartbeat_age_s > STALE_S and e.live_bytes:
+        since = f" for {_age(e.heartbeat_age_s, True)}" \
+            if clock.plausible(e.heartbeat_age_s, process_age) else ""
+        return f"holds running requests' KV, but no heartbeat{since} (stuck?)"
+    return None
+
+
 def _render(views: list):  # -> a rich renderable
     from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
+
+    clock = _Clock(time.time(), _boot_time())
 
     def size(n: int | None) -> str:  # short: eleven columns fit 80 characters
         if n is None:
@@ -63,6 +132,7 @@ def _render(views: list):  # -> a rich renderable
         table.add_column(col, justify="left" if col in ("engine", "device") else "right",
                          no_wrap=True)
     notes = []
+    troubled = 0
     for v in views:
         if v.error:
             notes.append(Text(f"{v.device}: {v.error}", style="red"))
@@ -75,25 +145,43 @@ def _render(views: list):  # -> a rich renderable
             notes.append(Text(f"{v.device}: total {size(v.total_bytes)}, held "
                               f"{size(v.held_bytes)}, counted {size(v.reserved_bytes)} "
                               "(floors included)"))
-        for e in v.engines:
+        for e in v.engines[:MAX_ENGINES]:
             given = f"{size(e.reclaimed_bytes)}/{e.reclaims}" if e.reclaims else "-"
+            process_age = clock.process_age(e.pid)
+            idle = _age(e.idle_s, clock.plausible(e.idle_s, process_age))
             # names are shown as text, never as rich markup
             table.add_row(Text(e.name), str(e.pid), Text(v.device), size(e.floor_bytes),
                           size(e.ceiling_bytes), size(e.mapped_bytes), size(e.live_bytes),
                           size(e.cached_bytes), given,
-                          size(e.wanted_bytes) if e.wanted_bytes else "-", f"{e.idle_s:.0f} s")
-            if e.heartbeat_age_s > STALE_S:
-                notes.append(Text(f"{e.name}: no heartbeat for {e.heartbeat_age_s:.0f} s "
-                                  "(stopped or stuck)", style="yellow"))
+                          size(e.wanted_bytes) if e.wanted_bytes else "-", idle)
+            trouble = _trouble(e, process_age, clock)
+            if trouble is not None:
+                troubled += 1
+                if troubled <= MAX_NOTES:
+                    notes.append(Text(f"{e.name}: {trouble}", style="yellow"))
+        if len(v.engines) > MAX_ENGINES:
+            notes.append(Text(f"{v.device}: and {len(v.engines) - MAX_ENGINES:,} more "
+                              "engines (kvmem top --json lists them all)"))
+    if troubled > MAX_NOTES:
+        notes.append(Text(f"and {troubled - MAX_NOTES:,} more of the engines above stopped "
+                          "or stuck", style="yellow"))
     if not table.row_count:
         return Group(Text("no engines use elastic KV memory"), *notes)
     return Group(table, *notes)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmem.cli.output import PIPE_CLOSED, guarded_stdout
+
+    with guarded_stdout() as written:
+        status = _show(args)
+    return PIPE_CLOSED if written.closed_early else status
+
+
+def _show(args: argparse.Namespace) -> int:
     from kvmem.memory import control
 
-    def screen():  # -> a rich renderable
+    def screen():  # -> a rich renderable; each server's /metrics read once
         from rich.console import Group
 
         elastic = _render(_views(args.ledger_dir))
@@ -111,22 +199,38 @@ def run(args: argparse.Namespace) -> int:
     # never narrower than the table: a cut name could not be given to `kvmem limit`
     console = Console()
     wide = console.options.update(max_width=400)
-    console = Console(width=max(console.width, console.measure(screen(), options=wide).maximum))
+    first = screen()
+    console = Console(width=max(console.width, console.measure(first, options=wide).maximum))
+    console.on_broken_pipe = _closed  # rich's own handling would exit 1
     if args.watch is None:
-        console.print(screen())
+        console.print(first)
         return 0
+    if not console.is_terminal:  # a pipe or a file: one screen after another
+        while True:
+            console.print(first)
+            console.file.flush()
+            time.sleep(args.watch)
+            first = screen()
     from rich.live import Live
 
-    with Live(screen(), console=console) as live:
+    # drawn from this thread only, when the screen changes: a closed pipe ends it here
+    with Live(first, console=console, auto_refresh=False) as live:
         while True:
             time.sleep(args.watch)
-            live.update(screen())
+            live.update(screen(), refresh=True)
+
+
+def _closed() -> None:
+    raise BrokenPipeError
 
 
 # -- offload tiers (--metrics) -------------------------------------------------------------
+SCRAPE_TIMEOUT_S = 5.0  # each server's whole answer
+
+
 def _metrics_url(text: str) -> str:
     from kvmem.errors import KvmemError
-    from kvmem.tiers.verdict import metrics_url
+    from kvmem.tiers.scrape import metrics_url
 
     try:
         return metrics_url(text)
@@ -136,14 +240,15 @@ def _metrics_url(text: str) -> str:
 
 def _tier_rows(urls: list[str]) -> list[dict]:
     """Each server's tiers, summed over its ranks (``kvmem.tiers.verdict``); a server that
-    cannot be read is a row with its error."""
+    cannot be read, or whose page makes no sense, is a row with its error."""
     from kvmem.errors import KvmemError
-    from kvmem.tiers.verdict import read_figures, scrape
+    from kvmem.tiers.scrape import scrape
+    from kvmem.tiers.verdict import read_figures
 
     rows: list[dict] = []
     for url in urls:
         try:
-            figures = read_figures(scrape(url, timeout_s=5.0))
+            figures = read_figures(scrape(url, timeout_s=SCRAPE_TIMEOUT_S))
         except KvmemError as exc:
             rows.append({"server": url, "error": str(exc)})
             continue
@@ -155,7 +260,9 @@ def _tier_rows(urls: list[str]) -> list[dict]:
 
 def _tiers_table(rows: list[dict]):  # -> rich.table.Table
     from rich.table import Table
+    from rich.text import Text
 
+    from kvmem.tiers.scrape import shown
     from kvmem.units import format_bytes
 
     def share(x: float | None) -> str:
@@ -169,10 +276,13 @@ def _tiers_table(rows: list[dict]):  # -> rich.table.Table
                 "prefill saved", "saved/GiB", "never loaded", "failed loads"):
         table.add_column(col, justify="left" if col in ("server", "tier") else "right")
     for r in rows:
+        # what a server sent is shown as text, never as rich markup
+        server = Text(shown(r["server"], 60))
         if "error" in r:
-            table.add_row(r["server"], "-", r["error"])
+            table.add_row(server, "-", Text(r["error"], style="red"))
             continue
-        table.add_row(r["server"], r["tier"], format_bytes(int(r.get("used_bytes", 0))),
+        table.add_row(server, Text(shown(r["tier"], 24)),
+                      format_bytes(int(r.get("used_bytes", 0))),
                       format_bytes(int(r.get("capacity_bytes", 0))), share(r["hit_rate"]),
                       f"{r.get('hit_tokens', 0):.0f}", number(r["load_gb_per_s"], ".2f"),
                       f"{r.get('prefill_saved_seconds', 0):.2f} s",

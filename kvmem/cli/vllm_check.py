@@ -12,6 +12,9 @@ import json
 import os
 from dataclasses import asdict
 
+MAX_RATES = 8  # ranks' prefill rates named on the first line
+SCRAPE_TIMEOUT_S = 10.0  # the server's whole answer
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -24,10 +27,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_stats(url: str, as_json: bool) -> int:
     """The tiers' verdicts from ``url``; exit 2 (one line) when it has no tier figures."""
     from kvmem.errors import KvmemError
-    from kvmem.tiers.verdict import metrics_url, read_figures, scrape, verdict_lines
+    from kvmem.tiers.scrape import metrics_url, scrape, shown
+    from kvmem.tiers.verdict import read_figures, verdict_lines
 
     url = metrics_url(url)
-    figures = read_figures(scrape(url))
+    page = scrape(url, timeout_s=SCRAPE_TIMEOUT_S)
+    try:
+        figures = read_figures(page)
+    except KvmemError as exc:
+        raise KvmemError(f"{url}: {exc}") from None
     if not figures.tiers:
         raise KvmemError(f"{url} shows no kvmem_offload_* figures (is KvmemConnector, or an "
                          "offload tier, configured there? vLLM shows them after its first "
@@ -36,8 +44,10 @@ def run_stats(url: str, as_json: bool) -> int:
         print(json.dumps({"tiers": [t.as_dict() for t in figures.tiers.values()],
                           "prefill_rates": figures.prefill_rates}, indent=1))
         return 0
-    rates = ", ".join(f"{rank}: {rate:.0f}" for rank, rate in figures.prefill_rates.items())
-    print(f"{url}: measured prefill rate (tokens/s) {rates or 'not yet measured'}")
+    rates = [f"{shown(rank, 16)}: {rate:.0f}" for rank, rate in figures.prefill_rates.items()]
+    if len(rates) > MAX_RATES:
+        rates[MAX_RATES:] = [f"and {len(rates) - MAX_RATES} more ranks"]
+    print(f"{url}: measured prefill rate (tokens/s) {', '.join(rates) or 'not yet measured'}")
     for tier in figures.tiers.values():
         print("\n".join(verdict_lines(tier)))
     return 0
@@ -73,15 +83,22 @@ def environment_status():
 def run(args: argparse.Namespace) -> int:
     """0 when every part works and the settings are accepted, 1 otherwise (vLLM missing
     included)."""
-    if args.stats is not None:
-        return run_stats(args.stats, args.json)
+    from kvmem.cli.output import PIPE_CLOSED, guarded_stdout
+
+    with guarded_stdout() as written:
+        status = run_stats(args.stats, args.json) if args.stats is not None else \
+            run_check(args.json)
+    return PIPE_CLOSED if written.closed_early else status
+
+
+def run_check(as_json: bool) -> int:
     from kvmem.integrations.vllm import compat
 
     version, statuses = compat.report()
     environment, notes = environment_status()
     statuses.append(environment)
     notes = [*notes, *compat.NOTES]
-    if args.json:
+    if as_json:
         print(json.dumps({"vllm": version, "tested": list(compat.TESTED_VLLM),
                           "features": [asdict(s) for s in statuses],
                           "notes": notes}, indent=1))

@@ -5,47 +5,30 @@ Per tier: the hit rate (blocks found / blocks looked up), the load speed (bytes 
 seconds loading), the prefill seconds its loads saved per GiB of its budget, the share of
 its stores never loaded, and whether loading paid: the prefill time the loads saved
 against the time they took. Every figure is over the server's life so far (one scrape);
-``docs/offload.md`` gives the same as PromQL over a window. Pure Python; the page is parsed
-with ``prometheus_client``.
+``docs/offload.md`` gives the same as PromQL over a window. Pure Python; the page's
+``kvmem_`` lines, and only those, are parsed with ``prometheus_client``, so a server's
+other series cost nothing and cannot stop the reading. The page itself is read by
+``kvmem.tiers.scrape``.
 """
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.parse
-import urllib.request
+import math
+import re
 from dataclasses import dataclass, field
 
 from kvmem.errors import KvmemError
+from kvmem.tiers.scrape import shown
 from kvmem.tiers.stats import COUNTERS, GAUGES, PREFILL_RATE, metric_name
 from kvmem.units import GiB, format_bytes
 
-PREFIX = metric_name("")
-MAX_PAGE_BYTES = 64 << 20
-
-
-def metrics_url(url: str) -> str:
-    """``url`` as given, or with ``/metrics`` when it names only a server."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise KvmemError(f"not an http(s) URL: {url!r}")
-    if parts.path in ("", "/"):
-        parts = parts._replace(path="/metrics")
-    return urllib.parse.urlunsplit(parts)
-
-
-def scrape(url: str, timeout_s: float = 10.0) -> str:
-    """The text of a ``/metrics`` page; a one-line ``KvmemError`` when it cannot be read."""
-    url = metrics_url(url)
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
-            data = response.read(MAX_PAGE_BYTES + 1)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", None) or exc
-        raise KvmemError(f"cannot read {url}: {reason}") from None
-    if len(data) > MAX_PAGE_BYTES:
-        raise KvmemError(f"{url}: the page is larger than {format_bytes(MAX_PAGE_BYTES)}")
-    return data.decode("utf-8", errors="replace")
+MAX_LINES = 20_000  # 64 ranks with 4 tiers show some 7,000; parsing 20,000 takes ~1 s
+MAX_TIERS = 64
+MAX_RANKS = 4096
+MAX_CAUSES = 8  # of failed loads, shown
+LARGEST = float(1 << 63)  # no count, size or time of a tier comes near
+# kvmem's own lines, and nothing else of a page, go to the parser
+_OURS = re.compile(r"^(?:# (?:HELP|TYPE) )?kvmem_[^\n]*", re.MULTILINE)
 
 
 @dataclass
@@ -107,25 +90,49 @@ class Figures:
     prefill_rates: dict[str, float]  # rank (or "engine") -> measured tokens per second
 
 
+def _our_lines(text: str) -> str:
+    lines = []
+    for match in _OURS.finditer(text):
+        if len(lines) == MAX_LINES:
+            raise KvmemError(f"more than {MAX_LINES} kvmem_ lines: not a page kvmem reads")
+        lines.append(match.group())
+    return "\n".join([*lines, ""])
+
+
 def read_figures(text: str) -> Figures:
-    """The tiers' figures on a ``/metrics`` page (no tier: empty)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    """The tiers' figures on a ``/metrics`` page (no tier: empty); a one-line
+    ``KvmemError`` for figures no tier could have (not a number from 0 to 2**63) or more
+    tiers, ranks or lines than a server has."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        raise KvmemError("reading /metrics needs prometheus-client (pip install "
+                         "'kvmem[serve]')") from None
 
     wanted = {f"{metric_name(n)}_total": n for n in COUNTERS} | \
              {metric_name(n): n for n in GAUGES}
     tiers: dict[str, TierFigures] = {}
     rates: dict[str, float] = {}
     try:
-        families = list(text_string_to_metric_families(text))
+        families = list(text_string_to_metric_families(_our_lines(text)))
     except ValueError as exc:
-        raise KvmemError(f"not a Prometheus metrics page ({exc})") from None
+        raise KvmemError(f"not a Prometheus metrics page ({shown(str(exc), 120)})") from None
     for family in families:
         for s in family.samples:
             if s.name == PREFILL_RATE[0]:
-                rates[s.labels.get("rank", "engine")] = s.value
+                rank = s.labels.get("rank", "engine")
+                if rank not in rates and len(rates) == MAX_RANKS:
+                    raise KvmemError(f"prefill rates of more than {MAX_RANKS} ranks")
+                if math.isfinite(s.value) and s.value > 0:  # else not measured
+                    rates[rank] = s.value
             name = wanted.get(s.name)
             if name is None or "tier" not in s.labels:
                 continue
+            if not 0 <= s.value < LARGEST:  # NaN fails too
+                raise KvmemError(f"{s.name} of tier {shown(s.labels['tier'])} is {s.value}: "
+                                 "not a count, size or time")
+            if s.labels["tier"] not in tiers and len(tiers) == MAX_TIERS:
+                raise KvmemError(f"more than {MAX_TIERS} tiers: not kvmem's figures")
             tier = tiers.setdefault(s.labels["tier"], TierFigures(s.labels["tier"]))
             tier.values[name] = tier.values.get(name, 0.0) + s.value
             if name == "failed_loads":
@@ -142,7 +149,7 @@ def verdict_lines(tier: TierFigures) -> list[str]:
     """What a tier's figures say, for a person."""
     t = tier
     capacity = t.get("capacity_bytes")
-    lines = [f"{t.tier} tier ({format_bytes(int(t.get('used_bytes')))} of "
+    lines = [f"{shown(t.tier)} tier ({format_bytes(int(t.get('used_bytes')))} of "
              f"{format_bytes(int(capacity))} used)"]
     if not t.get("lookups"):
         return [*lines, "  no lookups yet: nothing to judge"]
@@ -160,9 +167,10 @@ def verdict_lines(tier: TierFigures) -> list[str]:
         lines.append(f"  stores never loaded {_share(t.wasted_share)} of "
                      f"{t.get('stored_blocks'):.0f} (up to {_share(t.wasted_share_at_most)} "
                      f"if the {t.get('unused_blocks'):.0f} held and not loaded yet never are)")
-    failed = {c: n for c, n in t.failed_load_causes.items() if n}
+    failed = [f"{n:.0f} {shown(c, 40)}" for c, n in t.failed_load_causes.items() if n]
     if failed:
-        lines.append("  failed loads: " + ", ".join(f"{n:.0f} {c}" for c, n in failed.items()))
+        more = f", and {len(failed) - MAX_CAUSES} more causes" if len(failed) > MAX_CAUSES else ""
+        lines.append("  failed loads: " + ", ".join(failed[:MAX_CAUSES]) + more)
     lines.append(f"  verdict: {_judgement(t)}")
     return lines
 
