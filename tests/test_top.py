@@ -123,6 +123,20 @@ def test_a_reader_that_closed_the_pipe_ends_it_quietly(tmp_path, args):
     assert (run.returncode, run.stderr) == (141, "")  # as a command ended by SIGPIPE
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["top", "--json"], ["top"], ["vllm-check"]])
+def test_output_that_cannot_be_written_is_one_line(tmp_path, args):
+    budget = Ledger.for_device("cpu", tmp_path).register("llama")
+    try:
+        with open("/dev/full", "w") as full:
+            run = kvmem(*args, *(["--ledger-dir", str(tmp_path)] if "top" in args else []),
+                        stdout=full)
+    finally:
+        budget.close()
+    assert (run.returncode, run.stderr) == (
+        2, "kvmem: error: cannot write the output: No space left on device\n")
+
+
 def test_an_ascii_only_terminal_gets_characters_replaced(tmp_path):
     budget = Ledger.for_device("cpu", tmp_path).register("mod\u00e8le")
     server = RawServer()

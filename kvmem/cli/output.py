@@ -1,7 +1,8 @@
 """Standard output for commands that print reports: a reader that goes away early (``kvmem
 top --json | head``) ends the command quietly, with the status of a process SIGPIPE
 ended (``PIPE_CLOSED``), and characters the output's encoding lacks
-(``PYTHONIOENCODING=ascii``, a C locale) are replaced by ``?``, never raised on::
+(``PYTHONIOENCODING=ascii``, a C locale) are replaced by ``?``, never raised on; output
+that cannot be written (``> /dev/full``) is one error line::
 
     with guarded_stdout() as written:
         print(report)
@@ -17,6 +18,9 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TextIO
+
+from kvmem.errors import KvmemError
 
 PIPE_CLOSED = 128 + 13  # as a shell reports a process SIGPIPE ended
 
@@ -41,8 +45,15 @@ def guarded_stdout() -> Iterator[Written]:
         stream.flush()
     except BrokenPipeError:
         written.closed_early = True
-        # what is still buffered would fail again when Python flushes it at exit
-        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())
-            os.close(devnull)
+        _drop_buffered(stream)
+    except OSError as exc:  # a full disk, a device gone
+        _drop_buffered(stream)
+        raise KvmemError(f"cannot write the output: {exc.strerror or exc}") from None
+
+
+def _drop_buffered(stream: TextIO) -> None:
+    """What is still buffered would fail again when Python flushes it at exit."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
