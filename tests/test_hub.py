@@ -138,8 +138,9 @@ class Hub:
             return self._error(req, 404, "EntryNotFound", body)
         headers = {"X-Repo-Commit": COMMIT,
                    "ETag": '"' + hashlib.sha1(data).hexdigest() + '"'}
-        if parts[4] in self.sizes:  # a size the server claims (a huge file, not sent)
-            headers["X-Linked-Size"] = str(self.sizes[parts[4]])
+        claimed = self.sizes.get(f"{parts[0]}/{parts[1]}/{parts[4]}")
+        if claimed is not None:  # a size the server claims, whatever it sends
+            headers["X-Linked-Size"] = str(claimed)
         status, rng = 200, req.headers.get("Range")
         if rng and body:
             start, _, end = rng.removeprefix("bytes=").partition("-")
@@ -187,6 +188,10 @@ def hub():
         "acme/not-json": {"config.json": b"{\"num_hidden_layers\": 4,"},
         "acme/a-list": {"config.json": b"[1, 2, 3]"},
         "acme/huge": {"config.json": b"{}"},
+        "acme/wrong-types": {"config.json": config_bytes({**CONFIG, "num_hidden_layers": "many"})},
+        "acme/petabytes": {"config.json": config_bytes(), "model.safetensors":
+                           safetensors_header({"model.embed_tokens.weight":
+                                               ("BF16", [1 << 30, 1 << 20])})},
         "acme/lying-header": {"config.json": config_bytes(),
                               "model.safetensors": safetensors_header(entries, lie=7)},
         "acme/huge-header": {"config.json": config_bytes(),
@@ -283,6 +288,7 @@ def test_a_gated_repo_says_to_set_hf_token_and_plans_with_it(hub, tmp_path):
     ("acme/lying-header", {}, "do not span the"),
     ("acme/huge-header", {}, "safetensors header cannot be read"),
     ("acme/odd-dtype", {}, "unknown dtype 'Q3'"),
+    ("acme/petabytes", {}, "claim 2048.00 TiB of weights, more than any checkpoint"),
 ])
 def test_a_repo_that_cannot_be_planned_is_one_line(hub, tmp_path, repo, env, said):
     line = one_line_error(kvmem(["plan", repo], hub.url, tmp_path / "hf", **env))
@@ -290,10 +296,30 @@ def test_a_repo_that_cannot_be_planned_is_one_line(hub, tmp_path, repo, env, sai
 
 
 def test_a_huge_config_is_refused_before_it_is_downloaded(hub, tmp_path):
-    hub.sizes["config.json"] = 1 << 30
+    hub.sizes["acme/huge/config.json"] = 1 << 30
     line = one_line_error(kvmem(["plan", "acme/huge"], hub.url, tmp_path / "hf"))
     assert "1.00 GiB, larger than a config can be" in line
     assert not [r for r in hub.requests if r[0] == "GET" and "/acme/" in r[1]]
+
+
+def test_a_repo_id_one_letter_off_a_catalog_id_suggests_it(tmp_path):
+    line = one_line_error(kvmem(["plan", "qwen/qwen3-8c"], "http://127.0.0.1:9", tmp_path,
+                                HF_HUB_OFFLINE="1"))
+    assert line.endswith("did you mean qwen/qwen3-8b, qwen/qwen3-32b, qwen/qwen3-14b?")
+
+
+def test_a_config_of_the_wrong_types_is_one_line(hub, tmp_path):
+    line = one_line_error(kvmem(["plan", "acme/wrong-types"], hub.url, tmp_path / "hf"))
+    assert "acme/wrong-types: field 'num_hidden_layers' must be a positive integer" in line
+
+
+def test_a_server_that_sends_more_than_it_claims_is_one_line(hub, tmp_path):
+    """The Hub claims 100 bytes and sends 65 MiB: streamed to the cache and refused, never
+    held in memory or read as a config."""
+    hub.repos["acme/liar"] = {"config.json": b"{" + b" " * (65 << 20) + b"}"}
+    hub.sizes["acme/liar/config.json"] = 100
+    line = one_line_error(kvmem(["plan", "acme/liar"], hub.url, tmp_path / "hf"))
+    assert "acme/liar" in line and "pass its config instead" in line
 
 
 def test_no_network_is_one_line_at_once(tmp_path):

@@ -74,8 +74,8 @@ def find_entry(name: str) -> CatalogEntry:
                             f"{_close_names(name) or '; see `kvmem models`'}")
 
 
-def _close_names(name: str) -> str:
-    close = difflib.get_close_matches(name.lower(), list(_index()), n=3, cutoff=0.5)
+def _close_names(name: str, cutoff: float = 0.5) -> str:
+    close = difflib.get_close_matches(name.lower(), list(_index()), n=3, cutoff=cutoff)
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
@@ -103,6 +103,6 @@ def named_spec(name: str) -> ModelSpec:
             raise
         try:
             return hub_spec(name.strip())
-        except ConfigError as e:  # a misspelt catalog id is likelier than a missing repo
-            raise ConfigError(f"{e}{_close_names(name)}") from None
+        except ConfigError as e:  # a repo id one letter off a catalog id may be a typo
+            raise ConfigError(f"{e}{_close_names(name, cutoff=0.8)}") from None
     return spec_from_config(cfg, name=entry_name)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvmem.errors import ConfigError, UnknownModelError
+from kvmem.errors import ConfigError, KvmemError, UnknownModelError
 from kvmem.files import JSON_LIMIT, read_bounded
 from kvmem.spec.layout import ModelSpec
 from kvmem.spec.weights import CheckpointTensors, Tensor
@@ -112,8 +112,8 @@ def _hub_error(repo_id: str, e: Exception) -> ConfigError:
                            f"{how}")
     if isinstance(e, HfHubHTTPError) and e.response is not None:
         return ConfigError(f"the Hub answered {e.response.status_code} for {repo_id}; {how}")
-    return ConfigError(f"cannot reach the Hub ({constants.ENDPOINT}) for {repo_id} and it is "
-                       f"not in the cache; {how}")
+    return ConfigError(f"reading {repo_id} from the Hub ({constants.ENDPOINT}) failed "
+                       f"({_first_line(e)}); {how}")
 
 
 @contextmanager
@@ -155,11 +155,13 @@ def _fetch(repo_id: str, filename: str) -> Path:
                                         timeout=constants.HF_HUB_ETAG_TIMEOUT).size
         except HfHubHTTPError:
             raise
-        except Exception as unreachable:  # no network: the cache, if it has the file
+        except Exception as e:  # no answer: the cache, if it has the file
             try:
                 return Path(hf_hub_download(repo_id, filename, local_files_only=True))
             except LocalEntryNotFoundError:
-                raise unreachable from None
+                raise ConfigError(f"cannot reach the Hub ({constants.ENDPOINT}) for {repo_id} "
+                                  f"({_first_line(e)}) and it is not in the cache; "
+                                  f"{_pass_config(repo_id)}") from None
         if size is not None and size > JSON_LIMIT:
             raise ConfigError(f"{repo_id}'s {filename} is {format_bytes(size)}, larger than "
                               f"a config can be; {_pass_config(repo_id)}")
@@ -185,17 +187,23 @@ def _checkpoint_tensors(repo_id: str, commit: str) -> tuple[Tensor, ...] | None:
     from the assets cache, else from the headers on the Hub (then cached)."""
     from huggingface_hub import cached_assets_path
 
-    cached = cached_assets_path(_ASSETS, namespace=repo_id, subfolder=commit) / "weights.json"
-    if cached.is_file():
+    try:
+        cached = cached_assets_path(_ASSETS, namespace=repo_id, subfolder=commit) / "weights.json"
+    except OSError:  # an unwritable cache: the headers are read every time
+        cached = None
+    if cached is not None and cached.is_file():
         try:
             listing = json.loads(read_bounded(cached, "cached weight listing"))["tensors"]
-            return None if listing is None else tuple(Tensor(*t) for t in listing)
-        except (ValueError, KeyError, TypeError):
+            return None if listing is None else tuple(
+                Tensor(str(name), int(nbytes), int(ndim)) for name, nbytes, ndim in listing)
+        except (KvmemError, ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is read again
     if _offline():
         return None  # the planner estimates the weights from the config
     tensors = _read_headers(repo_id, commit)
-    cached.write_text(json.dumps({"tensors": tensors}))
+    if cached is not None:
+        with suppress(OSError):  # kept for the next run only when the cache can be written
+            cached.write_text(json.dumps({"tensors": tensors}))
     return tensors
 
 
