@@ -236,6 +236,13 @@ def test_gemma4_shared_layers_read_the_last_earlier_layer_of_their_type():
     assert [lay.kv_source for lay in spec.layers[8:]] == [7, 7, 7, 5]
 
 
+def test_gemma4_full_layers_take_their_per_layer_head_size():
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    spec = spec_from_config(_config(model_type="gemma4_text", layer_types=types,
+                                    sliding_window=512, per_layer_config={"05": {"head_dim": 32}}))
+    assert [lay.head_dim for lay in spec.layers] == [16] * 5 + [32]
+
+
 def test_too_many_shared_layers_is_one_line_error():
     with pytest.raises(ConfigError, match="num_kv_shared_layers"):
         spec_from_config(_config(model_type="gemma4_text", num_kv_shared_layers=6))

@@ -344,10 +344,25 @@ def _layers(cfg: dict[str, Any], n: int, kv_heads: int, head_dim: int, mla: MLA 
                                                      strict=True)):
         if kind in (AttentionKind.SLIDING, AttentionKind.CHUNKED) and not window:
             raise ConfigError(f"{where}: layer {i} is {kind.value} but no window size is set")
-        layers.append(LayerKV(i, kind, kv_heads, head_dim, window=window,
+        heads, dim = _layer_shape(cfg, i, kv_heads, head_dim, where)
+        layers.append(LayerKV(i, kind, heads, dim, window=window,
                               state=state if kind is AttentionKind.LINEAR else None,
                               kv_source=source))
     return layers
+
+
+def _layer_shape(cfg: dict[str, Any], i: int, kv_heads: int, head_dim: int,
+                 where: str) -> tuple[int, int]:
+    """Layer i's KV heads and head size: Gemma 4's ``per_layer_config`` (keyed by the
+    layer's index, "05") overrides the model's for its full-attention layers."""
+    per_layer = cfg.get("per_layer_config")
+    if not isinstance(per_layer, dict):
+        return kv_heads, head_dim
+    own = next((v for k, v in per_layer.items() if str(k).isdigit() and int(k) == i), None)
+    if not isinstance(own, dict):
+        return kv_heads, head_dim
+    return (_int(own, "num_key_value_heads", where, kv_heads, low=1),
+            _int(own, "head_dim", where, head_dim, low=1))
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
