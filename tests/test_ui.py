@@ -2,11 +2,15 @@
 ``/api/plan`` is `kvmem plan --json`'s document, a refusal is the CLI's line with its field,
 no file of the server is read, the page's files ship in the package, no torch."""
 
+import contextlib
 import fnmatch
 import json
 import re
+import socket
+import struct
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -107,10 +111,7 @@ BAD = [
     ("model=qwen3-32b&tp=x", ["qwen3-32b", "--tp", "x"], "tp"),
     ("model=qwen3-32b&tp=3&gpu=H100", ["qwen3-32b", "--tp", "3", "--gpu", "H100"], "tp"),
     # a layout is checked before anything is sized per rank (not a list of 10^12 GPUs)
-    ("model=qwen3-32b&tp=999999999999&gpu=H100",
-     ["qwen3-32b", "--tp", "999999999999", "--gpu", "H100"], "tp"),
-    ("model=qwen3-32b&pp=999999999999&gpu=H100",
-     ["qwen3-32b", "--pp", "999999999999", "--gpu", "H100"], "pp"),
+    ("model=qwen3-32b&pp=1000&gpu=H100", ["qwen3-32b", "--pp", "1000", "--gpu", "H100"], "pp"),
     ("model=qwen3-32b&pp=2&layer_partition=60,8&gpu=H100",
      ["qwen3-32b", "--pp", "2", "--layer-partition", "60,8", "--gpu", "H100"],
      "layer_partition"),
@@ -151,7 +152,9 @@ def test_a_bad_value_is_the_cli_line_with_its_field(server, query, argv, field):
 
 
 def test_odd_values_in_every_field_are_planned_or_refused_never_a_crash(server):
-    odd = ["", "-1", "0", "1e400", "abc", "999999999999", "1.5", "nan", " 2", "1,2,3", "-"]
+    odd = ["", "-1", "0", "1e400", "abc", "999999999999", "1.5", "nan", " 2", "1,2,3", "-",
+           "inf", "-inf", "1e309", "0x10", "1_000", "\x00", "\u202e2", "\U0001f600", "9" * 5000,
+           "H100," * 2000, '{"method": "mtp"}', '[' * 5000]
     for group in form()["groups"]:
         for field in group["fields"]:
             for value in odd + (field["choices"] or []):
@@ -257,7 +260,7 @@ def test_other_methods_are_refused_in_one_line(server):
                                      method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
-    assert refused.value.code == 405 and refused.value.headers["Allow"] == "GET"
+    assert refused.value.code == 405 and refused.value.headers["Allow"] == "GET, HEAD, OPTIONS"
     assert json.loads(refused.value.read())["error"].startswith("POST is not answered here")
 
 
@@ -310,3 +313,232 @@ def test_the_ui_imports_no_torch_engine_or_server():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
+
+
+# --- what one request may ask of the server (kvmem.ui.limits, kvmem.spec.bounds) -------------
+
+def _llama(**fields) -> str:
+    _, cfg = catalog_config("meta-llama/Llama-3.1-8B-Instruct")
+    return json.dumps({**cfg, **fields})
+
+
+@pytest.mark.parametrize("layers", [10**9, 10**6, 1e300])
+def test_a_config_of_a_billion_layers_is_a_400_naming_the_field(server, layers):
+    status, body = api(server, "plan", urlencode({"config": _llama(num_hidden_layers=layers)}))
+    assert status == 400 and body["field"] == "config"
+    assert "field 'num_hidden_layers' must be at most 1,024" in body["error"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", 10**12), ("hidden_size", 10**9), ("num_attention_heads", 10**7),
+    ("max_position_embeddings", 10**15), ("sliding_window", 10**15),
+    ("num_local_experts", 10**8), ("intermediate_size", 10**12),
+    ("layer_types", ["full_attention"] * 1500),
+])
+def test_every_size_of_a_pasted_config_is_bounded(server, field, value):
+    status, body = api(server, "plan", urlencode({"config": _llama(**{field: value})}))
+    assert status == 400 and body["field"] == "config" and f"'{field}'" in body["error"]
+
+
+@pytest.mark.parametrize("query, field", [
+    ("tp=2048", "tp"), ("pp=5000", "pp"), ("tp=64&pp=32", "tp"),
+    ("max_model_len=2147483648", "max_model_len"), ("block_size=1048576", "block_size"),
+    ("max_num_seqs=99999999", "max_num_seqs"), ("max_concurrent_batches=5000",
+                                                "max_concurrent_batches"),
+])
+def test_the_page_bounds_each_count_a_flag_takes(server, query, field):
+    status, body = api(server, "plan", f"model=qwen3-8b&gpu=H100&{query}")
+    assert status == 400 and body["field"] == field and "on this page" in body["error"] \
+        or "the page plans at most" in body["error"]
+
+
+def test_a_long_value_or_key_is_refused_short(server):
+    status, body = api(server, "plan", "model=qwen3-8b&gpu=" + "H100," * 3000)
+    assert status == 400 and body["field"] == "gpu" and "characters long" in body["error"]
+    status, body = api(server, "plan", "model=qwen3-8b&" + "k" * 5000 + "=1")
+    assert status == 400 and len(body["error"]) < 200 and "5,000 characters" in body["error"]
+
+
+@pytest.mark.parametrize("config", ['{"a": ' + "9" * 5000 + "}", "[" * 100_00 + "]" * 100_00])
+def test_a_config_python_cannot_read_is_refused_beside_it(server, config):
+    status, body = api(server, "plan", urlencode({"config": config}))
+    assert status == 400 and body["field"] == "config" and "not valid JSON" in body["error"]
+
+
+def test_a_speculative_draft_is_never_read_from_the_servers_files(server, tmp_path):
+    _, cfg = catalog_config("qwen3-0.6b")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for draft in (str(tmp_path), str(tmp_path / "config.json"), "~", "a\x00b"):
+        spec = json.dumps({"method": "eagle", "num_speculative_tokens": 1, "model": draft})
+        status, body = api(server, "plan", urlencode({"model": "qwen3-8b", "gpu": "H100",
+                                                      "speculative_config": spec}))
+        assert status == 400 and body["field"] == "speculative_config", body
+        assert "reads no file of the server" in body["error"]
+    spec = json.dumps({"method": "eagle", "num_speculative_tokens": 1, "model": "qwen3-0.6b"})
+    status, doc = api(server, "plan", urlencode({"model": "qwen3-8b", "gpu": "H100",
+                                                 "speculative_config": spec}))
+    assert status == 200, doc  # a catalog draft plans
+
+
+def test_a_plan_past_the_deadline_is_refused_and_its_worker_replaced():
+    from kvmem.ui.workers import PlanWorkers
+
+    workers = PlanWorkers(count=1, seconds=3.0)
+    try:
+        slow = urlencode({"config": _llama(num_hidden_layers=1024), "pp": 2, "gpu": "H100",
+                          "kv_budget": "optimal"})  # the search: a minute and more
+        (first,) = workers._all
+        outcome, (message, field) = workers.ask("plan", slow)
+        assert outcome == "refused" and field is None
+        assert message.startswith("this plan took longer than 3 s to compute")
+        assert not first.process.is_alive()
+        (second,) = workers._all
+        assert second is not first and second.process.is_alive()
+    finally:
+        workers.close()
+
+
+# --- connections: deadlines, a bound on their number, HEAD/OPTIONS, clients that go away ------
+
+@pytest.fixture
+def strict():
+    """A server whose requests must arrive within 0.5 s, with at most 3 connections."""
+    with serving(request_seconds=0.5, max_connections=3) as s:
+        yield s
+
+
+def _connect(server) -> socket.socket:
+    return socket.create_connection(server.server_address[:2], timeout=10)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` within ``seconds`` (reading what it sends)."""
+    end = time.monotonic() + seconds
+    sock.settimeout(0.1)
+    while time.monotonic() < end:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def test_a_half_sent_request_is_closed_after_the_deadline(strict):
+    with _connect(strict) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(8):  # a header line a while, never the end: no request ever completes
+            time.sleep(0.15)
+            with contextlib.suppress(OSError):
+                sock.sendall(b"X-Slow: 1\r\n")
+        assert _closed_within(sock, 3)
+
+
+def test_an_idle_kept_alive_connection_is_closed(strict):
+    with _connect(strict) as sock:
+        sock.sendall(b"GET /api/form HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" in sock.recv(200)
+        assert _closed_within(sock, 3)
+
+
+def test_connections_past_the_bound_are_answered_503_without_a_thread(strict):
+    idle = [_connect(strict) for _ in range(3)]
+    try:
+        time.sleep(0.1)
+        with _connect(strict) as extra:
+            extra.sendall(b"GET /api/form HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = extra.recv(4096)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"\n" not in body
+        assert "its most" in json.loads(body)["error"]
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.7)  # the idle ones are gone: served again
+    assert get(strict, "/api/form")[0] == 200
+
+
+def test_head_is_get_without_the_body_and_options_names_the_methods(server):
+    for path in ("/", "/static/app.js", "/api/form", "/api/plan?" + README_QUERY, "/nowhere"):
+        got = get(server, path)
+        request = urllib.request.Request(server.url + path.lstrip("/"), method="HEAD")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                status, headers, body = r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            status, headers, body = e.code, dict(e.headers), e.read()
+        assert (status, body) == (got[0], b"")
+        assert headers["Content-Length"] == str(len(got[2]))
+        assert headers["Content-Type"] == got[1]["Content-Type"]
+    request = urllib.request.Request(server.url + "api/plan", method="OPTIONS")
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.status == 204 and r.headers["Allow"] == "GET, HEAD, OPTIONS"
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b"GARBAGE\r\n\r\n", None),  # no version: answered as HTTP/0.9, a body alone
+    (b"GET / HTTP/9.x\r\n\r\n", None),
+    (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
+    (b"BREW / HTTP/1.1\r\nHost: x\r\n\r\n", 501),
+])
+def test_http_servers_own_refusals_are_one_line_of_json(server, raw, status):
+    with _connect(server) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    if status is None:
+        head, body = b"", answer
+    else:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(f"HTTP/1.1 {status}".encode())
+    assert b"\n" not in body and json.loads(body)["error"] and b"<" not in body
+
+
+def test_too_many_header_bytes_close_the_connection(server):
+    with _connect(server) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n")
+        with contextlib.suppress(OSError):
+            for _ in range(90):
+                sock.sendall(b"X-Pad: " + b"a" * 2000 + b"\r\n")
+        assert _closed_within(sock, 5)
+    assert get(server, "/api/form")[0] == 200
+
+
+def test_a_client_that_goes_away_logs_no_traceback(capfd):
+    with serving(verbose=False) as s:
+        for _ in range(5):
+            with _connect(s) as sock:
+                sock.sendall(f"GET /api/view?{README_QUERY} HTTP/1.1\r\nHost: x\r\n\r\n"
+                             .encode())
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            # closed with a reset before the answer: its write fails
+        time.sleep(1.5)
+        assert get(s, "/api/form")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err
+
+
+def _kvmem_ui(*flags: str) -> tuple[str, str]:
+    """`kvmem ui FLAGS --port 0`'s first line and what it wrote to stderr until stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvmem", "ui", "--port", "0", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        time.sleep(0.5)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    return line, err
+
+
+def test_listening_beyond_loopback_warns_in_one_line():
+    line, err = _kvmem_ui("--host", "0.0.0.0")
+    assert line.startswith("kvmem ui: http://0.0.0.0:")
+    warnings = [w for w in err.splitlines() if "warning" in w]
+    assert warnings == ["kvmem ui: warning: listening on 0.0.0.0, beyond this machine's "
+                        "loopback; the page has no authentication: anyone who can reach this "
+                        "port can use it"]
+    assert "warning" not in _kvmem_ui("--host", "127.0.0.1")[1]

@@ -34,9 +34,10 @@ SCREENSHOTS = Path(__file__).resolve().parent.parent / "ui-screenshots"  # gitig
 
 
 @contextlib.contextmanager
-def serving() -> Iterator[UIServer]:
-    """A `kvmem ui` server on a free loopback port, in a thread of this process."""
-    server = UIServer("127.0.0.1", 0)
+def serving(**options) -> Iterator[UIServer]:
+    """A `kvmem ui` server on a free loopback port, in a thread of this process (``options``:
+    UIServer's)."""
+    server = UIServer("127.0.0.1", 0, **options)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -1,12 +1,15 @@
 """``kvmem ui``: the planner as a web page, with its JSON API on the same port.
 
 Serves ``kvmem.ui`` until interrupted; prints the URL first (``--port 0`` takes a free
-port). Imports no torch.
+port), and a warning when the address reaches beyond this machine's loopback: the page has
+no authentication. Imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import sys
 
 from kvmem.errors import KvmemError
 
@@ -29,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise KvmemError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
     print(f"kvmem ui: {server.url}  (plan API: {server.url}api/plan?model=...)", flush=True)
+    if not ipaddress.ip_address(server.server_address[0]).is_loopback:
+        print(f"kvmem ui: warning: listening on {args.host}, beyond this machine's loopback; "
+              "the page has no authentication: anyone who can reach this port can use it",
+              file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -9,7 +9,9 @@ are not taken, nor any flag that reads or writes a file on this machine (`--prof
 `--plot`): a page may be served to other machines, and a query string must not reach the
 server's files.
 
-Every error is the CLI's one line, with the field it is about where it names one.
+Every error is the CLI's one line, with the field it is about where it names one. The
+page's own bounds on a request (``kvmem.ui.limits``) come first: a value's length, the
+layout's ranks, each count a flag takes.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from urllib.parse import parse_qsl
 
 from kvmem.cli import plan as plan_cli
-from kvmem.errors import KvmemError
+from kvmem.errors import KvmemError, UnknownModelError
 from kvmem.spec import ModelSpec
+from kvmem.ui import limits
 
 CONFIG = "config"  # the pasted config.json: the one key that is no flag
 _OUTPUT = frozenset({"json", "check", "help"})  # what the page itself shows
@@ -118,6 +122,8 @@ def _spec(model: str, config: str) -> tuple[ModelSpec, str]:
         except json.JSONDecodeError as e:
             raise QueryError(f"config.json: not valid JSON ({e.msg} at line {e.lineno})",
                              CONFIG) from None
+        except (ValueError, RecursionError) as e:  # a number of 4,300+ digits, deep nesting
+            raise QueryError(f"config.json: not valid JSON ({e})", CONFIG) from None
         label = model or (cfg.get("_name_or_path") if isinstance(cfg, dict) else None)
         try:
             return spec_from_config(cfg, name=str(label or "config.json")), str(label or "MODEL")
@@ -144,6 +150,65 @@ def _flag_argv(action: argparse.Action, key: str, value: str) -> list[str]:
     return [f"{action.option_strings[0]}={value}"]  # '=': a value may start with '-'
 
 
+def _short(text: str, most: int = 80) -> str:
+    """``text`` as an error quotes it: cut when long (a message stays one short line)."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text):,} characters)"
+
+
+def _check_value(key: str, value: str) -> None:
+    if key != CONFIG and len(value) > limits.MAX_VALUE_CHARS:
+        raise QueryError(f"{_short(key)} is {len(value):,} characters long; the page takes "
+                         f"at most {limits.MAX_VALUE_CHARS:,}", key)
+
+
+def flag_name(dest: str) -> str:
+    return _actions()[dest].option_strings[0]
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The page's bounds on the parsed flags (``limits.FLAG_BOUNDS``, the ranks)."""
+    for dest, bound in limits.FLAG_BOUNDS.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, int) and value > bound:
+            raise QueryError(f"argument {flag_name(dest)}: at most {bound:,} on this page, "
+                             f"got {value:,}", dest)
+    ranks = args.tp * args.pp
+    if ranks > limits.MAX_WORLD:
+        raise QueryError(f"argument --tp: tp x pp is {ranks:,} ranks; the page plans at most "
+                         f"{limits.MAX_WORLD:,}", "tp")
+    if args.speculative_config is not None:
+        _check_draft(args.speculative_config)
+
+
+def _check_draft(text: str) -> None:
+    """A speculative draft named by ``model`` is read as MODEL is: a catalog name or a Hub
+    repo id, never a path on this machine (`kvmem plan` reads a path first)."""
+    from kvmem.spec.catalog import find_entry
+    from kvmem.spec.hub import is_repo_id
+
+    field = "speculative_config"
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError:
+        return  # the command's own line says where
+    except (ValueError, RecursionError) as e:
+        raise QueryError(f"argument --speculative-config: not valid JSON ({e})", field) from None
+    draft = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(draft, str):
+        return
+    try:
+        named = find_entry(draft) is not None
+    except UnknownModelError:
+        named = is_repo_id(draft)
+    try:
+        on_disk = named and Path(draft).expanduser().exists()
+    except (OSError, ValueError):
+        on_disk = True
+    if not named or on_disk:
+        raise QueryError(f"--speculative-config: field 'model' {_short(draft)} is no catalog "
+                         "name or Hub repo id; the page reads no file of the server", field)
+
+
 def parse_query(query: str) -> Query:
     """The plan a query string asks for, checked as `kvmem plan` checks its flags."""
     actions = _actions()
@@ -154,19 +219,23 @@ def parse_query(query: str) -> Query:
     argv: list[str] = []
     model = config = ""
     for key, value in pairs:
+        _check_value(key, value)
         action = actions.get(key)
         if key == CONFIG:
             config = value
         elif action is None:
             known = any(a.dest == key for a in plan_parser()._actions)
-            raise QueryError(f"{key!r} " + ("is for the command line (`kvmem plan`), not the page"
-                                            if known else "is no flag of `kvmem plan`"))
+            raise QueryError(f"{_short(key)} " + (
+                "is for the command line (`kvmem plan`), not the page" if known
+                else "is no flag of `kvmem plan`"))
         elif not action.option_strings:
             model = value.strip()
         elif value != "":
             argv += _flag_argv(action, key, value)
     spec, served = _spec(model, config)
-    return Query(plan_parser().parse_args([*argv, "--", served]), spec)
+    args = plan_parser().parse_args([*argv, "--", served])
+    _check_flags(args)
+    return Query(args, spec)
 
 
 def run_query(query: str) -> tuple[argparse.Namespace, plan_cli.PlanRun]:

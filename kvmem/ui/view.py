@@ -17,6 +17,7 @@ from kvmem.cli.plan import PlanRun, elastic_lines
 from kvmem.plan.plot import PARTS, rank_segments
 from kvmem.plan.report import summary_lines
 from kvmem.plan.types import FitError
+from kvmem.ui.query import run_query
 from kvmem.units import GiB, format_bytes
 
 FREE_COLOR = "#e5e5e5"  # as in the plot
@@ -99,3 +100,17 @@ def page_view(run: PlanRun, device: str) -> dict:
         "warnings": warnings(run),
         "alternatives": list(run.plan.alternatives),
     }
+
+
+def plan_document(query: str) -> dict:
+    """``/api/plan``: `kvmem plan --json`'s document for the flags in ``query``."""
+    return run_query(query)[1].document()
+
+
+def plan_page(query: str) -> dict:
+    """``/api/view``: the same document with what the page draws."""
+    args, run = run_query(query)
+    return page_view(run, args.device)
+
+
+ENDPOINTS = {"plan": plan_document, "view": plan_page}
