@@ -271,7 +271,8 @@ def test_a_hybrid_models_raised_block_and_padded_state_page_are_read_and_shown(
         capsys, tmp_path):
     result = run_json(capsys, _log_file(tmp_path, QWEN3_NEXT_MTP))
     logged = result["logged"]
-    assert logged["attention_block_size"] == {"line": 5, "tokens": 272}
+    assert logged["attention_block_size"] == {
+        "line": 5, "tokens": 272, "why": "so an attention page holds a Mamba state page"}
     assert logged["mamba_page_padding"] == {"line": 6, "percent": "1.49"}
     # the block vLLM raised to is the one planned with
     assert ", block 272," in result["deployment"]
@@ -302,12 +303,35 @@ def test_the_speculative_config_is_read_from_the_engine_config_else_the_args(
         in capsys.readouterr().out
 
 
-def test_a_speculative_config_without_a_draft_model_reads(tmp_path):
-    # vLLM leaves the model out for methods that have none (ngram, suffix)
+@pytest.mark.parametrize("written", [
+    "SpeculativeConfig(method='ngram', model=None, num_spec_tokens=4)",  # vLLM 0.32, 0.33
+    "SpeculativeConfig(method='ngram', num_spec_tokens=4)",  # builds that leave it out
+])
+def test_a_speculative_config_without_a_draft_model_reads(written):
     text = QWEN3_NEXT_MTP.replace(
         "SpeculativeConfig(method='mtp', model='Qwen/Qwen3-Coder-Next', num_spec_tokens=2)",
-        "SpeculativeConfig(method='ngram', num_spec_tokens=4)")
-    assert parse_vllm_log(text).speculative == {"method": "ngram", "num_spec_tokens": 4}
+        written)
+    spec = parse_vllm_log(text).speculative
+    assert (spec["method"], spec.get("model"), spec["num_spec_tokens"]) == ("ngram", None, 4)
+
+
+@pytest.mark.parametrize(("line", "tokens", "why"), [
+    ("INFO [interface.py:925] Setting attention block size to 64 tokens so the quantized "
+     "primary KV page covers the higher-precision padded-spec page.", 64,
+     "so the quantized KV page covers the higher-precision padded page"),
+    ("INFO [xpu.py:519] [XPU]Setting attention block size to 576 tokens to ensure multiple "
+     "of 64.", 576, "to a multiple of the attention kernel's block"),
+])
+def test_the_other_block_size_raises_read_with_their_reason(line, tokens, why):
+    log = parse_vllm_log("vLLM API server version 0.33.0\n" + line)
+    assert log.attention_block_size == (2, tokens, why)
+
+
+def test_a_kv_size_over_gpu_and_host_pools_reads():
+    log = parse_vllm_log("vLLM API server version 0.33.0\nINFO [kv_cache_utils.py:1148] GPU + "
+                         "host KV cache size: 2,073,206 tokens, Maximum concurrency for 32,768 "
+                         "tokens per request: 63.27x")
+    assert [s[1:] for s in log.sizes] == [("GPU + host", 2_073_206)]
 
 
 def test_the_nested_args_are_their_own_dicts_not_top_level_settings():
@@ -352,4 +376,4 @@ def test_a_line_a_wrapper_broke_in_two_still_reads():
                          "(Worker_DP0_EP0 pid=2) INFO 08-13 11:26:35 [interface.py:935] Padding "
                          "mamba page size by 0.19% to ensure that \\\n"
                          "mamba page size and attention page size are exactly equal.\n")
-    assert log.attention_block_size == (2, 1056) and log.mamba_padding == (4, "0.19")
+    assert log.attention_block_size[:2] == (2, 1056) and log.mamba_padding == (4, "0.19")

@@ -105,8 +105,8 @@ def logged_settings(log: VllmLog) -> dict:
     size lines, as logged (with their line numbers)."""
     out: dict = {}
     if log.attention_block_size is not None:
-        line, tokens = log.attention_block_size
-        out["attention_block_size"] = {"line": line, "tokens": tokens}
+        line, tokens, why = log.attention_block_size
+        out["attention_block_size"] = {"line": line, "tokens": tokens, "why": why}
     if log.mamba_padding is not None:
         line, percent = log.mamba_padding
         out["mamba_page_padding"] = {"line": line, "percent": percent}

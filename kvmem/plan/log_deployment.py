@@ -76,10 +76,10 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
                           "max_position_embeddings")
     block = _setting(log, "block_size")
     if log.attention_block_size is not None:
-        line, block = log.attention_block_size
+        line, block, why = log.attention_block_size
         block = _whole(block, "block_size")
-        notes.append(f"block size {block}: vLLM raised the attention block size so an "
-                     f"attention page holds a Mamba state page (line {line})")
+        notes.append(f"block size {block}: vLLM raised the attention block size "
+                     f"{why} (line {line})".replace("  ", " "))
     elif block is None:
         block = vllm_cpu_defaults(spec, tp * pp)[0] if device == "cpu" else 16
         notes.append(f"block size {block}: vLLM's default on "

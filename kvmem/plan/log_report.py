@@ -38,8 +38,8 @@ def logged_lines(logged: dict) -> list[str]:
     out = []
     block, padding = logged.get("attention_block_size"), logged.get("mamba_page_padding")
     if block:
-        out.append(f"vLLM raised the attention block size to {block['tokens']:,} tokens so an "
-                   f"attention page holds a Mamba state page (line {block['line']})")
+        out.append(f"vLLM raised the attention block size to {block['tokens']:,} tokens "
+                   f"{block['why']} (line {block['line']})".replace("  ", " "))
     if padding:
         out.append(f"vLLM padded the Mamba state page by {padding['percent']}% to the "
                    f"attention page's size (line {padding['line']})")

@@ -14,14 +14,14 @@ Wherever vLLM or a wrapper put its prefixes, it finds:
 - each worker's KV memory: ``Available KV cache memory: X GiB`` (from 0.9.1), vLLM-CPU's
   ``Explicitly set (X/Y) GiB for KV cache`` / ``Auto set (X/Y) GiB``; the worker's rank
   from its prefix (``Worker_PP1_TP0``, ``VllmWorker rank=3``, ``TP1``), else the order;
-- ``GPU KV cache size: N tokens`` (or ``CPU``...) and ``Maximum concurrency for L tokens
-  per request: Cx``, on one line or two, once or once per worker;
+- ``GPU KV cache size: N tokens`` (or ``CPU``, ``GPU + host``...) and ``Maximum
+  concurrency for L tokens per request: Cx``, on one line or two, once or once per worker;
 - the start-up check's error ``(X GiB KV cache is needed, which is larger than the
   available KV cache memory (Y GiB)`` and its estimated maximum model length;
 - for hybrid models with Mamba or linear-attention state: ``Setting attention block size
-  to N tokens to ensure that attention page size is >= mamba page size.`` and ``Padding
-  mamba page size by P% to ensure that mamba page size and attention page size are
-  exactly equal.``;
+  to N tokens to ensure that attention page size is >= mamba page size.`` (or raised for a
+  quantized KV page, or on XPU to a kernel multiple) and ``Padding mamba page size by P%
+  to ensure that mamba page size and attention page size are exactly equal.``;
 - ``Hybrid KV cache manager is disabled`` (sliding layers charged as full attention).
 
 Every reader finds a fixed marker with ``str.find`` and matches its pattern only in a
@@ -77,7 +77,7 @@ class VllmLog:
     concurrency: list[tuple[int, int, str]] = field(default_factory=list)  # (line, len, "1.33")
     needed: tuple[int, int, float, float, int | None] | None = None  # line, len, X, Y, est.
     hybrid_disabled: bool = False
-    attention_block_size: tuple[int, int] | None = None  # (line, tokens) vLLM raised it to
+    attention_block_size: tuple[int, int, str] | None = None  # (line, tokens, why) raised to
     mamba_padding: tuple[int, str] | None = None  # (line, "0.13"): percent it padded by
     speculative: dict[str, object] = field(default_factory=dict)  # method, num_spec_tokens...
     unreadable: list[tuple[int, str, str]] = field(default_factory=list)  # (line, what, text)
@@ -157,8 +157,10 @@ def _args(text: str) -> dict[str, object]:
 
 
 def _speculative(text: str) -> dict[str, object]:
-    """``SpeculativeConfig(method='mtp', model='...', num_spec_tokens=3)``'s fields."""
-    fields: dict[str, object] = dict(_config_fields(text))
+    """``SpeculativeConfig(method='mtp', model='...', num_spec_tokens=3)``'s fields (vLLM
+    writes ``model=None`` for methods without a draft model, such as ngram)."""
+    fields: dict[str, object] = {key: None if value == "None" else value
+                                 for key, value in _config_fields(text).items()}
     tokens = fields.get("num_spec_tokens")
     if isinstance(tokens, str) and tokens.isdigit() and len(tokens) <= 6:
         fields["num_spec_tokens"] = int(tokens)
@@ -202,6 +204,20 @@ def _needed(log: VllmLog, n: int, m: re.Match) -> None:
 _ESTIMATE_MARK = "estimated maximum model length is "
 
 
+# What vLLM says it raised the attention block size for -> why, as kvmem says it
+BLOCK_RAISES = {
+    "attention page size is >= mamba page size": "so an attention page holds a Mamba state "
+                                                 "page",
+    "quantized primary KV page": "so the quantized KV page covers the higher-precision "
+                                 "padded page",
+    "to ensure multiple of": "to a multiple of the attention kernel's block",
+}
+
+
+def _why_raised(line: str) -> str:
+    return next((why for text, why in BLOCK_RAISES.items() if text in line), "")
+
+
 def _add_worker(log: VllmLog, n: int, m: re.Match) -> None:
     log.workers.append(_worker(n, m.string, float(m[1])))
 
@@ -243,9 +259,10 @@ _READERS = (
     _Reader(" GiB for KV cache", re.compile(
         r"(?:Explicitly|Auto) set \(" + _FLOAT + r"/\d{1,9}(?:\.\d{1,6})?\) GiB for KV cache"),
         _add_worker, "CPU KV cache memory", reach=48),
-    _Reader(" KV cache size: ", re.compile(r"(\w{1,16}) KV cache size: " + _GROUPED + " tokens"),
-            lambda log, n, m: log.sizes.append((n, m[1], int(m[2].replace(",", "")))),
-            "KV cache size", reach=17),
+    _Reader(" KV cache size: ", re.compile(
+        r"(\w{1,16}(?: \+ \w{1,16})?) KV cache size: " + _GROUPED + " tokens"),
+        lambda log, n, m: log.sizes.append((n, m[1], int(m[2].replace(",", "")))),
+        "KV cache size", reach=36),  # "GPU + host KV cache size: "
     _Reader("Maximum concurrency for ", re.compile(
         r"Maximum concurrency for " + _GROUPED + r" tokens per request: (\d{1,9}\.\d{1,6})x"),
         lambda log, n, m: log.concurrency.append((n, int(m[1].replace(",", "")), m[2])),
@@ -256,7 +273,8 @@ _READERS = (
         _needed, "fit check", reach=48),
     _Reader("Setting attention block size to ", re.compile(
         r"Setting attention block size to " + _INT + " tokens"),
-        _set("attention_block_size", lambda n, m: (n, int(m[1]))), "attention block size"),
+        _set("attention_block_size", lambda n, m: (n, int(m[1]), _why_raised(m.string))),
+        "attention block size"),
     _Reader("Padding mamba page size by ", re.compile(
         r"Padding mamba page size by (\d{1,9}(?:\.\d{1,6})?)%"),
         _set("mamba_padding", lambda n, m: (n, m[1])), "mamba page padding"),
