@@ -247,7 +247,8 @@ def run_query(query: str) -> tuple[argparse.Namespace, plan_cli.PlanRun]:
         raise QueryError(str(e), blame(str(e))) from None
 
 
-_MODEL_HELP = "a catalog name or alias (`kvmem models` lists them); type to search"
+_MODEL_HELP = ("a catalog name or alias (`kvmem models` lists them; type to search), or a "
+               "Hugging Face Hub repo id, org/name")
 
 
 def _field(action: argparse.Action) -> dict:
