@@ -552,16 +552,29 @@ def test_preempted_request_restarts_from_its_own_cached_blocks():
     assert hit.num_tokens == 12 and res and mgr.num_computed_tokens("a") == 14
 
 
-def test_caching_via_cache_blocks_and_duplicates_stay_uncached():
+def test_caching_via_cache_blocks_and_duplicates_are_cached_copies():
     mgr = KVCacheManager([full()], 32, BS)
     a, b = Req("a", range(8)), Req("b", range(8))
     assert mgr.allocate_slots(a, 8) and mgr.allocate_slots(b, 8)  # no hit used: same data
     events = mgr.take_events()
-    assert len(events) == 2  # b's identical blocks are not cached a second time
+    assert len(events) == 2  # b's identical blocks are copies: no second "stored"
+    mgr.free(a)
     mgr.free(b)
-    assert mgr.usage().free == 31 - 2
+    assert mgr.usage().cached == 4  # as in vLLM, both copies stay findable
     mgr.cache_blocks(a, 8)  # nothing new to cache
     assert mgr.take_events() == []
+    a_blocks = [mgr.lookup_hash(0, h) for h in hash_request_tokens(list(range(8)), BS)]
+    # the first copies are evicted first; the second copies take their place
+    taken = mgr.pool.take_new_blocks(27 + 2, 0)
+    assert set(a_blocks) <= set(taken)
+    assert mgr.take_events() == []  # the content is still cached
+    b_blocks = [mgr.lookup_hash(0, h) for h in hash_request_tokens(list(range(8)), BS)]
+    assert None not in b_blocks and not set(b_blocks) & set(a_blocks)
+    hit = mgr.get_computed_blocks(Req("c", range(9)))
+    assert hit.num_tokens == 8 and hit.blocks[0] == b_blocks
+    mgr.pool.take_new_blocks(2, 0)  # the last copies go: now the content is evicted
+    assert [e.kind for e in mgr.take_events()] == ["evicted", "evicted"]
+    assert mgr.get_computed_blocks(Req("c", range(9))).num_tokens == 0
 
 
 def test_prefix_hit_only_on_first_allocation():

@@ -1,5 +1,6 @@
 """kvmem.cache under random operation sequences: allocate / append / free / preempt / hold /
-release / cache / lookup / reset on a small hybrid pool and on a single full-attention pool
+release / cache / lookup / reset / new step on a small hybrid pool, on one with a recurrent
+state group (linear attention / Mamba checkpoints) and on a single full-attention pool
 (whose running requests take the manager's flat decode path), with every invariant checked
 after every step (from first principles, not from the pool's own counters)."""
 
@@ -24,7 +25,10 @@ STEPS = {"count": 0}
 
 
 def first_needed(group: KVGroup, num_tokens: int) -> int:
-    """First block the token at ``num_tokens`` attends to (the rules, written out again)."""
+    """First block the token at ``num_tokens`` attends to (the rules, written out again); for
+    a state group, the block holding the state after ``num_tokens`` tokens."""
+    if group.kind is AttentionKind.LINEAR:
+        return max(0, num_tokens - 1) // BS
     if group.kind is AttentionKind.SLIDING:
         return max(0, num_tokens - (group.window - 1)) // BS
     if group.kind is AttentionKind.CHUNKED:
@@ -79,7 +83,16 @@ class CacheMachine(RuleBasedStateMachine):
                                       num_lookahead_tokens=lookahead)
         if not res:
             assert isinstance(res, NoCapacity)
-            assert self.snapshot() == before, "NoCapacity must change nothing"
+            after = self.snapshot()
+            if after != before:  # only blocks that left the span were released
+                rid = req.request_id
+                assert rid in self.running and after[9] == before[9]
+                for g, group in enumerate(self.groups):
+                    lo = min(first_needed(group, self.computed[rid]), len(before[8][rid][g]))
+                    expected = [NULL_BLOCK_ID] * lo + before[8][rid][g][lo:]
+                    assert after[8][rid][g] == expected
+                self.released_upto[rid] = self.computed[rid]
+                assert [len(t) for t in after[8][rid]] == prev_lengths
             return False
         rid = req.request_id
         start = self.computed.get(rid, hit.num_tokens if hit else 0)
@@ -88,14 +101,20 @@ class CacheMachine(RuleBasedStateMachine):
         self.running[rid] = req
         assert self.mgr.num_computed_tokens(rid) == self.computed[rid]
         need = -(-(start + num_new + lookahead) // BS)
+        state_need = -(-(start + num_new) // BS)  # a state takes no lookahead slots
         tables = self.mgr.get_block_ids(rid)
-        assert [len(t) for t in tables] == [max(n, need) for n in prev_lengths]
         old_tables = before[8].get(rid) or (hit.blocks if hit else [[] for _ in self.groups])
         for g, group in enumerate(self.groups):
+            state = group.kind is AttentionKind.LINEAR
+            assert len(tables[g]) == max(len(old_tables[g]), state_need if state else need)
             expected = list(old_tables[g])
             lo = min(first_needed(group, start), len(expected))  # out of the span: null
             expected[:lo] = [NULL_BLOCK_ID] * lo
             assert tables[g] == expected + res.new_block_ids[g]
+            if state:  # null entries, then at most one new state block at the end
+                new = res.new_block_ids[g]
+                assert all(b == NULL_BLOCK_ID for b in new[:-1])
+                assert not new or new[-1] != NULL_BLOCK_ID
         return True
 
     def check_hit(self, req: Req, hit) -> None:
@@ -231,6 +250,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.check_hit(req, hit)
 
     @rule()
+    def new_step(self):
+        STEPS["count"] += 1
+        self.mgr.new_step()
+
+    @rule()
     def reset(self):
         STEPS["count"] += 1
         busy = self.mgr.usage().used or self.mgr.usage().held
@@ -263,7 +287,11 @@ class CacheMachine(RuleBasedStateMachine):
                 assert len(table) >= -(-self.computed[rid] // BS)
                 lo = first_needed(group, self.released_upto[rid])
                 assert table[:lo] == [NULL_BLOCK_ID] * lo
-                assert NULL_BLOCK_ID not in table[lo:]
+                if group.kind is AttentionKind.LINEAR:  # the running state, maybe a new one
+                    assert table[-1] != NULL_BLOCK_ID
+                    assert len([b for b in table if b]) <= 2
+                else:
+                    assert NULL_BLOCK_ID not in table[lo:]
                 for i, b in enumerate(table):
                     if b == NULL_BLOCK_ID:
                         continue
@@ -281,13 +309,28 @@ class CacheMachine(RuleBasedStateMachine):
         assert all(pool.block_hash[b] is None for b in free)
         assert all(pool.block_hash[b] is not None for b in cached)
 
-        # every cached hash maps to a block with that hash, and every hashed block is cached
+        # every cached hash maps to a block with that hash, so do its later copies, and every
+        # hashed block is one of them
         mapped = 0
-        for g, group_map in enumerate(pool.cached):
+        for g, (group_map, copies) in enumerate(zip(pool.cached, pool.copies, strict=True)):
             for h, b in group_map.items():
                 assert pool.block_hash[b] == h and pool.block_group[b] == g
                 mapped += 1
+            for h, later in copies.items():
+                assert h in group_map and later
+                for b in later:
+                    assert pool.block_hash[b] == h and pool.block_group[b] == g
+                mapped += len(later)
         assert mapped == sum(1 for b in everything if pool.block_hash[b] is not None)
+
+
+class StateCacheMachine(CacheMachine):
+    """Full attention, a recurrent state with checkpoints at block boundaries, a window."""
+
+    groups = [KVGroup(0, AttentionKind.FULL, None, (0,)),
+              KVGroup(1, AttentionKind.LINEAR, None, (1,)),
+              KVGroup(2, AttentionKind.SLIDING, 9, (2,))]
+    num_blocks = 32
 
 
 class FullAttentionCacheMachine(CacheMachine):
@@ -300,6 +343,11 @@ class FullAttentionCacheMachine(CacheMachine):
 def test_state_machine_hypothesis():
     run_state_machine_as_test(CacheMachine, settings=settings(
         max_examples=150, stateful_step_count=40, deadline=None))
+
+
+def test_state_machine_hypothesis_state_group():
+    run_state_machine_as_test(StateCacheMachine, settings=settings(
+        max_examples=100, stateful_step_count=40, deadline=None))
 
 
 def test_state_machine_hypothesis_single_full_attention_group():
@@ -338,6 +386,8 @@ def random_walk(machine_type: type[CacheMachine], num_steps: int, seed: int) -> 
                 machine.release(idx)
             elif action < 0.93:
                 machine.cache(idx)
+            elif action < 0.95:
+                machine.new_step()
             elif action < 0.995:
                 machine.lookup(rng.randrange(len(PREFIXES)),
                                [rng.randrange(31) for _ in range(rng.randrange(11))])
@@ -350,6 +400,10 @@ def random_walk(machine_type: type[CacheMachine], num_steps: int, seed: int) -> 
 def test_long_random_walk_runs_at_least_10000_steps():
     """Together with the hypothesis runs above well over 10,000 checked steps."""
     assert random_walk(CacheMachine, 12_000, seed=1234) >= 12_000
+
+
+def test_long_random_walk_state_group():
+    assert random_walk(StateCacheMachine, 6_000, seed=7) >= 6_000
 
 
 def test_long_random_walk_single_full_attention_group():

@@ -8,7 +8,10 @@ Every other block is in exactly one state:
 - **used**: ref count > 0 (the number of block tables holding it);
 - **held**: ref count 0 but held by an in-flight transfer: neither free nor evictable.
 
-A hold on a used block only takes effect when its ref count falls to 0. The pool size
+A hold on a used block only takes effect when its ref count falls to 0. A block whose
+content another block already caches (two requests computed the same prefix) keeps the
+hash too, as in vLLM: lookups find the first such block, and the next takes its place when
+it is evicted (``copies``). The pool size
 comes from the planner (``kvmem.plan``: ``plan.engine.num_blocks``); the pool never
 computes it.
 
@@ -60,6 +63,8 @@ class BlockPool:
         self.block_group: list[int] = [-1] * num_blocks
         # (group_id, hash) -> block id, as one dict per group
         self.cached: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        # (group_id, hash) -> later blocks with that hash, first cached first
+        self.copies: list[dict[BlockHash, list[int]]] = [{} for _ in range(num_groups)]
         self.free_queue = free_queue if free_queue is not None else FreeBlockQueue(
             range(1, num_blocks))
         self.held_idle: set[int] = set()  # ref count 0 and held
@@ -104,6 +109,7 @@ class BlockPool:
     def ensure_groups(self, num_groups: int) -> None:
         while len(self.cached) < num_groups:
             self.cached.append({})
+            self.copies.append({})
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -117,18 +123,22 @@ class BlockPool:
         block_ids = self.free_queue.pop_n(n)
         ref_cnt, block_hash, block_group = self.ref_cnt, self.block_hash, self.block_group
         cached, events, on_evict = self.cached, self.events, self.evict_listener
+        copies = self.copies
         num_evicted = 0
         for block_id in block_ids:
             old_hash = block_hash[block_id]
             if old_hash is not None:  # a cached-free block: evict its data (inlined: hot)
-                if on_evict is not None:
-                    on_evict(block_id, old_hash)
                 old_group = block_group[block_id]
-                del cached[old_group][old_hash]
-                block_hash[block_id] = None
-                if events is not None:
-                    events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
                 num_evicted += 1
+                if old_hash in copies[old_group]:  # the content stays cached in a copy
+                    self._forget_copy(block_id, old_hash, old_group)
+                else:
+                    if on_evict is not None:
+                        on_evict(block_id, old_hash)
+                    del cached[old_group][old_hash]
+                    block_hash[block_id] = None
+                    if events is not None:
+                        events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
             ref_cnt[block_id] = 1
             block_group[block_id] = group_id
         if num_evicted:
@@ -185,9 +195,13 @@ class BlockPool:
     def cache_block(self, group_id: int, block_id: int, block_hash: BlockHash,
                     parent_hash: BlockHash | None) -> bool:
         """Make a full, used block findable by its hash. False if the hash is already cached
-        (another block holds the same content); the block then stays uncached."""
+        (another block holds the same content); the block is then a copy, found once the
+        other is evicted. False, and nothing changes, if the block already has a hash."""
+        if self.block_hash[block_id] is not None:
+            return False
         group_map = self.cached[group_id]
         if block_hash in group_map:
+            self.add_copy(group_id, block_id, block_hash)
             return False
         group_map[block_hash] = block_id
         self.block_hash[block_id] = block_hash
@@ -207,8 +221,9 @@ class BlockPool:
             if block_id == NULL_BLOCK_ID or block_hash[block_id] is not None:
                 continue
             h = hashes[i]
-            if h in group_map:
-                continue  # same content already cached in another block
+            if h in group_map:  # same content already cached in another block
+                self.add_copy(group_id, block_id, h)
+                continue
             group_map[h] = block_id
             block_hash[block_id] = h
             if events is not None:
@@ -216,6 +231,37 @@ class BlockPool:
                                            hashes[i - 1] if i else None))
         if events is not None and len(events) > self.max_events:
             self._bound_events()
+
+    def add_copy(self, group_id: int, block_id: int, block_hash: BlockHash) -> None:
+        """``block_id`` holds content ``group_id`` already caches in another block."""
+        self.block_hash[block_id] = block_hash
+        self.copies[group_id].setdefault(block_hash, []).append(block_id)
+
+    def _forget_copy(self, block_id: int, block_hash: BlockHash, group_id: int) -> None:
+        """Drop the hash of a block whose content another block keeps cached."""
+        self.block_hash[block_id] = None
+        copies = self.copies[group_id]
+        later = copies[block_hash]
+        group_map = self.cached[group_id]
+        if group_map[block_hash] == block_id:
+            group_map[block_hash] = later.pop(0)
+        else:
+            later.remove(block_id)
+        if not later:
+            del copies[block_hash]
+
+    def _drop_hash(self, block_id: int) -> BlockHash | None:
+        """Drop a cached-free block's hash; the hash if it left the cache (no copy holds
+        it), else None."""
+        block_hash = self.block_hash[block_id]
+        assert block_hash is not None
+        group_id = self.block_group[block_id]
+        if block_hash in self.copies[group_id]:
+            self._forget_copy(block_id, block_hash, group_id)
+            return None
+        del self.cached[group_id][block_hash]
+        self.block_hash[block_id] = None
+        return block_hash
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. Refused (False) while any block is used or held."""
@@ -226,13 +272,10 @@ class BlockPool:
             return True
         self.free_queue.remove_cached(dropped)
         for block_id in dropped:
-            block_hash = self.block_hash[block_id]
-            assert block_hash is not None
-            group_id = self.block_group[block_id]
-            del self.cached[group_id][block_hash]
-            self.block_hash[block_id] = None
-            if self.events is not None:
-                self.events.append(KVCacheEvent("removed", block_hash, block_id, group_id))
+            block_hash = self._drop_hash(block_id)
+            if block_hash is not None and self.events is not None:
+                self.events.append(KVCacheEvent("removed", block_hash, block_id,
+                                                self.block_group[block_id]))
         self.epoch += 1
         self.free_queue.push_free(dropped)
         for listener in self.listeners:
@@ -249,13 +292,12 @@ class BlockPool:
             return 0
         for block_id in victims:
             block_hash = self.block_hash[block_id]
-            assert block_hash is not None
             group_id = self.block_group[block_id]
-            if self.evict_listener is not None:
+            last = block_hash not in self.copies[group_id]  # no copy keeps the content
+            if last and self.evict_listener is not None:
                 self.evict_listener(block_id, block_hash)
-            del self.cached[group_id][block_hash]
-            self.block_hash[block_id] = None
-            if self.events is not None:
+            self._drop_hash(block_id)
+            if last and self.events is not None:
                 self.events.append(KVCacheEvent("evicted", block_hash, block_id, group_id))
         self.epoch += 1
         self.free_queue.remove_cached(victims)

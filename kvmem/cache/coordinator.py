@@ -5,18 +5,22 @@
   asks again until every group agrees (full attention's answer can simply be cut, a
   sliding window's cannot: a shorter hit needs other blocks).
 - An allocation is all-or-nothing across groups: the blocks every group needs are counted
-  first (blocks that the request releases from a window count as coming back; cached-free
-  blocks that a prefix hit revives count as taken; held blocks are not free), and only
-  when all of it fits is anything changed.
+  first (cached-free blocks that a prefix hit revives count as taken; held blocks are not
+  free), and only when all of it fits are blocks taken. Blocks that left a window (or a
+  state the request no longer needs) are released first either way, as vLLM does: the
+  request never reads them again.
 - A hit may name ``LOAD_BLOCK`` instead of a block id (a block an offload tier holds): a
   new block is taken for it, counted with the rest, and its data is loaded afterwards.
+- A state group (linear attention, Mamba) takes its blocks by its own rule
+  (``StateManager.grow``): null entries, then at most one new block at the end, for the
+  tokens the model computes (lookahead slots excluded: draft models keep no state).
 """
 
 from __future__ import annotations
 
 from kvmem.cache.block_pool import BlockPool
 from kvmem.cache.hashing import BlockHash
-from kvmem.cache.managers import SingleTypeManager, make_manager
+from kvmem.cache.managers import SingleTypeManager, StateManager, make_manager
 from kvmem.cache.results import NULL_BLOCK_ID, NoCapacity
 from kvmem.spec.layout import KVGroup
 
@@ -57,14 +61,19 @@ def longest_common_hit(managers: list[SingleTypeManager], hashes: list[BlockHash
 
 
 class KVCacheCoordinator:
-    def __init__(self, groups: list[KVGroup], pool: BlockPool, block_size: int) -> None:
+    def __init__(self, groups: list[KVGroup], pool: BlockPool, block_size: int, *,
+                 state_checkpoints: bool = True) -> None:
         pool.ensure_groups(len(groups))
         self.pool = pool
         self.block_size = block_size
         self.managers: list[SingleTypeManager] = [
-            make_manager(group, i, block_size, pool.cached[i]) for i, group in enumerate(groups)]
+            make_manager(group, i, block_size, pool.cached[i],
+                         state_checkpoints=state_checkpoints)
+            for i, group in enumerate(groups)]
         self.num_groups = len(groups)
         self._releasing = [m for m in self.managers if m.releases_blocks]
+        self.state_managers: list[StateManager] = [
+            m for m in self.managers if isinstance(m, StateManager)]
 
     def find_longest_cache_hit(self, hashes: list[BlockHash],
                                max_blocks: int) -> tuple[int, tuple[list[int], ...]]:
@@ -73,14 +82,16 @@ class KVCacheCoordinator:
         return longest_common_hit(self.managers, hashes, max_blocks)
 
     def allocate(self, tables: list[list[int]], skipped: list[int], num_computed: int,
-                 num_tokens: int, hit: tuple[list[int], ...] | None
-                 ) -> tuple[list[int], ...] | NoCapacity:
-        """Make every group's table cover ``num_tokens`` tokens, or change nothing.
+                 num_tokens: int, hit: tuple[list[int], ...] | None,
+                 num_lookahead: int = 0) -> tuple[list[int], ...] | NoCapacity:
+        """Make every group's table cover ``num_tokens`` tokens, or take nothing.
 
         ``num_computed`` tokens are already computed (blocks wholly before their attention
         span are released first); ``hit`` is a prefix hit to adopt into empty tables (its
-        ``LOAD_BLOCK`` entries become new blocks).
-        Returns the new block ids per group, or ``NoCapacity``.
+        ``LOAD_BLOCK`` entries become new blocks); the last ``num_lookahead`` of
+        ``num_tokens`` are speculative slots (state groups take none for them).
+        Returns the new block ids per group (a state group's null entries included), or
+        ``NoCapacity``.
         """
         pool = self.pool
         num_required = -(-num_tokens // self.block_size)
@@ -92,6 +103,14 @@ class KVCacheCoordinator:
             hit_lengths = [0] * self.num_groups
             new_counts = [num_required - len(table) if num_required > len(table) else 0
                           for table in tables]
+        padding: list[int] = []
+        if self.state_managers:
+            padding = [0] * self.num_groups
+            state_required = -(-(num_tokens - num_lookahead) // self.block_size)
+            for manager in self.state_managers:
+                g = manager.group_index
+                padding[g], new_counts[g] = manager.grow(
+                    state_required, len(tables[g]) + hit_lengths[g])
         to_load = [blocks.count(LOAD_BLOCK) for blocks in hit] if hit else [0] * self.num_groups
         taken = sum(new_counts) + sum(to_load)
         if not taken and not hit and not self._releasing:
@@ -112,19 +131,21 @@ class KVCacheCoordinator:
                     if block_id > 0 and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
                         revived += 1  # a cached-free block leaves the free queue
             taken += revived
-        if taken > len(pool.free_queue) + reclaimed or (
-                taken > reclaimed and pool.capacity_guard is not None
-                and not pool.capacity_guard(taken - reclaimed)):
-            return self.no_capacity(taken, reclaimed, num_computed, num_required, hit_lengths,
-                                    tables)
-
-        # 2. commit: release, adopt the hit, take new blocks
+        # 2. release (also when the rest does not fit: those blocks are never read again)
         for g, end in releases:
             table = tables[g]
             released = table[skipped[g]:end]
             table[skipped[g]:end] = [NULL_BLOCK_ID] * (end - skipped[g])
             skipped[g] = end
+            released.reverse()  # the last block of the span is evicted first
             pool.free_blocks(released)
+        if taken > len(pool.free_queue) or (
+                taken > reclaimed and pool.capacity_guard is not None
+                and not pool.capacity_guard(taken - reclaimed)):
+            return self.no_capacity(taken, reclaimed, num_computed, num_required, hit_lengths,
+                                    tables)
+
+        # 3. commit: adopt the hit, take new blocks
         new_ids: list[list[int]] = [[] for _ in tables]
         if hit:
             for blocks in hit:  # revive the hit's cached blocks before taking new ones
@@ -140,6 +161,8 @@ class KVCacheCoordinator:
                     skipped[g] = manager.first_needed_block(num_computed)
         for g, n in enumerate(new_counts):
             ids = pool.take_new_blocks(n, g) if n else []
+            if padding and padding[g]:
+                ids = [NULL_BLOCK_ID] * padding[g] + ids
             tables[g].extend(ids)
             new_ids[g] += ids
         return tuple(new_ids)
@@ -161,10 +184,13 @@ class KVCacheCoordinator:
         """The ``NoCapacity`` for an allocation that needs ``taken`` blocks and gets
         ``reclaimed`` back; says whether the request could fit in an otherwise empty pool."""
         pool = self.pool
-        available = pool.num_free_blocks + reclaimed
+        available = pool.num_free_blocks  # the reclaimed blocks are already back
         # blocks the request would hold afterwards: could it fit in an otherwise empty pool?
         kept = 0
         for manager, table, extra in zip(self.managers, tables, hit_lengths, strict=True):
+            if isinstance(manager, StateManager):
+                kept += manager.max_blocks_held(num_required, num_computed)
+                continue
             kept += max(len(table) + extra, num_required)
             if manager.releases_blocks:
                 kept -= min(manager.first_needed_block(num_computed), num_required)

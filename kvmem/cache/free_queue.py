@@ -1,6 +1,6 @@
 """The free-block queue: which free block a new allocation gets, in O(1) per block.
 
-Two parts: blocks with no cached data (a stack: the most recently freed is reused first,
+Two parts: blocks with no cached data (a stack: the most recently freed are reused first,
 which keeps the working set small for elastic memory) and cached-free blocks (an LRU:
 still findable by a prefix lookup, evicted least recently freed first). New blocks come
 from the first part while it lasts, so cached data is evicted only when nothing else is
@@ -42,8 +42,9 @@ class FreeBlockQueue:
         return len(self._free) + len(self._cached)
 
     def push_free(self, block_ids: list[int]) -> None:
-        """Blocks that became free with no cached data; the last one is reused first."""
-        self._free.extend(block_ids)
+        """Blocks that became free with no cached data, reused before every block freed
+        earlier and in the order given (vLLM's order: they go to the queue's front)."""
+        self._free.extend(reversed(block_ids))
 
     def push_cached(self, block_ids: list[int]) -> None:
         """Cached blocks whose ref count fell to 0, in order: the first is evicted first."""

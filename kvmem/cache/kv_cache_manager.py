@@ -2,7 +2,8 @@
 
 The scheduler asks it for a request's prefix hit, for slots (blocks) for the tokens it
 schedules, and frees a request's blocks when it finishes or is preempted. Running out of
-blocks is a normal outcome: ``allocate_slots`` returns ``NoCapacity`` and changes nothing.
+blocks is a normal outcome: ``allocate_slots`` returns ``NoCapacity`` and takes nothing
+(it only releases the blocks that left the request's attention span, as vLLM does).
 
 A request is any object with ``request_id: str``, ``all_token_ids`` (prompt + output so
 far), ``num_tokens`` and optionally ``lora_name`` / ``cache_salt`` (extra hash keys) and
@@ -11,7 +12,10 @@ computed once per request and survive preemption; it may also be filled in advan
 
 Blocks are cached (made findable by their hash) when ``allocate_slots`` schedules the
 tokens that fill them, like vLLM does: the model runner must write a step's new KV before
-attention reads it, so a request scheduled in the same step may already hit them.
+attention reads it, so a request scheduled in the same step may already hit them. A state
+group's checkpoint is different: a request starts from the state it hits, which exists
+only after the step that computes it, so a hit on a checkpoint cached in the current step
+is refused (``NoCapacity``) until the scheduler calls ``new_step``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvmem.cache.hashing import (
     extend_block_hashes,
     request_extra_keys,
 )
+from kvmem.cache.managers import StateManager
 from kvmem.cache.results import (
     NULL_BLOCK_ID,
     Allocation,
@@ -40,7 +45,7 @@ from kvmem.cache.results import (
     PrefixHit,
 )
 from kvmem.errors import ConfigError
-from kvmem.spec.layout import AttentionKind, KVGroup
+from kvmem.spec.layout import KVGroup
 
 
 class CacheRequest(Protocol):
@@ -89,10 +94,16 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = pool
-        self.coordinator = KVCacheCoordinator(groups, pool, block_size)
+        self.coordinator = KVCacheCoordinator(groups, pool, block_size,
+                                              state_checkpoints=enable_prefix_caching)
         self._requests: dict[str, _RequestState] = {}
-        # one group that never releases blocks early: decode steps take a flat path
-        self._flat_decode = len(groups) == 1 and not self.coordinator.managers[0].releases_blocks
+        # one group of per-token KV that never releases blocks early: decode steps take a
+        # flat path
+        self._flat_decode = len(groups) == 1 and not self.coordinator.managers[0].releases_blocks \
+            and not self.coordinator.state_managers
+        # hashes of state checkpoints cached since the last new_step()
+        self._state_cached_this_step: set[BlockHash] = set()
+        self._state_groups = [m.holds_state for m in self.coordinator.managers]
         self._pack_block = block_packer(block_size)
 
     @classmethod
@@ -144,7 +155,7 @@ class KVCacheManager:
         get new blocks; such a hit schedules no new tokens, and its blocks become findable
         by hash only when later tokens are scheduled (after the caller has loaded them).
         All-or-nothing across groups; ``NoCapacity`` when the blocks are not there, with
-        nothing changed.
+        nothing taken (blocks that left a window or an old state are released either way).
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
@@ -161,6 +172,9 @@ class KVCacheManager:
                 if not self._hit_is_current(prefix_hit):
                     return NoCapacity("prefix hit is stale (its blocks were evicted); "
                                       "look it up again")
+                if self._state_cached_this_step and self._hits_new_state(prefix_hit):
+                    return NoCapacity("the hit's state checkpoint is computed in this step; "
+                                      "it can be read from the next one")
                 num_computed = prefix_hit.num_tokens
                 hit = prefix_hit.blocks
             tables: list[list[int]] = [[] for _ in self.groups]
@@ -174,7 +188,7 @@ class KVCacheManager:
 
         result = self.coordinator.allocate(
             tables, skipped, num_computed, num_computed + num_new_tokens + num_lookahead_tokens,
-            hit)
+            hit, num_lookahead_tokens)
         if isinstance(result, NoCapacity):
             return result
 
@@ -198,11 +212,13 @@ class KVCacheManager:
         """Give ``child`` (same prompt, no blocks yet) references to ``parent``'s full prompt
         blocks, all but the one holding the last prompt token, which the child recomputes
         to sample from. The blocks are shared, not copied. ``NoCapacity`` (nothing changed)
-        when the parent has no such block, or a group releases blocks early (a sliding
-        window may already have dropped blocks the child's recompute attends to)."""
+        when the parent has no such block, a group releases blocks early (a sliding
+        window may already have dropped blocks the child's recompute attends to), or a
+        group keeps a recurrent state (one per request, never shared while running)."""
         state = self._requests.get(parent.request_id)
         num_blocks = (child.num_tokens - 1) // self.block_size
         if state is None or num_blocks <= 0 or self.coordinator._releasing or \
+                self.coordinator.state_managers or \
                 state.num_computed < num_blocks * self.block_size:
             return NoCapacity("nothing to share: the child computes its prompt itself")
         hit = PrefixHit(num_blocks * self.block_size,
@@ -272,8 +288,9 @@ class KVCacheManager:
             return
         block_hash = hashes[index]
         group_map = pool.cached[0]
-        if block_hash in group_map:
-            return  # same content already cached in another block
+        if block_hash in group_map:  # same content already cached in another block
+            pool.add_copy(0, block_id, block_hash)
+            return
         group_map[block_hash] = block_id
         pool.block_hash[block_id] = block_hash
         events = pool.events
@@ -296,6 +313,18 @@ class KVCacheManager:
                     return False
         return True
 
+    def _hits_new_state(self, hit: PrefixHit) -> bool:
+        """Whether a state group's block of ``hit`` was cached in the current step."""
+        for manager in self.coordinator.state_managers:
+            blocks = hit.blocks[manager.group_index]
+            if blocks and hit.block_hashes[len(blocks) - 1] in self._state_cached_this_step:
+                return True
+        return False
+
+    def new_step(self) -> None:
+        """A scheduler step begins: state checkpoints cached so far can be hit."""
+        self._state_cached_this_step.clear()
+
     def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
         """Make the request's full blocks up to ``num_computed_tokens`` findable by hash."""
         state = self._requests.get(request.request_id)
@@ -317,6 +346,9 @@ class KVCacheManager:
             if end > start:
                 cache_table_blocks(g, table, hashes, start, end)
                 num_cached[g] = end
+                if self._state_groups[g]:
+                    self._state_cached_this_step.update(
+                        hashes[i] for i in range(start, end) if table[i] != NULL_BLOCK_ID)
 
     def free(self, request: CacheRequest | str) -> None:
         """Release a finished or preempted request's blocks, tail first (evicted first)."""
@@ -324,14 +356,8 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        tables = state.tables
-        if len(tables) == 1:
-            self.pool.free_blocks(reversed(tables[0]))
-            return
-        released: list[int] = []
-        for table in tables:
-            released.extend(reversed(table))
-        self.pool.free_blocks(released)
+        for table in state.tables:  # group by group, as vLLM frees them
+            self.pool.free_blocks(reversed(table))
 
     # -- views -----------------------------------------------------------------------------
 
@@ -354,8 +380,13 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether one request of ``num_tokens`` tokens fits in the otherwise empty pool."""
-        need = sum(g.blocks_per_request(num_tokens, self.block_size, self.max_num_batched_tokens)
-                   if g.kind is not AttentionKind.LINEAR else 0 for g in self.groups)
+        need = 0
+        for group, manager in zip(self.groups, self.coordinator.managers, strict=True):
+            if isinstance(manager, StateManager):
+                need += manager.max_blocks_held(-(-num_tokens // self.block_size), num_tokens)
+            else:
+                need += group.blocks_per_request(num_tokens, self.block_size,
+                                                 self.max_num_batched_tokens)
         return need <= self.pool.num_usable
 
     # -- transfers, events, reset ----------------------------------------------------------

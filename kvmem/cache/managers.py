@@ -9,6 +9,13 @@ blocks a running request no longer needs.
 - Chunked local attention ``c``: a token attends to the tokens of its own chunk
   (positions ``[p // c * c, p]``). Blocks wholly before the current chunk are released; a
   hit needs only the blocks of the chunk it ends in.
+- State (linear attention: GDN, Mamba2; any kind without per-token KV): a request keeps
+  one recurrent state, one block. Without prefix caching (vLLM's ``mamba_cache_mode``
+  "none") that block is the whole table. With prefix caching ("align") table entry ``i``
+  holds the state after ``(i + 1) * block_size`` tokens: a step that crosses into a new
+  block gets one new block at its end (the entries between are null), the block of an
+  earlier boundary is released once the next one is computed (it stays findable by hash
+  while nothing evicts it), and a hit of ``L`` blocks needs only the state at its end.
 
 The managers are stateless rules; block tables live in the request state of
 ``KVCacheManager``.
@@ -28,6 +35,8 @@ class SingleTypeManager:
     prefix_closed = False
     # True when running requests release blocks that fell out of their attention span
     releases_blocks = False
+    # True for a recurrent-state group (``StateManager``): its tables grow by ``grow``
+    holds_state = False
 
     def __init__(self, group: KVGroup, group_index: int, block_size: int,
                  cached: dict[BlockHash, int]) -> None:
@@ -110,13 +119,71 @@ class ChunkedLocalAttentionManager(SingleTypeManager):
         return num_tokens // self.chunk_size * self.chunk_size // self.block_size
 
 
+class StateManager(SingleTypeManager):
+    """One recurrent state per request, with checkpoints at block boundaries under prefix
+    caching ("align") or a single block for the whole request ("none")."""
+
+    holds_state = True
+
+    def __init__(self, group: KVGroup, group_index: int, block_size: int,
+                 cached: dict[BlockHash, int], *, checkpoints: bool) -> None:
+        super().__init__(group, group_index, block_size, cached)
+        self.checkpoints = checkpoints
+        self.releases_blocks = checkpoints
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        # the state after num_tokens tokens lives in the block that ends at that token
+        if not self.checkpoints or num_tokens <= 0:
+            return 0
+        return (num_tokens - 1) // self.block_size
+
+    def find_longest_cache_hit(self, hashes: list[BlockHash], max_blocks: int) -> list[int]:
+        """The longest hit ends at the last cached state checkpoint within ``max_blocks``."""
+        if not self.checkpoints:
+            return []
+        get = self.cached.get
+        for i in range(max_blocks - 1, -1, -1):
+            block_id = get(hashes[i])
+            if block_id is not None:
+                return [NULL_BLOCK_ID] * i + [block_id]
+        return []
+
+    def grow(self, num_required: int, table_len: int) -> tuple[int, int]:
+        """(null entries, new blocks) that bring a table of ``table_len`` entries to cover
+        ``num_required`` blocks' worth of tokens: new blocks only at the end."""
+        if not self.checkpoints:
+            return 0, int(table_len == 0 and num_required > 0)
+        if num_required <= table_len:
+            return 0, 0
+        return num_required - 1 - table_len, 1
+
+    def max_blocks_held(self, num_required: int, num_computed: int) -> int:
+        """Most blocks a request holds once its table covers ``num_required`` blocks with
+        ``num_computed`` tokens computed: the running state and, under checkpoints, the
+        new block it is carried into."""
+        if not self.checkpoints or num_required <= 1 or num_computed <= 0:
+            return min(1, num_required)
+        return 1 + int(self.first_needed_block(num_computed) < num_required - 1)
+
+
+def is_state_group(group: KVGroup) -> bool:
+    """Whether the group's layers keep a recurrent state instead of per-token KV."""
+    return not group.kind.uses_blocks
+
+
 def make_manager(group: KVGroup, group_index: int, block_size: int,
-                 cached: dict[BlockHash, int]) -> SingleTypeManager:
-    """The rules for a group's attention kind (a window-less sliding group is full attention)."""
+                 cached: dict[BlockHash, int], *, state_checkpoints: bool = True
+                 ) -> SingleTypeManager:
+    """The rules for a group's attention kind (a window-less sliding group is full attention).
+
+    ``state_checkpoints``: whether state groups cache their state at block boundaries
+    (prefix caching on, vLLM's "align"); without, each request holds one state block.
+    """
     if group.kind is AttentionKind.SLIDING and group.window:
         return SlidingWindowManager(group, group_index, block_size, cached)
     if group.kind is AttentionKind.CHUNKED and group.window:
         return ChunkedLocalAttentionManager(group, group_index, block_size, cached)
-    if group.kind is AttentionKind.LINEAR:
-        raise ValueError("linear-attention layers keep per-request state, not blocks")
+    if is_state_group(group):
+        return StateManager(group, group_index, block_size, cached,
+                            checkpoints=state_checkpoints)
     return FullAttentionManager(group, group_index, block_size, cached)
