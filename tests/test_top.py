@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from test_tier_verdict import VLLM_PAGE
 
 from kvmem.cli import main
 from kvmem.cli import top as top_command
-from kvmem.cli.top import MAX_ENGINES
+from kvmem.cli.top import MAX_ENGINES, MAX_NOTES, MAX_SERVERS
 from kvmem.memory.ledger import Ledger
 
 ROOT = Path(__file__).parent.parent
@@ -74,14 +75,22 @@ def test_ten_thousand_engines_of_pid_1_are_shown_in_bounded_lines(tmp_path, caps
     (tmp_path / "kvmem-ledger-cpu.json").write_text(json.dumps(
         {"engines": {f"e{i:05}": {"pid": 1} for i in range(10_000)}}))
     out = within(60, lambda: top(capsys, tmp_path))
-    assert len(out.splitlines()) < MAX_ENGINES + 20
-    assert f"cpu: and {10_000 - MAX_ENGINES:,} more engines (kvmem top --json lists them all)" \
-        in out
+    assert len(out.splitlines()) <= 5 + MAX_ENGINES + MAX_NOTES + 2  # title, head, rule
+    assert f"and {10_000 - MAX_ENGINES:,} more engines (kvmem top --json lists them all)" in out
     rows = [line for line in out.splitlines() if " cpu " in line]
     assert len(rows) == MAX_ENGINES and all(row.split()[-1] == "?" for row in rows)
     assert "1795" not in out and "no heartbeat for" not in out
     doc = json.loads(within(60, lambda: top(capsys, tmp_path, "--json")))
     assert len(doc["devices"][0]["engines"]) == 10_000
+
+
+def test_three_hundred_damaged_ledgers_are_shown_in_bounded_lines(tmp_path, capsys):
+    for i in range(300):
+        (tmp_path / f"kvmem-ledger-cuda-{i}.json").write_text("garbage")
+    out = top(capsys, tmp_path)
+    assert len(out.splitlines()) == 1 + MAX_NOTES + 1
+    assert out.count("is damaged (not a JSON document)") == MAX_NOTES
+    assert out.endswith(f"and {300 - MAX_NOTES} more notes like these\n")
 
 
 def test_each_server_is_read_once_per_screen(tmp_path, capsys):
@@ -94,6 +103,36 @@ def test_each_server_is_read_once_per_screen(tmp_path, capsys):
     finally:
         budget.close()
         server.close()
+
+
+def test_servers_are_read_at_once_and_each_once(tmp_path, capsys):
+    """Each server answers only once all three are asked: read one after another, the
+    first would wait in vain (and be an error row)."""
+    servers = [RawServer() for _ in range(3)]
+    all_asked = threading.Barrier(3, timeout=4)
+
+    def answer(conn, head):
+        all_asked.wait()
+        reply("200 OK", VLLM_PAGE.encode(), Content_Type="text/plain")(conn, head)
+
+    try:
+        for server in servers:
+            server.default = answer
+        urls = [server.url for server in servers]
+        argv = [a for url in [*urls, urls[0]] for a in ("--metrics", url)]
+        rows = json.loads(top(capsys, tmp_path, "--json", *argv))["tiers"]
+        assert [(r["server"], r.get("tier")) for r in rows] == \
+            [(f"{url}/metrics", "cpu") for url in urls]
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_more_servers_than_a_screen_holds_are_refused(tmp_path, capsys):
+    argv = [a for i in range(MAX_SERVERS + 1) for a in ("--metrics", f"http://h{i}")]
+    assert main(["top", "--ledger-dir", str(tmp_path), *argv]) == 2
+    assert capsys.readouterr().err == (f"kvmem: error: --metrics: at most {MAX_SERVERS} "
+                                       f"servers, got {MAX_SERVERS + 1}\n")
 
 
 # -- output ------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 MAX_WATCH_S = 86400.0  # a day
 STALE_S = 5.0  # a stepping engine's heartbeats come every 0.25 s, or with every step
-MAX_ENGINES = 64  # rows of a device's table; --json lists all
-MAX_NOTES = 8  # engines stopped or stuck, named one by one
+MAX_ENGINES = 64  # rows of the table; --json lists all
+MAX_NOTES = 24  # lines under it: totals, damaged ledgers, engines stopped or stuck
 MAX_AGE_S = 366 * 86400.0  # an age beyond is no age of an engine (when boot time is unknown)
 CLOCK_SLACK_S = 2.0  # process start times are known to a clock tick, boot time to 1 s
 
@@ -132,7 +132,7 @@ def _render(views: list):  # -> a rich renderable
         table.add_column(col, justify="left" if col in ("engine", "device") else "right",
                          no_wrap=True)
     notes = []
-    troubled = 0
+    hidden = 0  # engines past MAX_ENGINES rows
     for v in views:
         if v.error:
             notes.append(Text(f"{v.device}: {v.error}", style="red"))
@@ -145,7 +145,9 @@ def _render(views: list):  # -> a rich renderable
             notes.append(Text(f"{v.device}: total {size(v.total_bytes)}, held "
                               f"{size(v.held_bytes)}, counted {size(v.reserved_bytes)} "
                               "(floors included)"))
-        for e in v.engines[:MAX_ENGINES]:
+        listed = v.engines[:MAX_ENGINES - table.row_count]
+        hidden += len(v.engines) - len(listed)
+        for e in listed:
             given = f"{size(e.reclaimed_bytes)}/{e.reclaims}" if e.reclaims else "-"
             process_age = clock.process_age(e.pid)
             idle = _age(e.idle_s, clock.plausible(e.idle_s, process_age))
@@ -156,15 +158,11 @@ def _render(views: list):  # -> a rich renderable
                           size(e.wanted_bytes) if e.wanted_bytes else "-", idle)
             trouble = _trouble(e, process_age, clock)
             if trouble is not None:
-                troubled += 1
-                if troubled <= MAX_NOTES:
-                    notes.append(Text(f"{e.name}: {trouble}", style="yellow"))
-        if len(v.engines) > MAX_ENGINES:
-            notes.append(Text(f"{v.device}: and {len(v.engines) - MAX_ENGINES:,} more "
-                              "engines (kvmem top --json lists them all)"))
-    if troubled > MAX_NOTES:
-        notes.append(Text(f"and {troubled - MAX_NOTES:,} more of the engines above stopped "
-                          "or stuck", style="yellow"))
+                notes.append(Text(f"{e.name}: {trouble}", style="yellow"))
+    if len(notes) > MAX_NOTES:
+        notes[MAX_NOTES:] = [Text(f"and {len(notes) - MAX_NOTES:,} more notes like these")]
+    if hidden:
+        notes.append(Text(f"and {hidden:,} more engines (kvmem top --json lists them all)"))
     if not table.row_count:
         return Group(Text("no engines use elastic KV memory"), *notes)
     return Group(table, *notes)
@@ -179,7 +177,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from kvmem.errors import KvmemError
     from kvmem.memory import control
+
+    if len(set(args.metrics)) > MAX_SERVERS:
+        raise KvmemError(f"--metrics: at most {MAX_SERVERS} servers, got "
+                         f"{len(set(args.metrics))}")
 
     def screen():  # -> a rich renderable; each server's /metrics read once
         from rich.console import Group
@@ -226,6 +229,7 @@ def _closed() -> None:
 
 # -- offload tiers (--metrics) -------------------------------------------------------------
 SCRAPE_TIMEOUT_S = 5.0  # each server's whole answer
+MAX_SERVERS = 32  # --metrics given more often is refused
 
 
 def _metrics_url(text: str) -> str:
@@ -240,22 +244,28 @@ def _metrics_url(text: str) -> str:
 
 def _tier_rows(urls: list[str]) -> list[dict]:
     """Each server's tiers, summed over its ranks (``kvmem.tiers.verdict``); a server that
-    cannot be read, or whose page makes no sense, is a row with its error."""
+    cannot be read, or whose page makes no sense, is a row with its error. The servers
+    are read at once: one that does not answer holds the screen for one deadline, not one
+    each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    urls = list(dict.fromkeys(urls))
+    with ThreadPoolExecutor(max_workers=max(1, min(len(urls), MAX_SERVERS))) as pool:
+        return [row for rows in pool.map(_server_rows, urls) for row in rows]
+
+
+def _server_rows(url: str) -> list[dict]:
     from kvmem.errors import KvmemError
     from kvmem.tiers.scrape import scrape
     from kvmem.tiers.verdict import read_figures
 
-    rows: list[dict] = []
-    for url in urls:
-        try:
-            figures = read_figures(scrape(url, timeout_s=SCRAPE_TIMEOUT_S))
-        except KvmemError as exc:
-            rows.append({"server": url, "error": str(exc)})
-            continue
-        if not figures.tiers:
-            rows.append({"server": url, "error": "no kvmem_offload_* figures"})
-        rows += [{"server": url, **t.as_dict()} for t in figures.tiers.values()]
-    return rows
+    try:
+        figures = read_figures(scrape(url, timeout_s=SCRAPE_TIMEOUT_S))
+    except KvmemError as exc:
+        return [{"server": url, "error": str(exc)}]
+    if not figures.tiers:
+        return [{"server": url, "error": "no kvmem_offload_* figures"}]
+    return [{"server": url, **t.as_dict()} for t in figures.tiers.values()]
 
 
 def _tiers_table(rows: list[dict]):  # -> rich.table.Table
