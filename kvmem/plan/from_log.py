@@ -85,6 +85,7 @@ def compare_log(log: VllmLog, spec: ModelSpec, model: str,
                        f"{'s' if geometry.num_groups != 1 else ''}, {s.device.upper()}")
     result = LogComparison(f"vLLM {d.release.name}", deployment_text, low,
                            _rank_rows(low, high, d, geometry), [], notes)
+    result.rows += _state_page_rows(log, low, geometry)
     result.rows += _size_rows(log, low, high, geometry)
     if log.needed is not None:
         result.rows += _check_rows(log, low, high, geometry, d)
@@ -93,10 +94,6 @@ def compare_log(log: VllmLog, spec: ModelSpec, model: str,
             row.verdict += _explain(log, spec, d, row)
     result.better = better(log, spec, d, low, model)
     result.lines, result.logged = log.lines, logged_settings(log)
-    if "speculative" in result.logged:
-        result.notes.append("the log runs speculative decoding: kvmem's plan counts no draft "
-                            "model's KV layers and no speculative tokens' slots, which "
-                            "vLLM's figures include")
     return result
 
 
@@ -179,6 +176,24 @@ def _size_rows(log: VllmLog, low: Plan, high: Plan, geometry) -> list[Row]:
         worker = f" (worker {i})" if per_worker else ""
         rows.append(Row(f"maximum concurrency at {length:,} tokens{worker}", f"{value}x",
                         _span(lo, hi) + "x", "match" if ok else "differs"))
+    return rows
+
+
+def _state_page_rows(log: VllmLog, low: Plan, geometry) -> list[Row]:
+    """The attention block size vLLM raised for a hybrid model's states, and how much it
+    padded the state page, beside the release's own rule."""
+    rows = []
+    mamba = getattr(geometry, "mamba", None)
+    if log.attention_block_size is not None:
+        _, tokens, _ = log.attention_block_size
+        block = low.engine.block_size
+        rows.append(Row("attention block size (raised for the states)", f"{tokens:,} tokens",
+                        f"{block:,} tokens", "match" if block == tokens else "differs"))
+    if log.mamba_padding is not None:
+        _, percent = log.mamba_padding
+        padding = f"{mamba.padding:.2f}%" if mamba is not None else "no state page"
+        rows.append(Row("state page padding", f"{percent}%", padding,
+                        "match" if padding == f"{percent}%" else "differs"))
     return rows
 
 

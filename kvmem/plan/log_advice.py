@@ -43,6 +43,8 @@ def _command(log: VllmLog, model: str, d: Deployment, env: dict[str, str] | None
                 "max_num_seqs"):
         if key in log.args:
             argv[key.replace("_", "-")] = log.args[key]
+    if s.speculative_config is not None:
+        argv["speculative-config"] = s.speculative_config
     argv.update({k.replace("_", "-"): v for k, v in flags.items()})
     words = [f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items()]
     words += ["vllm", "serve", shlex.quote(model)]

@@ -1,18 +1,20 @@
 """The deployment a vLLM start-up log describes, rebuilt for planning.
 
-``deployment(log, spec, version)`` takes the release, layout, max_model_len, block size,
-KV dtype, batched tokens, batches in flight and hybrid-manager setting from the log (its
-engine config line and non-default args), vLLM's defaults for what it does not state (each
-noted), and each rank's KV memory: a stated ``kv_cache_memory_bytes`` exactly, else each
-worker's logged figure as the interval its rounding stands for, else the blocks the
-logged KV cache size stands for. Imports no torch.
+``deployment(log, spec, version)`` takes the release, layout, max_model_len, block size (as
+the user set it: the planner raises it for linear-attention states as vLLM does), KV dtype,
+batched tokens, batches in flight, hybrid-manager setting and speculative config from the
+log (its engine config line and non-default args), vLLM's defaults for what it does not
+state (each noted), and each rank's KV memory: a stated ``kv_cache_memory_bytes`` exactly,
+else each worker's logged figure as the interval its rounding stands for, else the blocks
+the logged KV cache size stands for. Imports no torch.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
-from kvmem.errors import ConfigError
+from kvmem.errors import ConfigError, KvmemError
 from kvmem.plan.estimates import vllm_batch_defaults, vllm_cpu_defaults
 from kvmem.plan.planner import engine_geometry, plan
 from kvmem.plan.types import EngineSettings, Layout, Plan, RankProfile
@@ -74,13 +76,8 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
     if not isinstance(max_len, int):
         raise ConfigError("the log does not say max_model_len and the model's config has no "
                           "max_position_embeddings")
-    block = _setting(log, "block_size")
-    if log.attention_block_size is not None:
-        line, block, why = log.attention_block_size
-        block = _whole(block, "block_size")
-        notes.append(f"block size {block}: vLLM raised the attention block size "
-                     f"{why} (line {line})".replace("  ", " "))
-    elif block is None:
+    block = _setting(log, "block_size")  # the user's: vLLM's raise for states is planned
+    if block is None:
         block = vllm_cpu_defaults(spec, tp * pp)[0] if device == "cpu" else 16
         notes.append(f"block size {block}: vLLM's default on "
                      f"{'its CPU build' if device == 'cpu' else 'GPUs'} (the log does not "
@@ -99,6 +96,7 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
     if log.args.get("async_scheduling") is False:
         batches = pp
     settings = EngineSettings(
+        speculative_config=_speculative_config(log, spec, notes),
         gpu_memory_utilization=1.0, block_size=int(block), max_model_len=int(max_len),
         max_num_seqs=_setting(log, "max_num_seqs") or 256,
         max_num_batched_tokens=int(batched), cuda_graphs=False, kv_cache_dtype=kv_dtype,
@@ -109,6 +107,32 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
     if not d.budgets:
         d.budgets = _budgets_from_size(log, spec, d)
     return d
+
+
+def _speculative_config(log: VllmLog, spec: ModelSpec, notes: list[str]) -> str | None:
+    """vLLM's ``--speculative-config`` as the log states it (the engine config's, else the
+    non-default args'), when kvmem can plan its draft; else None, noted."""
+    logged = log.speculative or log.args.get("speculative_config")
+    if not isinstance(logged, dict) or not logged:
+        return None
+    method = logged.get("method")
+    if isinstance(method, str) and method.endswith("_mtp"):  # qwen3_next_mtp: vLLM's "mtp"
+        method = "mtp"
+    tokens = logged.get("num_spec_tokens", logged.get("num_speculative_tokens"))
+    config = {"method": method, "num_speculative_tokens": tokens}
+    if method != "mtp" and logged.get("model"):
+        config["model"] = logged["model"]
+    text = json.dumps(config)
+    from kvmem.spec.speculative import speculative_spec
+
+    try:
+        speculative_spec(spec, text)
+    except KvmemError as exc:
+        notes.append(f"the log runs speculative decoding ({method}, {tokens} tokens), which "
+                     f"kvmem cannot plan ({exc}): the draft's KV and lookahead are left out")
+        return None
+    notes.append(f"speculative decoding as logged: --speculative-config '{text}'")
+    return text
 
 
 def _budgets(log: VllmLog, world: int, tp: int, notes: list[str]) -> list[tuple[int, int]]:
