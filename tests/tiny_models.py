@@ -238,3 +238,45 @@ def make_shaped_checkpoint(tmp_path: Path, name: str, **overrides: Any) -> Path:
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
     }))
     return out
+
+
+def make_config_checkpoint(tmp_path: Path, name: str, config: dict[str, Any]) -> Path:
+    """A directory with ``config`` and the byte-level tokenizer, no weights: for
+    ``load_format="dummy"`` (random weights of the config's shape), e.g. a tiny Mamba
+    hybrid transformers cannot build here."""
+    out = Path(tmp_path) / name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
+    }))
+    return out
+
+
+TINY_NEMOTRON_PATTERN = "M-M*M-M*M-M*"
+
+
+def tiny_qwen3_next(n: int, dtype: str) -> dict:
+    """A tiny Qwen3-Next: every fourth layer full attention, the rest Gated DeltaNet."""
+    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "hidden_size": 64, "num_hidden_layers": n, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+            "vocab_size": 320, "max_position_embeddings": 8192, "full_attention_interval": 4,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "torch_dtype": dtype, "tie_word_embeddings": False}
+
+
+def tiny_nemotron_h(dtype: str, n_groups: int) -> dict:
+    """A tiny Nemotron-H: Mamba2 (M), MLP (-) and attention (*) layers."""
+    return {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+            "hidden_size": 64, "num_hidden_layers": len(TINY_NEMOTRON_PATTERN),
+            "hybrid_override_pattern": TINY_NEMOTRON_PATTERN, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+            "vocab_size": 320, "max_position_embeddings": 8192, "mamba_num_heads": 4,
+            "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": n_groups,
+            "conv_kernel": 4, "mlp_hidden_act": "relu2", "torch_dtype": dtype,
+            "tie_word_embeddings": False}

@@ -157,8 +157,10 @@ class VllmGeometry(Geometry):
             self.block_size = self.mamba.block_size
             self.notes.append(f"{self.name} raises the attention block size to "
                               f"{self.block_size} tokens so that a page holds one "
-                              f"linear-attention state, and pads the state page by "
-                              f"{self.mamba.padding:.2f}%")
+                              f"linear-attention state")
+        if self.mamba is not None and self.mamba.padding:
+            self.notes.append(f"{self.name} pads the state page by {self.mamba.padding:.2f}% "
+                              "to the attention page")
 
     @cached_property
     def layer_state_bytes(self) -> list[int]:
