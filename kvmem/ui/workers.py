@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import resource
+import signal
 import sys
 import threading
 import traceback
@@ -32,6 +33,7 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
     """A worker's loop: (endpoint, query) in, its answer out, until the pipe closes."""
     from kvmem.ui.view import ENDPOINTS
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     while True:
         try:
@@ -77,6 +79,7 @@ class PlanWorkers:
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: set[_Worker] = set()
         self._lock = threading.Lock()
+        self._closed = False
         for _ in range(count):
             self._idle.put(self._start())
 
@@ -95,7 +98,7 @@ class PlanWorkers:
         with self._lock:
             self._all.discard(worker)
         worker.stop()
-        return self._start()
+        return worker if self._closed else self._start()
 
     def ask(self, endpoint: str, query: str) -> Answer:
         """The answer of ``ENDPOINTS[endpoint](query)``, computed in a worker; a plan past
@@ -120,6 +123,7 @@ class PlanWorkers:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             workers, self._all = list(self._all), set()
         for worker in workers:
             worker.stop()
