@@ -206,6 +206,25 @@ def test_a_url_that_cannot_be_used_is_one_line(capsys, url, message):
     assert err.startswith("kvmem: error: argument --metrics: ") and message in err
 
 
+def test_a_megabyte_url_is_named_in_a_short_line(capsys):
+    err = one_error(capsys, main(["vllm-check", "--stats", "http://x/" + "a" * (1 << 20) + " b"]))
+    assert len(err) < 400 and err.endswith("... (spaces and control characters must be "
+                                           "percent-encoded)\n")
+
+
+@pytest.mark.parametrize("answer", [
+    lambda conn, head: conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 1_000_000),
+    lambda conn, head: conn.sendall(b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 200 + b"\r\n"),
+    lambda conn, head: conn.sendall(b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70_000 + b"\r\n\r\n"),
+    lambda conn, head: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\nkvmem_"),
+    lambda conn, head: None,
+], ids=["endless 100 Continue", "200 headers", "a 70 KB header", "cut short", "closed"])
+def test_a_broken_answer_is_one_line(raw, capsys, answer):
+    raw.default = answer
+    err = one_error(capsys, within(10, lambda: main(["vllm-check", "--stats", raw.url])))
+    assert err.startswith(f"kvmem: error: cannot read {raw.url}/metrics: ")
+
+
 def test_other_than_ascii_in_a_path_is_percent_encoded(raw, capsys):
     raw.paths["/m%C3%A9trics"] = page()
     assert main(["vllm-check", "--stats", f"{raw.url}/m\u00e9trics"]) == 0

@@ -41,6 +41,10 @@ def shown(text: str, limit: int = 80) -> str:
     return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
+def _quoted(url: str) -> str:
+    return shown(repr(url), 200)
+
+
 def _usable(url: str) -> str:
     """An http(s) URL this module can request, with other than ASCII in its path and query
     percent-encoded; a one-line error when it is not one."""
@@ -48,13 +52,13 @@ def _usable(url: str) -> str:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not one
     except ValueError as exc:
-        raise KvmemError(f"not a usable URL: {url!r} ({exc})") from None
+        raise KvmemError(f"not a usable URL: {_quoted(url)} ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise KvmemError(f"not an http(s) URL: {url!r}")
+        raise KvmemError(f"not an http(s) URL: {_quoted(url)}")
     if not parts.hostname.isascii():
-        raise KvmemError(f"not a usable URL: {url!r} (write the host name in ASCII)")
+        raise KvmemError(f"not a usable URL: {_quoted(url)} (write the host name in ASCII)")
     if _UNSAFE & set(url):
-        raise KvmemError(f"not a usable URL: {url!r} (spaces and control characters "
+        raise KvmemError(f"not a usable URL: {_quoted(url)} (spaces and control characters "
                          "must be percent-encoded)")
     return urllib.parse.urlunsplit(parts._replace(
         path=urllib.parse.quote(parts.path, safe=_KEEP),
@@ -129,6 +133,8 @@ def _get(url: str, deadline: float) -> _Answer:
                 conn.request("GET", target, headers={"Accept": ACCEPT, "User-Agent": "kvmem"})
                 response = conn.getresponse()
                 body = response.read(MAX_PAGE_BYTES + 1)
+                if response.length and len(body) <= MAX_PAGE_BYTES:  # read(n) does not check
+                    raise http.client.IncompleteRead(body, response.length)
             except (OSError, http.client.HTTPException):
                 if timer.expired:
                     raise TimeoutError from None
