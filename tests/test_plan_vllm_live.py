@@ -9,6 +9,10 @@ and the KV cache size and maximum concurrency it logged; the logs themselves go 
 run when a test first needs it; the pp 1 starts are in the ``extended`` run only.
 ``KVMEM_WRITE_VLLM_LOGS=1`` writes the captured logs to ``tests/data/vllm_logs``, which
 ``tests/test_plan_from_log.py`` reads without vLLM.
+
+Two more starts of shaped models with random weights: a tiny gpt-oss (attention sinks,
+sliding 128 and full in turn) and, in the ``extended`` run, a tiny Gemma 4 whose last two
+layers read earlier layers' KV and whose full layers have their own head size.
 """
 
 from __future__ import annotations
