@@ -287,3 +287,14 @@ def test_gpt_oss_sinks_leave_its_sliding_and_full_layers_as_they_are():
     assert [(lay.kind, lay.window) for lay in spec.layers[:2]] == [
         (AttentionKind.SLIDING, 128), (AttentionKind.FULL, None)]
     assert spec.kv_bytes_per_token(dtype_bytes=2) == 6 * 2 * 8 * 64 * 2
+
+
+def test_deepseek_v32_mtp_layers_index_even_where_the_last_layer_does_not():
+    from kvmem.spec.speculative import with_speculative
+
+    spec = spec_from_config({**DEEPSEEK_V32, "index_topk_pattern": "FFFS",
+                             "num_nextn_predict_layers": 1})
+    drafted = with_speculative(spec, {"method": "mtp"})
+    assert spec.layers[-1].index_bytes == 0
+    assert [lay.index_bytes for lay in drafted.speculative.layers] == [132]
+    assert drafted.speculative.num_speculative_tokens == 1  # vLLM: n_predict by default

@@ -85,7 +85,10 @@ def _mtp_layers(spec: ModelSpec) -> tuple[int, tuple[LayerKV, ...]]:
     if shape is None:
         raise ConfigError(f"{FLAG}: {spec.name} has no full-attention layer for its MTP "
                           "modules to take the shape of")
-    return n, tuple(replace(shape, index=spec.num_layers + i) for i in range(n))
+    # an MTP layer of a sparse MLA model always builds its indexer (DeepseekV2Attention)
+    index_bytes = max(lay.index_bytes for lay in spec.layers)
+    return n, tuple(replace(shape, index=spec.num_layers + i, index_bytes=index_bytes)
+                    for i in range(n))
 
 
 def with_speculative(spec: ModelSpec, config: dict[str, Any],
