@@ -33,6 +33,12 @@ the vLLM release in ``kvmem.plan.vllm_release`` does, read in vLLM's own source:
   max_model_len)`` from 0.20.1, ``blocks // groups x block_size`` before.
 - **fit check** (``_check_enough_kv_cache_memory`` with its need, see
   ``VllmRelease.fit_check``).
+- **other kinds** (read in 0.32 and 0.33): a layer reading another's KV has no spec; MLA
+  with DeepSeek V3.2's indexer is one ``UniformTypeKVCacheSpecs`` group with full attention
+  (its page the sum); a speculative draft's layers join on the last stage, and chained MTP
+  modules make sliding windows retain ``num_speculative_tokens - 1`` more tokens
+  (``extra_retained_tokens``); the lookahead slots never pass max_model_len, so they change
+  no charge (``lookahead_tokens``, ``retained_tokens``).
 
 Linear-attention (Mamba2, Gated DeltaNet) layers are ``MambaSpec`` layers: their state
 page, the raised attention block size and their charge are ``kvmem.plan.vllm_mamba``'s.
