@@ -202,22 +202,22 @@ def _show(args: argparse.Namespace) -> int:
     # never narrower than the table: a cut name could not be given to `kvmem limit`
     console = Console()
     wide = console.options.update(max_width=400)
-    first = screen()
-    console = Console(width=max(console.width, console.measure(first, options=wide).maximum))
+    now = screen()
+    console = Console(width=max(console.width, console.measure(now, options=wide).maximum))
     console.on_broken_pipe = _closed  # rich's own handling would exit 1
     if args.watch is None:
-        console.print(first)
+        console.print(now)
         return 0
     if not console.is_terminal:  # a pipe or a file: one screen after another
         while True:
-            console.print(first)
+            console.print(now)
             console.file.flush()
             time.sleep(args.watch)
-            first = screen()
+            now = screen()
     from rich.live import Live
 
     # drawn from this thread only, when the screen changes: a closed pipe ends it here
-    with Live(first, console=console, auto_refresh=False) as live:
+    with Live(now, console=console, auto_refresh=False) as live:
         while True:
             time.sleep(args.watch)
             live.update(screen(), refresh=True)

@@ -130,6 +130,9 @@ def _get(url: str, deadline: float) -> _Answer:
     try:
         with _Deadline(conn, left) as timer:
             try:
+                conn.connect()
+                if timer.expired:  # before the socket was there to shut down
+                    raise TimeoutError
                 conn.request("GET", target, headers={"Accept": ACCEPT, "User-Agent": "kvmem"})
                 response = conn.getresponse()
                 body = response.read(MAX_PAGE_BYTES + 1)
