@@ -230,14 +230,7 @@ def make_shaped_checkpoint(tmp_path: Path, name: str, **overrides: Any) -> Path:
 
     config = dict(find_entry(name).config)
     config = {**_SHAPE_DEFAULTS.get(str(config.get("model_type")), {}), **config, **overrides}
-    out = Path(tmp_path) / f"{name}-config-only"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config))
-    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
-    }))
-    return out
+    return make_config_checkpoint(tmp_path, f"{name}-config-only", config)
 
 
 def make_config_checkpoint(tmp_path: Path, name: str, config: dict[str, Any]) -> Path:

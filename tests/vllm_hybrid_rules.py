@@ -169,49 +169,19 @@ def name(i: int) -> str:
 
 
 def run_case(tokenizer: str, case: dict, workdir: Path) -> dict:
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        get_kv_cache_capacity,
-    )
-    from vllm_kv_rules import Rules
+    from vllm_kv_rules import sized
 
     config = engine_config(tokenizer, case, workdir)
     align_block_size(config, case["device"])
     by_layer = layer_specs(config, case)
     specs = [{name(i): by_layer[i] for i in stage if i in by_layer} for stage in case["stages"]]
-    rules = Rules(config)
-    groups = rules.global_groups(config, specs)
-    index = {name(i): i for i in by_layer}
-    projected = [rules.planning._project_kv_cache_groups_to_worker(groups, worker)
-                 for worker in specs]
-    per_block = [rules.pool_bytes_per_block(config, g) for g in projected]
-    configs = rules.configs(config, specs, list(case["memory"]))
-    tokens, concurrency = get_kv_cache_capacity(config,
-                                                generate_scheduler_kv_cache_config(configs))
-    need = [rules.need(config, g) for g in projected]
-    enough = [n + b for n, b in zip(need, per_block, strict=True)]
-    rules.configs(config, specs, enough)
-    try:
-        rules.configs(config, specs, [enough[0] - 1, *enough[1:]])
-        short = None
-    except ValueError as exc:
-        short = str(exc)
     mamba = next(s for s in by_layer.values() if type(s).__name__ == "MambaSpec")
     return {
         "block_size": config.cache_config.block_size,
         "mamba_cache_mode": config.cache_config.mamba_cache_mode,
         "state_bytes": mamba.state_content_size_bytes,
         "state_page": mamba.page_size_bytes,
-        "groups": [[type(g.kv_cache_spec).__name__, [index[n] for n in g.layer_names]]
-                   for g in groups],
-        "charges": [-(-g.kv_cache_spec.max_memory_usage_bytes(config)
-                      // g.kv_cache_spec.page_size_bytes) for g in groups],
-        "bytes_per_block": per_block,
-        "num_blocks": [c.num_blocks for c in configs],
-        "tokens": tokens,
-        "concurrency": concurrency,
-        "need": need,
-        "short_of_need": short,
+        **sized(config, specs, {name(i): i for i in by_layer}, case["memory"]),
     }
 
 

@@ -159,11 +159,6 @@ class Rules:
 
 
 def run_case(base, case: dict) -> dict:
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        get_kv_cache_capacity,
-    )
-
     config = copy.deepcopy(base)
     config.model_config.max_model_len = case["max_model_len"]
     config.scheduler_config.max_num_batched_tokens = case["batched"]
@@ -175,14 +170,30 @@ def run_case(base, case: dict) -> dict:
     if "speculative" in case:
         object.__setattr__(config, "speculative_config", speculative(case))
     specs = [worker_specs(case, stage) for stage in case["stages"]]
-    rules = Rules(config)
-    groups = rules.global_groups(config, specs)
     index = {name(i): i for i in range(len(case["layers"]))}
     index.update({indexer_name(i): i for i in case.get("indexed", ())})
+    return {
+        "max_concurrent_batches": config.max_concurrent_batches,
+        "lookahead": [config.num_lookahead_tokens, config.num_prefill_lookahead_tokens],
+        **sized(config, specs, index, case["memory"]),
+    }
+
+
+def sized(config, specs: list[dict], index: dict[str, int], memory: list[int]) -> dict:
+    """What vLLM makes of the workers' ``specs`` with ``memory`` each: groups (layers by
+    ``index``), charges, block bytes, blocks, logged capacity, the start-up check's need,
+    and the check's message one byte short of it on the first worker."""
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_capacity,
+    )
+
+    rules = Rules(config)
+    groups = rules.global_groups(config, specs)
     projected = [rules.planning._project_kv_cache_groups_to_worker(groups, worker)
                  for worker in specs]
     per_block = [rules.pool_bytes_per_block(config, g) for g in projected]
-    configs = rules.configs(config, specs, list(case["memory"]))
+    configs = rules.configs(config, specs, list(memory))
     scheduler = generate_scheduler_kv_cache_config(configs)
     tokens, concurrency = get_kv_cache_capacity(config, scheduler)
     need = [rules.need(config, g) for g in projected]
@@ -196,14 +207,12 @@ def run_case(base, case: dict) -> dict:
     except ValueError as exc:
         short = str(exc)
     return {
-        "max_concurrent_batches": config.max_concurrent_batches,
-        "lookahead": [config.num_lookahead_tokens, config.num_prefill_lookahead_tokens],
         "groups": [[type(g.kv_cache_spec).__name__, [index[n] for n in g.layer_names]]
                    for g in groups],
         "charges": [-(-g.kv_cache_spec.max_memory_usage_bytes(config)
                       // g.kv_cache_spec.page_size_bytes) for g in groups],
         "bytes_per_block": per_block,
-        "worker_blocks": [m // b for m, b in zip(case["memory"], per_block, strict=True)],
+        "worker_blocks": [m // b for m, b in zip(memory, per_block, strict=True)],
         "num_blocks": [c.num_blocks for c in configs],
         "tokens": tokens,
         "concurrency": concurrency,
