@@ -9,6 +9,7 @@ the CLI prints. Nothing here plans: it formats a ``kvmem.cli.plan.PlanRun``.
 
 from __future__ import annotations
 
+import json
 import re
 
 from rich.text import Text
@@ -57,11 +58,25 @@ def summary(run: PlanRun) -> list[list[str]]:
 
 
 def vllm_log(run: PlanRun, device: str) -> str:
-    """vLLM's start-up line for this plan's KV cache (``device``: gpu or cpu), in the form
-    vLLM 0.30 and later log it, with the figures of the release ``--vllm-version`` names."""
-    e = run.plan.engine
-    return (f"{device.upper()} KV cache size: {e.kv_cache_size_tokens:,} tokens, Maximum "
-            f"concurrency for {e.max_model_len:,} tokens per request: {e.max_concurrency:.2f}x")
+    """vLLM's start-up lines for this plan's KV cache (``device``: gpu or cpu) in the form
+    vLLM 0.30 and later log them, with the figures of the release ``--vllm-version`` names:
+    the speculative config of its engine config line, the attention block size it raises
+    for linear-attention states, and the KV cache size and concurrency."""
+    e, s = run.plan.engine, run.plan.settings
+    lines = []
+    if s.speculative_config is not None:
+        spec = json.loads(s.speculative_config)
+        # vLLM names the target itself as an MTP draft, and no model for n-gram or suffix
+        model = run.plan.model if spec["method"] == "mtp" else spec.get("model")
+        lines.append(f"speculative_config=SpeculativeConfig(method={spec['method']!r}, "
+                     f"model={model!r}, num_spec_tokens={spec.get('num_speculative_tokens')})")
+    if e.block_size > s.block_size:  # only for linear-attention states, under vLLM's rules
+        lines.append(f"Setting attention block size to {e.block_size} tokens to ensure that "
+                     "attention page size is >= mamba page size.")
+    lines.append(f"{device.upper()} KV cache size: {e.kv_cache_size_tokens:,} tokens, Maximum "
+                 f"concurrency for {e.max_model_len:,} tokens per request: "
+                 f"{e.max_concurrency:.2f}x")
+    return "\n".join(lines)
 
 
 def commands(run: PlanRun) -> list[dict]:
