@@ -726,3 +726,120 @@ def test_flat_decode_path_matches_the_general_path():
     kinds = [o[0] for o in flat_walk[0] if isinstance(o[0], str)]
     assert kinds.count("no") > 50 and kinds.count("ok") > 500  # both outcomes exercised
     assert any(entry[0] == "evict" for entry in flat_walk[2])
+
+
+# -- state groups (linear attention, Mamba) -----------------------------------------------
+
+def state(gid):
+    return KVGroup(gid, AttentionKind.LINEAR, None, (gid,))
+
+
+def test_state_group_without_prefix_caching_holds_one_block_per_request():
+    mgr = KVCacheManager([full(0), state(1)], 32, BS, enable_prefix_caching=False)
+    req = Req("a", range(10))
+    res = mgr.allocate_slots(req, 10)
+    assert [len(ids) for ids in res.new_block_ids] == [3, 1]
+    for token in range(20):  # decoding never adds a state block
+        req.all_token_ids.append(token)
+        res = mgr.allocate_slots(req, 1)
+        assert res.new_block_ids[1] == []
+    assert len(mgr.get_block_ids("a")[1]) == 1
+    assert mgr.usage().used == 8 + 1
+    mgr.free(req)
+    assert mgr.usage().used == 0 and mgr.usage().cached == 0
+
+
+def test_state_checkpoints_at_block_boundaries_hold_at_most_two_blocks():
+    mgr = KVCacheManager([full(0), state(1)], 32, BS)
+    req = Req("a", range(10))
+    # the prompt up to its last block boundary: the state after 8 tokens gets block 1
+    res = mgr.allocate_slots(req, 8)
+    s1 = res.new_block_ids[1][1]
+    assert res.new_block_ids[1] == [NULL_BLOCK_ID, s1]
+    assert mgr.pool.block_hash[s1] == hash_request_tokens(list(range(10)), BS)[1]
+    res = mgr.allocate_slots(req, 2)  # the rest: a new block carries the state on
+    s2 = res.new_block_ids[1][0]
+    assert mgr.get_block_ids("a")[1] == [NULL_BLOCK_ID, s1, s2]
+    req.all_token_ids.append(10)
+    res = mgr.allocate_slots(req, 1)  # 10 computed: the checkpoint after 8 is released
+    assert mgr.get_block_ids("a")[1] == [NULL_BLOCK_ID, NULL_BLOCK_ID, s2]
+    assert res.num_null_blocks[1] == 2
+    assert mgr.pool.free_queue.is_cached(s1)  # released, still findable
+    for token in range(11, 30):
+        req.all_token_ids.append(token)
+        res = mgr.allocate_slots(req, 1)
+        table = mgr.get_block_ids("a")[1]
+        assert len([b for b in table if b]) <= 2 and table[-1] != NULL_BLOCK_ID
+        assert all(b == NULL_BLOCK_ID for b in res.new_block_ids[1][:-1])
+
+
+def test_hybrid_hit_ends_where_a_state_checkpoint_is_cached():
+    mgr = KVCacheManager([full(0), state(1)], 64, BS)
+    a = Req("a", range(21))
+    # chunks ending on block boundaries leave checkpoints after 12 and 20 tokens, not 16
+    assert mgr.allocate_slots(a, 12) and mgr.allocate_slots(a, 8) and mgr.allocate_slots(a, 1)
+    mgr.new_step()
+    mgr.free(a)
+    b = Req("b", list(range(16)) + [99] * 8)  # shares 16 tokens with a
+    hit = mgr.get_computed_blocks(b)
+    # full attention has blocks for 16 tokens, the state only a checkpoint at 12
+    assert hit.num_tokens == 12
+    assert hit.blocks[1][:2] == [NULL_BLOCK_ID] * 2 and hit.blocks[1][2] != NULL_BLOCK_ID
+    assert len(hit.blocks[0]) == 3 and NULL_BLOCK_ID not in hit.blocks[0]
+    assert mgr.allocate_slots(b, b.num_tokens - 12, prefix_hit=hit)
+    assert mgr.get_block_ids("b")[1][:3] == hit.blocks[1]
+    c = Req("c", list(range(21)) + [5])  # a's whole prompt: the checkpoint after 20
+    assert mgr.get_computed_blocks(c).num_tokens == 20
+
+
+def test_a_checkpoint_computed_this_step_is_hit_from_the_next_step():
+    mgr = KVCacheManager([full(0), state(1)], 64, BS)
+    a = Req("a", range(9))
+    assert mgr.allocate_slots(a, 8)  # computes the checkpoint after 8 tokens
+    b = Req("b", list(range(8)) + [7, 7])
+    hit = mgr.get_computed_blocks(b)
+    assert hit.num_tokens == 8
+    before = pool_snapshot(mgr.pool)
+    res = mgr.allocate_slots(b, 2, prefix_hit=hit)
+    assert isinstance(res, NoCapacity) and "this step" in res.reason
+    assert pool_snapshot(mgr.pool) == before and not mgr.has_request("b")
+    mgr.new_step()
+    assert mgr.allocate_slots(b, 2, prefix_hit=hit)
+
+
+def test_state_blocks_are_all_or_nothing_with_attention_blocks():
+    mgr = KVCacheManager([full(0), state(1), state(2)], 6, BS, enable_prefix_caching=False)
+    a = Req("a", range(12))  # 3 attention blocks + 2 state blocks = 5 = the whole pool
+    assert mgr.allocate_slots(a, 12)
+    b = Req("b", range(2))
+    before = pool_snapshot(mgr.pool)
+    res = mgr.allocate_slots(b, 2)
+    assert isinstance(res, NoCapacity) and res.needed_blocks == 3 and res.can_ever_fit
+    assert pool_snapshot(mgr.pool) == before
+    assert not mgr.can_fit(13) and mgr.can_fit(12)
+    too_long = Req("c", range(13))
+    assert mgr.allocate_slots(too_long, 13).can_ever_fit is False
+
+
+def test_fork_shares_no_state():
+    mgr = KVCacheManager([full(0), state(1)], 32, BS, enable_prefix_caching=False)
+    parent = Req("p", range(9))
+    assert mgr.allocate_slots(parent, 9)
+    assert isinstance(mgr.fork(parent, Req("c", range(9))), NoCapacity)
+
+
+def test_vllm_032_republishes_the_prompt_checkpoint():
+    """vLLM 0.32 counts a prompt's last checkpoint as computed again while its request's
+    computed tokens end in the next block; a hit on it then waits a step."""
+    for republish, refused in ((False, False), (True, True)):
+        mgr = KVCacheManager([full(0), state(1)], 64, BS,
+                             republish_prompt_checkpoint=republish)
+        a = Req("a", range(10))
+        a.num_prompt_tokens = 10
+        assert mgr.allocate_slots(a, 8)
+        mgr.new_step()
+        assert mgr.allocate_slots(a, 2)  # computed tokens end in the block after 8
+        b = Req("b", list(range(8)) + [3, 3])
+        hit = mgr.get_computed_blocks(b)
+        assert hit.num_tokens == 8
+        assert isinstance(mgr.allocate_slots(b, 2, prefix_hit=hit), NoCapacity) == refused

@@ -16,6 +16,11 @@ attention reads it, so a request scheduled in the same step may already hit them
 group's checkpoint is different: a request starts from the state it hits, which exists
 only after the step that computes it, so a hit on a checkpoint cached in the current step
 is refused (``NoCapacity``) until the scheduler calls ``new_step``.
+
+``republish_prompt_checkpoint=True`` reproduces vLLM 0.32, which also counts a request's
+last prompt checkpoint (the state after ``(num_prompt_tokens - 1) // block_size`` blocks;
+requests then need ``num_prompt_tokens``) as computed in every step whose computed tokens
+end in the block after it; vLLM 0.33 and the default do not.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ class KVCacheManager:
 
     def __init__(self, groups: list[KVGroup], num_blocks: int, block_size: int = 16, *,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 8192,
-                 pool: BlockPool | None = None, enable_events: bool = True) -> None:
+                 pool: BlockPool | None = None, enable_events: bool = True,
+                 republish_prompt_checkpoint: bool = False) -> None:
         groups = list(groups)
         if not groups:
             raise ConfigError("the KV cache needs at least one KV group of attention layers")
@@ -104,6 +110,8 @@ class KVCacheManager:
         # hashes of state checkpoints cached since the last new_step()
         self._state_cached_this_step: set[BlockHash] = set()
         self._state_groups = [m.holds_state for m in self.coordinator.managers]
+        self._republish = republish_prompt_checkpoint and enable_prefix_caching \
+            and bool(self.coordinator.state_managers)
         self._pack_block = block_packer(block_size)
 
     @classmethod
@@ -206,6 +214,8 @@ class KVCacheManager:
         if self.enable_prefix_caching and not loading and \
                 num_computed // self.block_size > min(state.num_cached):
             self._cache_full_blocks(state, request, min(num_computed, request.num_tokens))
+        if self._republish and not loading:
+            self._republish_checkpoint(state, request)
         return Allocation(result, num_computed - num_new_tokens, tuple(state.skipped))
 
     def fork(self, parent: CacheRequest, child: CacheRequest) -> Allocation | NoCapacity:
@@ -320,6 +330,19 @@ class KVCacheManager:
             if blocks and hit.block_hashes[len(blocks) - 1] in self._state_cached_this_step:
                 return True
         return False
+
+    def _republish_checkpoint(self, state: _RequestState, request: CacheRequest) -> None:
+        """vLLM 0.32: the prompt's last checkpoint counts as computed in this step while the
+        request's computed tokens end in the block after it."""
+        bs = self.block_size
+        boundary = (request.num_prompt_tokens - 1) // bs * bs  # type: ignore[attr-defined]
+        if boundary <= 0 or min(state.num_computed, request.num_tokens) // bs * bs != boundary:
+            return
+        index = boundary // bs - 1
+        for manager in self.coordinator.state_managers:
+            table = state.tables[manager.group_index]
+            if index < len(table) and table[index] != NULL_BLOCK_ID:
+                self._state_cached_this_step.add(state.hashes[index])
 
     def new_step(self) -> None:
         """A scheduler step begins: state checkpoints cached so far can be hit."""
