@@ -438,6 +438,7 @@ def test_mtp_layers_join_the_last_stage_and_take_the_targets_shape():
     assert [r.kv_bytes_per_token for r in drafted.ranks] == [2 * per_layer, 3 * per_layer]
     assert drafted.ranks[1].num_blocks < alone.ranks[1].num_blocks
     assert any("2 lookahead slots" in n for n in drafted.notes)
+    assert any("the mtp draft's KV layers (1) join the last stage's" in n for n in drafted.notes)
     assert "--speculative-config" in " ".join(_vllm_argv(drafted))
 
 

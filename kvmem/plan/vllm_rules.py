@@ -147,6 +147,11 @@ class VllmGeometry(Geometry):
         self.concurrent_batches = (default_concurrent_batches(release, device, pp)
                                    if max_concurrent_batches is None
                                    else max_concurrent_batches)
+        draft = spec.speculative
+        if draft is not None and draft.layers:
+            n = len(draft.layers)
+            self.notes.append(f"the {draft.method} draft's KV layers ({n}) join the last "
+                              "stage's (its weights are not in the estimate)")
         self.extra_retained_tokens = retained_tokens(spec.speculative)
         self.lookahead_tokens = lookahead_tokens(spec.speculative)
         if self.lookahead_tokens:
