@@ -42,6 +42,7 @@ class EngineView:
     reclaims: int
     idle_s: float  # since it last took memory
     heartbeat_age_s: float
+    request_bytes: int | None = None  # one request of its max_model_len: the least ceiling
 
     @classmethod
     def of(cls, entry: LedgerEntry, table, now: float) -> EngineView:
@@ -50,7 +51,7 @@ class EngineView:
                    entry.cached_bytes, entry.reclaim_bytes, entry.wanted_bytes,
                    entry.reclaimed_bytes, entry.reclaims,
                    round(max(0.0, now - entry.active_at), 1),
-                   round(max(0.0, now - entry.heartbeat), 1))
+                   round(max(0.0, now - entry.heartbeat), 1), entry.request_bytes)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from kvmem.engine.request import Request as EngineRequest
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.engine.tokenizer import check_unicode
 from kvmem.errors import KvmemError
+from kvmem.memory.http_control import ControlError, KVCacheControl, KVCacheControlMiddleware
 from kvmem.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from kvmem.serve.metrics import make_registry
 from kvmem.serve.middleware import (
@@ -63,6 +64,18 @@ from kvmem.serve.tokenize import tokenize_router
 DISCONNECT_POLL_S = 0.2
 # The status logged for a response nobody receives (nginx's "client closed request").
 _CLIENT_CLOSED = 499
+
+
+def _kv_control(engine: AsyncLLMEngine) -> KVCacheControl:
+    """``/kvcache/*`` for this engine's elastic KV memory (behind the API key, if any)."""
+    elastic = engine.engine.elastic
+    if elastic is None:
+        def name() -> str:
+            raise ControlError(409, "this engine's KV memory is not elastic (start kvmem serve "
+                                    "with --kv-memory elastic)")
+
+        return KVCacheControl(name)
+    return KVCacheControl(elastic.name, reserved_bytes=elastic.sizing.reserved_bytes)
 
 
 class _HTTPError(Exception):
@@ -114,6 +127,7 @@ def create_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes,
                        timeout_s=request_body_timeout_s)
+    app.add_middleware(KVCacheControlMiddleware, control=_kv_control(engine))
     if api_key is not None:  # added last, so it runs first: before the body is read
         open_paths = {"/health", "/metrics"} if public_metrics else {"/health"}
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)

@@ -12,6 +12,8 @@ One subpackage per role:
 - ``elastic``: elastic KV memory (``KVMEM_VLLM_KV_MEMORY=elastic``; the plugin adds
   ``KvmemElasticConnector``): each worker's KV cache over a reservation, pages mapped as
   vLLM's block pool hands out blocks, under a limit shared through kvmem's ledger;
+- ``kvcache_http``: ``KVCacheRoutes``, ``/kvcache/*`` on vLLM's own port for elastic KV
+  memory (``--middleware kvmem.integrations.vllm.KVCacheRoutes``), kvcached's routes;
 - ``compat``: what each part needs from vLLM, checked before it loads.
 
 Importing this package imports neither vLLM nor torch; names are resolved on first use.
@@ -26,6 +28,7 @@ _LAZY = {
     "register": "kvmem.integrations.vllm.plugin",
     "KvmemConnector": "kvmem.integrations.vllm.connector",
     "kv_transfer_config": "kvmem.integrations.vllm.connector.config",
+    "KVCacheRoutes": "kvmem.integrations.vllm.kvcache_http",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,178 @@
+"""``/kvcache/*`` on ``kvmem serve``'s own port: kvcached's routes over kvmem's ledger.
+
+An elastic engine behind an API key, driven in-process: status in kvcached's fields and
+kvmem's, a limit in kvcached's sizes and in percent, a trim that the engine applies (its
+mapped memory falls to the new ceiling), the safety floor that clamps a limit, another
+engine named with ``ipc_name``, and every bad request a 4xx naming its field while the
+engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from tiny_models import make_tiny_checkpoint
+
+from kvmem.engine.async_engine import AsyncLLMEngine
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.llm_engine import LLMEngine
+from kvmem.memory import Ledger
+from kvmem.memory.http_control import parse_request_size
+from kvmem.serve import create_app
+
+KEY = {"Authorization": "Bearer s3cret"}
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("kvcache-http"), "llama",
+                                num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2)
+
+
+@pytest.fixture()
+def ledger_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMEM_LEDGER_DIR", str(tmp_path / "ledger"))
+    return tmp_path / "ledger"
+
+
+def app_for(tiny, **config) -> object:
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(
+        model=str(tiny), served_model_name="tiny", max_model_len=128,
+        max_num_batched_tokens=32, **config)))
+    return create_app(engine, api_key="s3cret")
+
+
+def entry(ledger_dir, name="ctl"):
+    [e] = [e for e in Ledger.for_device("cpu", ledger_dir).entries() if e.name == name]
+    return e
+
+
+def complete(http, prompt) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    reply = http.post("/v1/completions", json=body, headers=KEY)
+    assert reply.status_code == 200, reply.text
+
+
+def test_kvcached_sizes_are_binary_and_kvmems_are_kept():
+    assert parse_request_size("3G", "size") == 3 << 30
+    assert parse_request_size("1.5g", "size") == 3 << 29
+    assert parse_request_size("512M", "size") == 512 * MIB
+    assert parse_request_size("3GiB", "size") == 3 << 30
+    assert parse_request_size("3GB", "size") == 3 * 10**9
+    assert parse_request_size(4096, "size") == 4096
+    assert parse_request_size("none", "size") is None
+
+
+def test_the_routes_steer_an_elastic_engine(tiny, ledger_dir):
+    app = app_for(tiny, kv_memory="elastic", engine_name="ctl", kv_cache_memory_bytes="4MiB")
+    with TestClient(app) as http:
+        assert http.get("/kvcache/status").status_code == 401  # behind the server's key
+        complete(http, "hello there, a prompt of a few blocks " * 3)
+        status = http.get("/kvcache/status", headers=KEY).json()
+        assert status["self_ipc_name"] == "ctl"
+        [seg] = status["segments"]
+        e = entry(ledger_dir)
+        assert seg["ipc_name"] == "ctl" and seg["total_size"] == 4 * MIB
+        assert seg["physical_occupied"] == e.mapped_bytes > 0
+        assert seg["used_size"] == e.live_bytes + e.cached_bytes > 0  # the cached prompt
+        assert seg["prealloc_size"] == e.mapped_bytes - seg["used_size"]
+        assert seg["safety_floor"] == seg["min_safe_limit"] == e.request_bytes > 0
+        assert seg["total_size_human"] == "4.00 MiB"
+        assert status["kvmem"]["engine"]["mapped_bytes"] == e.mapped_bytes
+        assert status["gpu_total_memory"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+            "SC_PHYS_PAGES")
+        assert http.head("/kvcache/status", headers=KEY).content == b""
+
+        reply = http.post("/kvcache/limit", json={"size": "3M"}, headers=KEY).json()
+        assert reply["success"] and not reply["clamped"]
+        assert reply["previous_total_size"] == 4 * MIB
+        assert reply["new_total_size"] == entry(ledger_dir).ceiling_bytes == 3 * MIB
+        floor = http.get("/kvcache/safety_floor", headers=KEY).json()["safety_floor"]
+        low = http.post("/kvcache/limit", json={"size_bytes": 1}, headers=KEY).json()
+        assert low["clamped"] and entry(ledger_dir).ceiling_bytes == floor
+        http.post("/kvcache/limit", json={"size": "none", "floor": "1M"}, headers=KEY)
+        assert entry(ledger_dir).ceiling_bytes is None
+        assert entry(ledger_dir).floor_bytes == MIB
+
+        half = http.post("/kvcache/limit_percent", json={"percent": 50}, headers=KEY).json()
+        assert half["percent"] == 50
+        assert entry(ledger_dir).ceiling_bytes == half["gpu_total_memory"] // 2
+
+        # trim: the ceiling falls to what running requests hold (none: the safety floor),
+        # and the engine gives back its free pages and cached blocks at its heartbeat
+        trim = http.post("/kvcache/trim", headers=KEY).json()
+        assert trim["new_limit"] == max(entry(ledger_dir).live_bytes, floor, MIB)
+        deadline = time.monotonic() + 10
+        while entry(ledger_dir).mapped_bytes > trim["new_limit"]:
+            assert time.monotonic() < deadline, entry(ledger_dir)
+            time.sleep(0.05)
+        complete(http, "still serving under the trimmed limit")
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "names"), [
+    ("post", "/kvcache/limit", {"size": "banana"}, 400, "size"),
+    ("post", "/kvcache/limit", {"size": True}, 400, "size"),
+    ("post", "/kvcache/limit", {"size": "-3G"}, 400, "size"),
+    ("post", "/kvcache/limit", {"size_bytes": 1e300}, 400, "size_bytes"),
+    ("post", "/kvcache/limit", {}, 400, "size"),
+    ("post", "/kvcache/limit", {"size": "1G", "size_bytes": 5}, 400, "size_bytes"),
+    ("post", "/kvcache/limit", {"size": "1G", "force": "yes"}, 400, "force"),
+    ("post", "/kvcache/limit", {"size": "1G", "ipc_name": " "}, 400, "ipc_name"),
+    ("post", "/kvcache/limit", {"size": "1G", "ipc_name": 7}, 400, "ipc_name"),
+    ("post", "/kvcache/limit", {"size": "1G", "ipc_name": "nobody"}, 404, "nobody"),
+    ("post", "/kvcache/limit_percent", {"percent": 0}, 400, "percent"),
+    ("post", "/kvcache/limit_percent", {"percent": 101}, 400, "percent"),
+    ("post", "/kvcache/limit_percent", {"percent": "20"}, 400, "percent"),
+    ("post", "/kvcache/trim", {"target": "x"}, 400, "target"),
+    ("get", "/kvcache/limit", None, 405, "POST"),
+    ("post", "/kvcache/status", {}, 405, "GET"),
+    ("get", "/kvcache/nope", None, 404, "/kvcache/status"),
+])
+def test_bad_requests_are_one_line_4xx_naming_the_field(elastic_http, method, path, body,
+                                                         status, names):
+    kw = {"json": body} if body is not None else {}
+    reply = getattr(elastic_http, method)(path, headers=KEY, **kw)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert names in error and "\n" not in error
+
+
+def test_bodies_that_are_not_a_json_object_or_too_large(elastic_http):
+    for raw in (b"{", b"[1, 2]", b"[" * 100_000):
+        reply = elastic_http.post("/kvcache/limit", content=raw, headers=KEY)
+        assert reply.status_code in (400, 413), reply.text
+    reply = elastic_http.post("/kvcache/limit", content=b"x" * 10_000, headers=KEY)
+    assert reply.status_code == 413
+    complete(elastic_http, "the engine still serves")
+
+
+def test_another_engine_is_named_with_ipc_name(elastic_http, ledger_dir):
+    other = Ledger.for_device("cpu", ledger_dir).register("other", ceiling_bytes=8 * MIB)
+    try:
+        reply = elastic_http.post("/kvcache/limit", headers=KEY,
+                                  json={"size": "2M", "ipc_name": "other"}).json()
+        assert reply["ipc_name"] == "other" and entry(ledger_dir, "other").ceiling_bytes == 2 * MIB
+        assert entry(ledger_dir).ceiling_bytes == 4 * MIB  # this engine's own is unchanged
+        status = elastic_http.get("/kvcache/status", headers=KEY,
+                                  params={}).json()
+        assert status["segments"][0]["ipc_name"] == "ctl"
+    finally:
+        other.close()
+
+
+@pytest.fixture()
+def elastic_http(tiny, ledger_dir):
+    app = app_for(tiny, kv_memory="elastic", engine_name="ctl", kv_cache_memory_bytes="4MiB")
+    with TestClient(app) as http:
+        yield http
+
+
+def test_an_engine_without_elastic_memory_says_so(tiny, ledger_dir):
+    with TestClient(app_for(tiny, kv_cache_memory_bytes="4MiB")) as http:
+        reply = http.get("/kvcache/status", headers=KEY)
+        assert reply.status_code == 409 and "--kv-memory elastic" in reply.json()["error"]
