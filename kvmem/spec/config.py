@@ -391,6 +391,9 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     except ConfigError:
         dtype = "bfloat16"
     archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+    if not isinstance(archs, (list, str)):
+        raise ConfigError(f"{name}: field 'architectures' must be a list of class names, "
+                          f"got {archs!r}")
     return ModelSpec(
         name=name,
         architecture=str(archs[0]),
