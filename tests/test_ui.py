@@ -542,3 +542,26 @@ def test_listening_beyond_loopback_warns_in_one_line():
                         "loopback; the page has no authentication: anyone who can reach this "
                         "port can use it"]
     assert "warning" not in _kvmem_ui("--host", "127.0.0.1")[1]
+
+
+def test_a_pasted_config_of_any_shape_is_planned_or_refused_in_one_line(server):
+    """Each field the loader reads, given a value of every JSON type: a ConfigError line
+    (a 400 beside the config), never an exception of the loader's own."""
+    from kvmem.errors import ConfigError
+    from kvmem.spec import spec_from_config
+    from kvmem.spec.bounds import BOUNDS, LAYER_LISTS
+
+    odd = [None, True, -1, 0, 1.5, "x", "", [], ["x"], [1], {}, {"a": 1}, 1e300, float("nan"),
+           10**30]
+    keys = {*BOUNDS, *LAYER_LISTS, "architectures", "model_type", "torch_dtype", "text_config",
+            "quantization_config", "tie_word_embeddings", "_name_or_path", "use_sliding_window"}
+    for model in ("meta-llama/Llama-3.1-8B-Instruct", "google/gemma-3-4b-it"):
+        _, cfg = catalog_config(model)
+        for key in sorted(keys):
+            for value in odd:
+                try:
+                    spec_from_config({**cfg, key: value}, "config.json")
+                except ConfigError as e:
+                    assert "\n" not in str(e)
+    status, body = api(server, "plan", urlencode({"config": _llama(architectures=5)}))
+    assert status == 400 and body["field"] == "config" and "'architectures'" in body["error"]
