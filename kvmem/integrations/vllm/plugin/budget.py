@@ -146,6 +146,11 @@ def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
         device="cpu" if vllm_config.device_config.device_type == "cpu" else "gpu",
         max_concurrent_batches=getattr(vllm_config, "max_concurrent_batches", None),
         hybrid_kv_cache_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        # linear-attention states: the mode and dtypes vLLM's hooks settled on
+        enable_prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        mamba_cache_dtype=str(getattr(vllm_config.cache_config, "mamba_cache_dtype", "auto")),
+        mamba_ssm_cache_dtype=str(getattr(vllm_config.cache_config, "mamba_ssm_cache_dtype",
+                                          "auto")),
     )
     layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                     layer_partition=[end - start for start, end in bounds])
