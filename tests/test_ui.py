@@ -3,6 +3,7 @@
 no file of the server is read, the page's files ship in the package, no torch."""
 
 import contextlib
+import errno
 import fnmatch
 import json
 import re
@@ -565,3 +566,19 @@ def test_a_pasted_config_of_any_shape_is_planned_or_refused_in_one_line(server):
                     assert "\n" not in str(e)
     status, body = api(server, "plan", urlencode({"config": _llama(architectures=5)}))
     assert status == 400 and body["field"] == "config" and "'architectures'" in body["error"]
+
+
+def test_only_a_server_bug_is_logged_with_its_traceback(capfd):
+    with serving() as s:
+        for gone in (BrokenPipeError(), ConnectionResetError(), TimeoutError(),
+                     OSError(errno.EBADF, "Bad file descriptor")):  # closed as the process exits
+            try:
+                raise gone
+            except OSError:
+                s.handle_error(None, ("127.0.0.1", 1))
+        try:
+            raise ValueError("a bug")
+        except ValueError:
+            s.handle_error(None, ("127.0.0.1", 1))
+    err = capfd.readouterr().err
+    assert err.count("Traceback") == 1 and "ValueError: a bug" in err

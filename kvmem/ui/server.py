@@ -20,6 +20,7 @@ http.server's own included, is one line of JSON.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import socket
@@ -249,10 +250,12 @@ class UIServer(ThreadingHTTPServer):
         self.shutdown_request(request)
 
     def handle_error(self, request, client_address) -> None:
-        """A client that hangs up, resets, stalls or oversends is no server error: one line
-        with --verbose, else nothing."""
+        """A client that hangs up, resets, stalls or oversends is no server error, nor is
+        a connection closed under its thread as the process exits: one line with
+        --verbose, else nothing."""
         error = sys.exc_info()[1]
-        if isinstance(error, (ConnectionError, TimeoutError)):
+        gone = isinstance(error, OSError) and error.errno in (errno.EBADF, errno.ENOTCONN)
+        if gone or isinstance(error, (ConnectionError, TimeoutError)):
             if self.verbose:
                 print(f"kvmem ui: {client_address[0]}: {type(error).__name__}: {error}",
                       file=sys.stderr)
