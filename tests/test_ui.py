@@ -582,3 +582,19 @@ def test_only_a_server_bug_is_logged_with_its_traceback(capfd):
             s.handle_error(None, ("127.0.0.1", 1))
     err = capfd.readouterr().err
     assert err.count("Traceback") == 1 and "ValueError: a bug" in err
+
+
+def test_a_get_with_a_body_is_answered_once_and_closed(server):
+    """Its body is never read, so it cannot be taken for the next request."""
+    with _connect(server) as sock:
+        sock.sendall(b"GET /api/form HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n"
+                     b"GET /nowhere HTTP/1.1\r\n\r\n....")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1 ") == 1
+
+
+def test_too_many_query_fields_are_one_line(server):
+    status, body = api(server, "plan", "model=qwen3-8b&" + "&".join(["gpu=H100"] * 300))
+    assert status == 400 and "Max number of fields exceeded" in body["error"]
