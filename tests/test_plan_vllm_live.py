@@ -218,17 +218,12 @@ SHAPED = {"gpt-oss": GPT_OSS, "gemma4": GEMMA4}
 @pytest.fixture(scope="module")
 def shaped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[str, int, str]]:
     """(model directory, return code, log) of a shaped model's start, once per model."""
-    from tests.tiny_models import make_shaped_checkpoint
+    from tests.tiny_models import make_config_checkpoint
 
     @cache
     def start(name: str) -> tuple[str, int, str]:
-        base = "gpt-oss-20b" if name == "gpt-oss" else "gemma-3-4b"
-        model = make_shaped_checkpoint(tmp_path_factory.mktemp(name), base, **SHAPED[name],
-                                       torch_dtype="float32")
-        config = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps(  # the shape given, no more of the base
-            {k: v for k, v in config.items() if k in SHAPED[name] or k == "torch_dtype"}))
-        model = str(model)
+        model = str(make_config_checkpoint(tmp_path_factory.mktemp(name), name,
+                                           {**SHAPED[name], "torch_dtype": "float32"}))
         engine = fast_engine({"max_model_len": 2048, "max_num_batched_tokens": 256,
                               "kv_cache_memory_bytes": KV_BYTES, "load_format": "dummy"})
         run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}), timeout=600)
