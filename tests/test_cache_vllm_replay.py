@@ -51,7 +51,7 @@ def test_kvmem_makes_vllms_decisions(series, case):
 
     # the trace exercises what it compares
     kinds = [e[0] for e in got]
-    assert kinds.count("preempt") > 10 and kinds.count("finish") == num_requests
+    assert kinds.count("preempt") >= 5 and kinds.count("finish") == num_requests
     assert sum(1 for e in got if e[0] == "alloc" and e[3] is None) > 10
     hits = [e[2] for e in got if e[0] == "hit"]
     assert (sum(hits) > 0) == caching

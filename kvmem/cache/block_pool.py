@@ -121,6 +121,32 @@ class BlockPool:
         if n <= 0:
             return []
         block_ids = self.free_queue.pop_n(n)
+        self._claim(block_ids)
+        block_group = self.block_group
+        for block_id in block_ids:
+            block_group[block_id] = group_id
+        return block_ids
+
+    def take_by_group(self, counts: list[int]) -> list[list[int]]:
+        """``take_new_blocks(counts[g], g)`` for every group in turn, in one pass."""
+        total = sum(counts)
+        if not total:
+            return [[] for _ in counts]
+        block_ids = self.free_queue.pop_n(total)
+        self._claim(block_ids)
+        block_group = self.block_group
+        out = []
+        end = 0
+        for group_id, n in enumerate(counts):
+            start, end = end, end + n
+            taken = block_ids[start:end]
+            for block_id in taken:
+                block_group[block_id] = group_id
+            out.append(taken)
+        return out
+
+    def _claim(self, block_ids: list[int]) -> None:
+        """Blocks just taken from the free queue: evict their cached data, ref count 1."""
         ref_cnt, block_hash, block_group = self.ref_cnt, self.block_hash, self.block_group
         cached, events, on_evict = self.cached, self.events, self.evict_listener
         copies = self.copies
@@ -140,14 +166,12 @@ class BlockPool:
                     if events is not None:
                         events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
             ref_cnt[block_id] = 1
-            block_group[block_id] = group_id
         if num_evicted:
             self.epoch += 1
             if events is not None and len(events) > self.max_events:
                 self._bound_events()
         for listener in self.listeners:
             listener.on_blocks_allocated(block_ids)
-        return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each (cached) block of a prefix hit; null blocks are skipped."""
@@ -169,26 +193,35 @@ class BlockPool:
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in order: the first freed is evicted first."""
+        self.free_runs((block_ids,))
+
+    def free_runs(self, runs: Iterable[Iterable[int]]) -> None:
+        """``free_blocks`` for each run in turn, in one pass: each run's blocks without
+        cached data are reused in the order given, the later runs' first."""
         ref_cnt, hold_cnt, block_hash = self.ref_cnt, self.hold_cnt, self.block_hash
-        uncached: list[int] = []
         cached: list[int] = []
-        for block_id in block_ids:
-            if not block_id:  # the null block
-                continue
-            ref = ref_cnt[block_id]
-            if ref > 1:
-                ref_cnt[block_id] = ref - 1
-            elif ref == 1:
-                ref_cnt[block_id] = 0
-                if hold_cnt[block_id]:
-                    self.held_idle.add(block_id)
-                elif block_hash[block_id] is None:
-                    uncached.append(block_id)
+        for run in runs:
+            uncached: list[int] = []
+            for block_id in run:
+                if not block_id:  # the null block
+                    continue
+                ref = ref_cnt[block_id]
+                if ref > 1:
+                    ref_cnt[block_id] = ref - 1
+                elif ref == 1:
+                    ref_cnt[block_id] = 0
+                    if hold_cnt[block_id]:
+                        self.held_idle.add(block_id)
+                    elif block_hash[block_id] is None:
+                        uncached.append(block_id)
+                    else:
+                        cached.append(block_id)
                 else:
-                    cached.append(block_id)
-            else:
-                raise ValueError(f"block {block_id} freed more often than it was taken")
-        self._return_free(uncached, cached)
+                    raise ValueError(f"block {block_id} freed more often than it was taken")
+            if uncached:
+                self._return_free(uncached, [])
+        if cached:
+            self.free_queue.push_cached(cached)
 
     # -- prefix cache ----------------------------------------------------------------------
 

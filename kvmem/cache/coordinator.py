@@ -95,6 +95,8 @@ class KVCacheCoordinator:
         """
         pool = self.pool
         num_required = -(-num_tokens // self.block_size)
+        # 1. release (also when the rest does not fit: those blocks are never read again)
+        reclaimed = self._release(tables, skipped, num_computed) if self._releasing else 0
         if hit:
             hit_lengths = [len(blocks) for blocks in hit]
             new_counts = [max(0, num_required - len(table) - extra)
@@ -111,34 +113,19 @@ class KVCacheCoordinator:
                 g = manager.group_index
                 padding[g], new_counts[g] = manager.grow(
                     state_required, len(tables[g]) + hit_lengths[g])
-        to_load = [blocks.count(LOAD_BLOCK) for blocks in hit] if hit else [0] * self.num_groups
-        taken = sum(new_counts) + sum(to_load)
-        if not taken and not hit and not self._releasing:
-            return tuple([] for _ in tables)
-
-        # 1. count what comes back (blocks leaving a window) and what a hit revives
-        releases = self._releases(tables, skipped, num_computed) if self._releasing else []
-        reclaimed = 0
-        revived = 0
-        if releases or hit:
+        to_load = [blocks.count(LOAD_BLOCK) for blocks in hit] if hit else None
+        taken = sum(new_counts)
+        if hit:
+            taken += sum(to_load)  # type: ignore[arg-type]
             ref_cnt, hold_cnt = pool.ref_cnt, pool.hold_cnt
-            for g, end in releases:
-                for block_id in tables[g][skipped[g]:end]:
-                    if block_id and ref_cnt[block_id] == 1 and not hold_cnt[block_id]:
-                        reclaimed += 1
-            for blocks in hit or ():
+            for blocks in hit:
                 for block_id in blocks:
                     if block_id > 0 and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
-                        revived += 1  # a cached-free block leaves the free queue
-            taken += revived
-        # 2. release (also when the rest does not fit: those blocks are never read again)
-        for g, end in releases:
-            table = tables[g]
-            released = table[skipped[g]:end]
-            table[skipped[g]:end] = [NULL_BLOCK_ID] * (end - skipped[g])
-            skipped[g] = end
-            released.reverse()  # the last block of the span is evicted first
-            pool.free_blocks(released)
+                        taken += 1  # a cached-free block leaves the free queue
+        elif not taken:
+            return tuple([] for _ in tables)
+
+        # 2. does it fit?
         if taken > len(pool.free_queue) or (
                 taken > reclaimed and pool.capacity_guard is not None
                 and not pool.capacity_guard(taken - reclaimed)):
@@ -151,33 +138,46 @@ class KVCacheCoordinator:
             for blocks in hit:  # revive the hit's cached blocks before taking new ones
                 pool.touch(b for b in blocks if b != LOAD_BLOCK)
             for g, blocks in enumerate(hit):
-                if to_load[g]:
-                    new_ids[g] = pool.take_new_blocks(to_load[g], g)
+                if to_load[g]:  # type: ignore[index]
+                    new_ids[g] = pool.take_new_blocks(to_load[g], g)  # type: ignore[index]
                     loaded = iter(new_ids[g])
                     blocks = [next(loaded) if b == LOAD_BLOCK else b for b in blocks]
                 tables[g].extend(blocks)
                 manager = self.managers[g]
                 if manager.releases_blocks:
                     skipped[g] = manager.first_needed_block(num_computed)
-        for g, n in enumerate(new_counts):
-            ids = pool.take_new_blocks(n, g) if n else []
+        for g, ids in enumerate(pool.take_by_group(new_counts)):
             if padding and padding[g]:
                 ids = [NULL_BLOCK_ID] * padding[g] + ids
-            tables[g].extend(ids)
-            new_ids[g] += ids
+            if ids:
+                tables[g] += ids
+                new_ids[g] += ids
         return tuple(new_ids)
 
-    def _releases(self, tables: list[list[int]], skipped: list[int],
-                  num_computed: int) -> list[tuple[int, int]]:
-        """(group, end) for each group whose table entries ``skipped[g]:end`` left the
-        attention span of the next token."""
-        out = []
+    def _release(self, tables: list[list[int]], skipped: list[int], num_computed: int) -> int:
+        """Release the table entries that left the attention span of the token at
+        ``num_computed`` (each span's last block first, as vLLM frees them), replacing them
+        with the null block; returns how many blocks became free."""
+        runs = []
         for manager in self._releasing:
             g = manager.group_index
-            end = min(manager.first_needed_block(num_computed), len(tables[g]))
-            if end > skipped[g]:
-                out.append((g, end))
-        return out
+            table = tables[g]
+            end = manager.first_needed_block(num_computed)
+            if end > len(table):
+                end = len(table)
+            start = skipped[g]
+            if end > start:
+                run = table[start:end]
+                run.reverse()
+                table[start:end] = [NULL_BLOCK_ID] * (end - start)
+                skipped[g] = end
+                runs.append(run)
+        if not runs:
+            return 0
+        free_queue = self.pool.free_queue
+        before = len(free_queue)
+        self.pool.free_runs(runs)
+        return len(free_queue) - before
 
     def no_capacity(self, taken: int, reclaimed: int, num_computed: int, num_required: int,
                     hit_lengths: list[int], tables: list[list[int]]) -> NoCapacity:

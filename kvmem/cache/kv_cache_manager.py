@@ -370,8 +370,9 @@ class KVCacheManager:
                 cache_table_blocks(g, table, hashes, start, end)
                 num_cached[g] = end
                 if self._state_groups[g]:
-                    self._state_cached_this_step.update(
-                        hashes[i] for i in range(start, end) if table[i] != NULL_BLOCK_ID)
+                    for i in range(start, end):
+                        if table[i]:
+                            self._state_cached_this_step.add(hashes[i])
 
     def free(self, request: CacheRequest | str) -> None:
         """Release a finished or preempted request's blocks, tail first (evicted first)."""
@@ -379,8 +380,8 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        for table in state.tables:  # group by group, as vLLM frees them
-            self.pool.free_blocks(reversed(table))
+        # group by group, as vLLM frees them
+        self.pool.free_runs([reversed(table) for table in state.tables])
 
     # -- views -----------------------------------------------------------------------------
 
