@@ -168,3 +168,17 @@ def test_on_vllms_cpu_platform_the_ssm_state_is_float32():
     kept = engine_geometry(spec, 1, 1, settings(device="cpu", mamba_ssm_cache_dtype="bfloat16"),
                            "bfloat16")
     assert kept.mamba.state_bytes == STATE
+
+
+def test_the_vllm_command_keeps_prefix_caching_off_and_the_state_dtypes():
+    from kvmem.plan.flags import engine_command
+
+    p = qwen3_coder_next_plan("0.33", enable_prefix_caching=False,
+                              mamba_ssm_cache_dtype="float32")
+    argv = engine_command(p, "vllm", "Qwen/Qwen3-Coder-Next").argv
+    assert "--no-enable-prefix-caching" in argv
+    assert argv[argv.index("--mamba-ssm-cache-dtype") + 1] == "float32"
+    assert "--mamba-cache-dtype" not in argv
+    # a float32 temporal state needs a larger block: 16 x cdiv(3 x 8192 x 2 + 32 x 128 x
+    # 128 x 4, 16 x 1024 x 2)
+    assert p.engine.block_size == 16 * ceil((3 * 8192 * 2 + 32 * 128 * 128 * 4) / (16 * TOKEN))

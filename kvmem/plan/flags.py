@@ -122,6 +122,12 @@ def _vllm_tail(plan: Plan) -> list[str]:
         argv.append("--disable-hybrid-kv-cache-manager")
     if s.speculative_config is not None:
         argv += ["--speculative-config", s.speculative_config]
+    if not s.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
+    for flag, dtype in (("--mamba-cache-dtype", s.mamba_cache_dtype),
+                        ("--mamba-ssm-cache-dtype", s.mamba_ssm_cache_dtype)):
+        if dtype != "auto":
+            argv += [flag, dtype]
     return argv
 
 
