@@ -243,6 +243,30 @@ def test_gemma4_full_layers_take_their_per_layer_head_size():
     assert [lay.head_dim for lay in spec.layers] == [16] * 5 + [32]
 
 
+@pytest.mark.parametrize(("fields", "full"), [
+    ({"global_head_dim": 64, "num_global_key_value_heads": 1, "attention_k_eq_v": True},
+     (1, 64)),
+    ({"global_head_dim": 64, "num_global_key_value_heads": 1}, (2, 64)),  # no K = V: own heads
+    ({}, (2, 512)),  # transformers' default global_head_dim
+])
+def test_gemma4_published_config_gives_full_layers_their_global_shape(fields, full):
+    # a config.json as published (google/gemma-4-31B-it) holds no per_layer_config:
+    # transformers builds it from global_head_dim and, with attention_k_eq_v,
+    # num_global_key_value_heads, and vLLM sizes each layer's KV from that
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    spec = spec_from_config(_config(model_type="gemma4_text", layer_types=types,
+                                    sliding_window=512, **fields))
+    assert [(lay.num_kv_heads, lay.head_dim) for lay in spec.layers] == [(2, 16)] * 5 + [full]
+
+
+def test_gemma4_31b_from_the_catalog_is_planned():
+    spec = load_spec("google/gemma-4-31B-it")
+    shapes = {(lay.kind, lay.num_kv_heads, lay.head_dim) for lay in spec.layers}
+    assert shapes == {(AttentionKind.SLIDING, 16, 256), (AttentionKind.FULL, 4, 512)}
+    # 50 sliding layers of 16 x 256 and 10 full of 4 x 512, K and V in bf16
+    assert spec.kv_bytes_per_token(dtype_bytes=2) == 50 * 2 * 16 * 256 * 2 + 10 * 2 * 4 * 512 * 2
+
+
 def test_too_many_shared_layers_is_one_line_error():
     with pytest.raises(ConfigError, match="num_kv_shared_layers"):
         spec_from_config(_config(model_type="gemma4_text", num_kv_shared_layers=6))

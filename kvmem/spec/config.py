@@ -344,18 +344,26 @@ def _layers(cfg: dict[str, Any], n: int, kv_heads: int, head_dim: int, mla: MLA 
                                                      strict=True)):
         if kind in (AttentionKind.SLIDING, AttentionKind.CHUNKED) and not window:
             raise ConfigError(f"{where}: layer {i} is {kind.value} but no window size is set")
-        heads, dim = _layer_shape(cfg, i, kv_heads, head_dim, where)
+        heads, dim = _layer_shape(cfg, i, kind, kv_heads, head_dim, where)
         layers.append(LayerKV(i, kind, heads, dim, window=window,
                               state=state if kind is AttentionKind.LINEAR else None,
                               kv_source=source))
     return layers
 
 
-def _layer_shape(cfg: dict[str, Any], i: int, kv_heads: int, head_dim: int,
-                 where: str) -> tuple[int, int]:
+def _layer_shape(cfg: dict[str, Any], i: int, kind: AttentionKind, kv_heads: int,
+                 head_dim: int, where: str) -> tuple[int, int]:
     """Layer i's KV heads and head size: Gemma 4's ``per_layer_config`` (keyed by the
-    layer's index, "05") overrides the model's for its full-attention layers."""
+    layer's index, "05") overrides the model's for its full-attention layers. A config.json
+    as published holds the fields transformers builds it from instead: ``global_head_dim``
+    (512 when absent) and, with ``attention_k_eq_v``, ``num_global_key_value_heads``."""
     per_layer = cfg.get("per_layer_config")
+    if per_layer is None and str(cfg.get("model_type", "")).startswith("gemma4"):
+        if kind is not AttentionKind.FULL:
+            return kv_heads, head_dim
+        heads = (_int(cfg, "num_global_key_value_heads", where, kv_heads, low=1)
+                 if cfg.get("attention_k_eq_v") is True else kv_heads)
+        return heads, _int(cfg, "global_head_dim", where, 512, low=1)
     if not isinstance(per_layer, dict):
         return kv_heads, head_dim
     own = next((v for k, v in per_layer.items() if str(k).isdigit() and int(k) == i), None)
