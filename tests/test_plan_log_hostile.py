@@ -121,8 +121,9 @@ def _mutated_log(draw) -> tuple[str, str]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=_mutated_log())
-def test_mutated_real_logs_end_in_a_report_or_one_error(case, tmp_path_factory, capsys):
+@given(case=_mutated_log(), as_json=st.booleans())
+def test_mutated_real_logs_end_in_a_report_or_one_error(case, as_json, tmp_path_factory,
+                                                         capsys):
     name, text = case
     path = tmp_path_factory.mktemp("log") / "vllm.log"
     path.write_text(text)
@@ -135,12 +136,30 @@ def test_mutated_real_logs_end_in_a_report_or_one_error(case, tmp_path_factory, 
             "num_key_value_heads": 8, "head_dim": 134, "vocab_size": 32000,
             "max_position_embeddings": 1_048_576, "torch_dtype": "bfloat16"}))
         model = [str(config)]
-    code = main(["plan", "--from-vllm-log", str(path), *model, "--json"])
+    code = main(["plan", "--from-vllm-log", str(path), *model, *(["--json"] * as_json)])
     out, err = capsys.readouterr()
-    if code == 0:
+    if code == 0 and as_json:
         json.loads(out)
-    else:
+    elif code != 0:
         _one_error(code, err)
+
+
+_PIECES = st.sampled_from([r.marker for r in vllm_log._READERS] + [
+    "non-default args: {", "'speculative_config': {", "SpeculativeConfig(", "model=", "'",
+    "(Worker_PP1_TP0 pid=1) ", "1", "1,000", "2.5", "GiB", " tokens", "x", ")", "}", "\n",
+    "Initializing a V1 LLM engine (v0.33.0) with config: ", "vLLM API server version 0.33.0"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.one_of(_PIECES, st.text(max_size=8)), max_size=40))
+def test_any_arrangement_of_markers_and_figures_reads_or_is_one_config_error(pieces):
+    from kvmem.errors import ConfigError
+
+    try:
+        for log in parse_vllm_engines("".join(pieces)):
+            assert log.lines[0] <= log.lines[1]
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
 
 
 # ---------------------------------------------------------------------- long lines
