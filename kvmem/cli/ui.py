@@ -16,7 +16,8 @@ from kvmem.errors import KvmemError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: loopback only)")
+                   help="address to bind (default: loopback only; the page has no "
+                        "authentication, so another address warns)")
     p.add_argument("--port", type=int, default=8765,
                    help="port to listen on; 0 takes a free one (default 8765)")
     p.add_argument("--verbose", action="store_true", help="log every request")
