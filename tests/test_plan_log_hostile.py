@@ -172,6 +172,8 @@ LONG_LINES = [
     # each config key tried at each letter: 10,000 characters 3.4 s, 20,000 13.1 s
     "Initializing a V1 LLM engine (v0.33.0) with config: " + "a" * LONG,
     "Initializing a V1 LLM engine (v0.33.0) with config: " + "k='" * (LONG // 3),
+    "Initializing a V1 LLM engine (v0.33.0) with config: "
+    + "speculative_config=SpeculativeConfig(" * (LONG // 37),
     "non-default args: {" + "'k': {" * (LONG // 6),
     "non-default args: {'" + "\\'" * (LONG // 2),
     "Maximum concurrency for " + "1," * (LONG // 2),

@@ -183,25 +183,28 @@ def _worker(number: int, line: str, gib: float) -> WorkerKV:
                     find(r"rank=(\d{1,6})"))
 
 
+_SPEC_MARK = "speculative_config=SpeculativeConfig("
+
+
 def _engine(log: VllmLog, n: int, m: re.Match) -> None:
-    log.engine, log.version, log.config = m[1], m[2], _config_fields(m[3])
-    spec = _SPEC_CONFIG.search(m[3])
-    if spec:
-        log.speculative = _speculative(spec[1])
+    config = m[3]
+    log.engine, log.version, log.config = m[1], m[2], _config_fields(config)
+    at = config.find(_SPEC_MARK)
+    end = config.find(")", at) if at >= 0 else -1
+    if end >= 0:
+        log.speculative = _speculative(config[at + len(_SPEC_MARK):end])
 
 
-_SPEC_CONFIG = re.compile(r"speculative_config=SpeculativeConfig\(([^)]*)\)")
+_ESTIMATE_MARK = "estimated maximum model length is "
+_ESTIMATE = re.compile(_INT)
 
 
 def _needed(log: VllmLog, n: int, m: re.Match) -> None:
     line = m.string
     at = line.find(_ESTIMATE_MARK, m.end())
-    estimate = re.compile(_INT).match(line, at + len(_ESTIMATE_MARK)) if at >= 0 else None
+    estimate = _ESTIMATE.match(line, at + len(_ESTIMATE_MARK)) if at >= 0 else None
     log.needed = (n, int(m[1]), float(m[2]), float(m[3]),
                   int(estimate[1]) if estimate else None)
-
-
-_ESTIMATE_MARK = "estimated maximum model length is "
 
 
 # What vLLM says it raised the attention block size for -> why, as kvmem says it
