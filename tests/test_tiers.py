@@ -390,21 +390,19 @@ def test_no_file_is_removed_under_the_tier_lock(manager_factory, monkeypatch):
     """The scheduler's thread takes a tier's lock (``pin``, stats): the disk writer
     removes the file of a block it evicts after releasing the lock, so a slow file system
     never stops the step. The removal waits here until ``stats()`` has returned."""
-    from kvmem.tiers import disk_store
-
     mgr, _, _ = manager_factory(cpu_blocks=1, disk_blocks=1)
     mgr.offer([1], keys(1))
     mgr.drain()
     removing, stats_returned, waited_in_vain = threading.Event(), threading.Event(), []
-    remove = disk_store._remove
+    remove = mgr.disk.shared.remove
 
-    def slow_remove(path):
+    def slow_remove(path, nbytes):
         removing.set()
         if not stats_returned.wait(30):
             waited_in_vain.append(path)
-        remove(path)
+        remove(path, nbytes)
 
-    monkeypatch.setattr(disk_store, "_remove", slow_remove)
+    monkeypatch.setattr(mgr.disk.shared, "remove", slow_remove)
     mgr.offer([2], keys(2))  # evicts block 1 from the one-block disk tier
     assert removing.wait(30)
     assert mgr.stats()["disk"].evictions == 1
@@ -422,7 +420,7 @@ def test_full_disk_skips_the_store_and_leaves_no_partial_file(manager_factory):
     stats = mgr.stats()
     assert stats["disk"].skipped_stores == 2 and stats["disk"].used_bytes == 0
     assert stats["disk"].enabled and stats["cpu"].stored_blocks == 2
-    assert not [p for p in mgr.disk.root.rglob("*") if p.is_file() and p.name != "identity.json"]
+    assert not [p for p in mgr.disk.root.rglob("*") if p.suffix == ".kvb" or ".tmp" in p.name]
 
 
 def test_disappearing_directory_disables_disk_tier(manager_factory, caplog):

@@ -22,6 +22,14 @@ that load instead of waiting for a writer.
 
 Blocks encode users' prompts: the namespace and its folders are created 0700 and files
 0600 whatever the umask, and a namespace left with wider modes is narrowed on start-up.
+
+Several processes may share a namespace (instances of one model behind a router, their
+disk tiers in one directory): the budget holds for the namespace as a whole
+(``shared_dir``), a block one process wrote is found by the others by its name on disk
+when their index lacks it (``contains``, ``pin``: one ``stat``), and a temporary file is
+removed at start-up only when it is stale (its writer gone, or old), never while another
+process writes it. A full, read-only or unwritable directory skips the stores, with one
+logged line per cause until a write succeeds again; its blocks are still loaded.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import shutil
 import stat
 import struct
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +52,7 @@ from kvmem.errors import ConfigError
 from kvmem.tiers.config import FLAG_NAMES, FORMAT_VERSION, SettingNames, TierIdentity
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
+from kvmem.tiers.shared_dir import SharedUsage
 from kvmem.tiers.stats import CHECKSUM, NAMESPACE
 from kvmem.tiers.store import BlockStore, Entry, IndexListener, LoadError
 from kvmem.units import GiB, format_bytes
@@ -57,6 +67,11 @@ log = logging.getLogger("kvmem.tiers")
 SUFFIX = ".kvb"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+STALE_TMP_S = 600.0  # a temporary file this old is a crashed write, whoever wrote it
+# write errors that leave the tier readable: its stores are skipped, its loads go on
+UNWRITABLE = {errno.ENOSPC: "the file system is full", errno.EDQUOT: "the quota is spent",
+              errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+              errno.EPERM: "permission denied"}
 
 
 class DiskStore(BlockStore):
@@ -75,6 +90,8 @@ class DiskStore(BlockStore):
         # the renames that put a block file in place take turns under ``_files_lock``
         self._doomed: list[tuple[str, Path]] = []
         self._files_lock = threading.Lock()
+        self._write_errors: set[int] = set()  # causes logged since the last write that worked
+        self.shared = SharedUsage(self.root, budget_bytes, SUFFIX)
         check_disk_budget(budget_bytes, Path(root), names)
         try:
             if Path(root).exists() and not Path(root).is_dir():
@@ -83,7 +100,11 @@ class DiskStore(BlockStore):
             if not os.path.lexists(self.root):
                 self.root.mkdir(mode=DIR_MODE)
         except OSError as exc:
-            raise ConfigError(f"{names.disk_dir} {root}: {exc.strerror}") from None
+            if exc.errno not in UNWRITABLE:
+                raise ConfigError(f"{names.disk_dir} {root}: {exc.strerror}") from None
+            self.disable(f"{self.root} cannot be created ({exc.strerror}); prompts are "
+                         "recomputed")  # no namespace yet: nothing there to load either
+            return
         if not _is_real_dir(self.root):
             self.stats.skipped_files += 1
             self.disable(f"{self.root} is not a directory of its own (a link or a file); "
@@ -95,8 +116,12 @@ class DiskStore(BlockStore):
             if not _is_real_dir(identity_file):  # a directory there is counted by the scan
                 _write_replacing(identity_file, (identity.to_json() + "\n").encode())
         except OSError as exc:
-            raise ConfigError(f"{names.disk_dir} {root}: {exc.strerror}") from None
+            if exc.errno not in UNWRITABLE:
+                raise ConfigError(f"{names.disk_dir} {root}: {exc.strerror}") from None
+            self._write_failed(exc)  # its blocks are still read
+        self.shared.open()
         self._scan()
+        self.shared.recount()
 
     def path_of(self, name: str) -> Path:
         return self.root / name[:2] / f"{name}{SUFFIX}"
@@ -117,8 +142,9 @@ class DiskStore(BlockStore):
                         skipped.append(f"{folder.name}/{entry.name}")
                         continue
                     name = entry.name[:-len(SUFFIX)]
-                    if not entry.name.endswith(SUFFIX):  # a write interrupted by a crash
-                        _remove(entry.path)
+                    if not entry.name.endswith(SUFFIX):  # a temporary file
+                        if _stale_temporary(entry):  # of a write a crash interrupted
+                            _remove(entry.path)
                     elif entry.stat(follow_symlinks=False).st_size == self._entry_bytes(name):
                         found.append((entry.stat(follow_symlinks=False).st_mtime_ns, name))
                     else:
@@ -141,6 +167,69 @@ class DiskStore(BlockStore):
 
     def _entry_bytes(self, name: str) -> int:
         return _HEADER.size + len(name.encode()) + self.block_nbytes
+
+    # -- blocks other processes wrote -----------------------------------------------------
+    def contains(self, name: str) -> bool:
+        return super().contains(name) or self._discover(name)
+
+    def pin(self, name: str) -> Entry | None:
+        entry = super().pin(name)
+        if entry is None and self._discover(name):
+            entry = super().pin(name)
+        return entry
+
+    def _discover(self, name: str) -> bool:
+        """Index ``name``'s file when another process wrote it (the lock is not held for
+        the ``stat``). Room is made by forgetting the least recently used entries, whose
+        files stay for the others: the namespace's own budget removes files."""
+        if not self._enabled:
+            return False
+        nbytes = self._entry_bytes(name)
+        try:
+            info = os.stat(self.path_of(name), follow_symlinks=False)
+        except (OSError, ValueError):
+            return False
+        if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
+            return False
+        with self._changing():
+            if name in self._entries:
+                return self._entries[name].ready
+            if not self._enabled or not self._unindex_for(nbytes):
+                return False
+            entry = Entry(name, nbytes, self.path_of(name), ready=True, fresh=False)
+            self._entries[name] = entry
+            self._used += nbytes
+            self._policy.inserted(name)
+            if self.on_change is not None:
+                self.on_change(self.name, name, True)
+        return True
+
+    def _unindex_for(self, nbytes: int) -> bool:
+        """Forget unpinned entries, least recently used first, until ``nbytes`` fit; their
+        files are kept (lock held)."""
+        for name in self._policy.victims():
+            if self._used + nbytes <= self.capacity_bytes:
+                break
+            entry = self._entries[name]
+            if entry.pins == 0:
+                self._forget(entry)
+                self._doomed = [(n, p) for n, p in self._doomed if n != name]
+        return self._used + nbytes <= self.capacity_bytes
+
+    def _removed_elsewhere(self, names: list[str]) -> None:
+        """This store's write removed these files to keep the namespace within its budget
+        (other processes' blocks too): forget those it indexed."""
+        with self._changing():
+            self.stats.evictions += len(names)
+            for name in names:
+                entry = self._entries.get(name)
+                if entry is not None and entry.ready:
+                    self._forget(entry)
+
+    def _pinned(self, name: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry is not None and entry.pins > 0
 
     def _allocate(self, name: str) -> Path:
         return self.path_of(name)
@@ -165,11 +254,15 @@ class DiskStore(BlockStore):
                 f.write(name)
                 f.write(memoryview(payload))
             with self._files_lock:
-                os.replace(tmp, path)
+                _, removed = self.shared.place(tmp, path, entry.nbytes, self._pinned)
+            self._write_errors.clear()
             self.faults.after_write(path)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise
+        if removed:
+            self._removed_elsewhere(removed)
 
     def _read(self, entry: Entry, out: torch.Tensor) -> None:
         data = bytearray(entry.nbytes)
@@ -192,22 +285,42 @@ class DiskStore(BlockStore):
         if xxhash.xxh3_128_digest(memoryview(data)[_CHECKED_FROM:]) != checksum:
             raise LoadError("checksum mismatch", CHECKSUM)
         out.copy_(torch.frombuffer(data, dtype=torch.uint8, offset=start))
+        with contextlib.suppress(OSError):  # its age orders the namespace's evictions
+            os.utime(entry.handle, follow_symlinks=False)
 
     def _release(self, entry: Entry) -> None:
         if self._enabled:
             self._doomed.append((entry.name, entry.handle))
 
     def _after_unlock(self) -> None:
+        if not self._doomed:  # whoever adds to it calls this next
+            return
         with self._files_lock:
             with self._lock:  # a block stored again meanwhile keeps its (new) file
-                doomed = [path for name, path in self._doomed if name not in self._entries]
+                doomed = [(name, path) for name, path in self._doomed
+                          if name not in self._entries]
                 self._doomed = []
-            for path in doomed:
-                _remove(path)
+            for name, path in doomed:
+                self.shared.remove(path, self._entry_bytes(name))
 
     def _io_failed(self, exc: OSError) -> None:
         if not self.root.is_dir():
             self.disable(f"directory {self.root} is gone ({exc.strerror or exc})")
+        elif exc.errno in UNWRITABLE:
+            self._write_failed(exc)
+
+    def _write_failed(self, exc: OSError) -> None:
+        """One line per cause until a write succeeds again."""
+        if exc.errno in self._write_errors:
+            return
+        self._write_errors.add(exc.errno)
+        log.warning("disk offload tier %s: cannot write (%s): blocks are not stored there "
+                    "until a write succeeds and their prompts are recomputed; its blocks "
+                    "are still loaded", self.root, UNWRITABLE[exc.errno])
+
+    def close(self) -> None:
+        """Let go of the namespace's ledger."""
+        self.shared.close()
 
 
 def check_disk_budget(budget_bytes: int, root: Path, names: SettingNames = FLAG_NAMES) -> None:
@@ -229,6 +342,20 @@ def _entries(path: str | Path) -> list[os.DirEntry]:
             return list(it)
     except OSError:  # gone, or not a directory: nothing of the tier's in it
         return []
+
+
+def _stale_temporary(entry: os.DirEntry) -> bool:
+    """A temporary file (``<name>.kvb.<pid>.tmp``) whose writer is gone from this host or
+    that is older than ``STALE_TMP_S`` (written on another host sharing the directory)."""
+    try:
+        if time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
+            return True
+        os.kill(int(entry.name.rsplit(".", 2)[-2]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
 
 
 def _is_real_dir(path: Path) -> bool:

@@ -267,6 +267,8 @@ class OffloadManager:
         self._closed = True
         stuck = self.engine.shutdown(timeout)
         self.poll()
+        if self.disk is not None and not stuck:
+            self.disk.close()
         if stuck:
             log.warning("offload: %s did not stop within %.0f s",
                         ", ".join(t.name for t in stuck), timeout)
