@@ -268,6 +268,12 @@ def test_an_engine_of_two_that_cannot_be_compared_is_named_and_the_other_reporte
     assert "engine 1 of 2" in out and "vLLM 0.10.1.1 log: meta-llama" in out
 
 
+def test_a_log_of_more_engine_starts_than_kvmem_compares_is_one_error(capsys, tmp_path):
+    code, _, err = _run(capsys, tmp_path, LLAMA * 65)
+    _one_error(code, err)
+    assert "holds 65 engine starts (at lines 1, 9, 17, ...); kvmem compares at most 64" in err
+
+
 # ---------------------------------------------------------------------- output
 def _shell(command: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvmem.errors import ConfigError, KvmemError
 
 LOG_LIMIT = 256 << 20  # far above any start-up log
+MAX_ENGINES = 64  # each is planned several times over: a log of thousands would take hours
 
 
 def _read(path: str) -> str:
@@ -99,6 +100,11 @@ def run_from_log(args: argparse.Namespace) -> int:
 
     source = "standard input" if args.from_vllm_log == "-" else args.from_vllm_log
     engines = parse_vllm_engines(_read(args.from_vllm_log), source)
+    if len(engines) > MAX_ENGINES:
+        starts = ", ".join(str(log.lines[0]) for log in engines[:3])
+        raise ConfigError(f"{source} holds {len(engines):,} engine starts (at lines {starts}, "
+                          f"...); kvmem compares at most {MAX_ENGINES} at once: give it part "
+                          "of the log")
     reports: list = []
     errors = []
     for log in engines:
