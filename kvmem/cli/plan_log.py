@@ -4,7 +4,9 @@ Reads the log (``-``: standard input), plans the deployment it describes from th
 config (MODEL, a catalog name or a path; else the model the log names) under the logged
 vLLM release's rules, and prints per rank and for the engine what vLLM logged and what
 kvmem computes, then what kvmem would do better with the commands to paste
-(``kvmem.plan.from_log``). Imports no torch.
+(``kvmem.plan.from_log``). A log of several engine starts is reported engine by engine
+(MODEL, when given, for each); one that cannot be compared is named on standard error and
+the status is 2. Imports no torch.
 """
 
 from __future__ import annotations
