@@ -479,3 +479,49 @@ def test_a_long_prompt_comes_back_from_a_disk_tier_with_fewer_staging_rows(tmp_p
         assert connector.offload.engine.staging.num_free == 2
     finally:
         connector.shutdown()
+
+
+_INSTANCE_SCRIPT = """
+import json, sys
+from kvmem.engine.config import EngineConfig
+from kvmem.engine.llm_engine import LLMEngine
+from kvmem.engine.sampling_params import SamplingParams
+from kvmem.tiers import OffloadConfig
+
+model, disk_dir, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+engine = LLMEngine(EngineConfig(model=model, max_model_len=256, max_num_batched_tokens=512,
+                                kv_cache_memory_bytes=32 * 16 * BYTES_PER_TOKEN),
+                   offload=OffloadConfig(disk_dir=disk_dir, disk_bytes=64 << 20))
+print("ready", flush=True)
+sys.stdin.readline()  # the other instance has served the prompt
+request = engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0,
+                                                         ignore_eos=True))
+while engine.has_unfinished_requests():
+    outs = engine.step()
+engine.offload.shutdown(flush=True)
+print(json.dumps({"tokens": outs[-1].outputs[0].token_ids, "cached": request.num_cached_tokens,
+                  "disk_hits": engine.offload.offload.stats()["disk"].hits}), flush=True)
+""".replace("BYTES_PER_TOKEN", str(TINY_BYTES_PER_TOKEN))
+
+
+def test_a_running_instance_reloads_the_blocks_another_instance_wrote(tmp_path, tiny_model):
+    """Two engines (two processes) of one model share a disk directory; B starts first,
+    so its start-up scan finds nothing. A serves a prompt and writes its blocks; B's
+    first request for it then loads them (found by name on disk), with A's tokens."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 250) for _ in range(100)]
+    args = [sys.executable, "-c", _INSTANCE_SCRIPT, tiny_model, str(tmp_path / "tier"),
+            json.dumps(prompt)]
+    b = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert b.stdout.readline().strip() == "ready"
+        a = subprocess.run(args, input="\n", capture_output=True, text=True, timeout=300)
+        assert a.returncode == 0, a.stderr
+        first = json.loads(a.stdout.strip().splitlines()[-1])
+        out, _ = b.communicate("\n", timeout=300)
+    finally:
+        b.kill()
+    second = json.loads(out.strip().splitlines()[-1])
+    assert first["cached"] == 0 and first["disk_hits"] == 0
+    assert second["cached"] == 6 * 16 and second["disk_hits"] == 6
+    assert second["tokens"] == first["tokens"]

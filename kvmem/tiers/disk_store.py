@@ -207,14 +207,11 @@ class DiskStore(BlockStore):
     def _unindex_for(self, nbytes: int) -> bool:
         """Forget unpinned entries, least recently used first, until ``nbytes`` fit; their
         files are kept (lock held)."""
-        for name in self._policy.victims():
-            if self._used + nbytes <= self.capacity_bytes:
-                break
-            entry = self._entries[name]
-            if entry.pins == 0:
-                self._forget(entry)
-                self._doomed = [(n, p) for n, p in self._doomed if n != name]
-        return self._used + nbytes <= self.capacity_bytes
+        doomed, evictions = len(self._doomed), self.stats.evictions
+        fits = self._make_room(nbytes)
+        del self._doomed[doomed:]  # the files of the entries forgotten stay
+        self.stats.evictions = evictions
+        return fits
 
     def _removed_elsewhere(self, names: list[str]) -> None:
         """This store's write removed these files to keep the namespace within its budget
