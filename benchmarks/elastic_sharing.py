@@ -21,7 +21,8 @@ same way every time. The phases:
    prefix cache (its mapped bytes are "A before");
 3. B serves the same burst again while A is idle: B's tok/s and time to full batch against
    step 1, A's mapped bytes after ("A after"), and the ledger sampled every 20 ms: what
-   both hold together at every sample, against the total;
+   both hold together at every sample, against the total, and how long after each ask
+   A answered (its entry's ``answered_s``; ``--no-wake``: engines only poll the ledger);
 4. A's next request for its first prompt: the tokens it gave in step 2, and the bytes its
    CPU tier loaded for it (from its /metrics);
 5. kill -9 of A in the middle of a burst of A's while B waits for memory A holds: how long
@@ -127,7 +128,7 @@ def start(engine: str, name: str, args: argparse.Namespace, ledger_dir: str, wor
           *, tier: bool, caching: bool, cores: str) -> Server:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVMEM_LEDGER_DIR": ledger_dir,
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", "KVMEM_MEMORY_WAKE": "0" if args.no_wake else "1"}
     model = model_dir()
     common = ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
     if args.load_format != "auto":
@@ -210,6 +211,8 @@ class LedgerSampler:
         self.ledger_dir = ledger_dir
         self.samples: list[tuple[float, dict[str, int]]] = []
         self.asks: list[tuple[float, dict[str, int]]] = []  # reclaim_bytes asked of each
+        self.answers: dict[str, list[float]] = {}  # each engine's answers, after the ask
+        self._last: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -219,6 +222,11 @@ class LedgerSampler:
                 now = time.monotonic()
                 self.samples.append((now, {e.name: e.mapped_bytes for e in d.engines}))
                 self.asks.append((now, {e.name: e.reclaim_bytes for e in d.engines}))
+                for e in d.engines:  # an answer changes its count or its time
+                    seen = (e.reclaims, e.answered_s)
+                    if self._last.get(e.name, seen) != seen and e.answered_s:
+                        self.answers.setdefault(e.name, []).append(e.answered_s)
+                    self._last[e.name] = seen
 
     def answers_s(self, giver: str) -> list[float]:
         """For each time ``giver`` was asked to give memory back: seconds until the ask was
@@ -277,6 +285,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (kvmem's engine)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-wake", action="store_true",
+                   help="engines only poll the ledger (every 50 ms) rather than wake each "
+                        "other: the comparison for the wake-ups")
     return p
 
 
@@ -308,6 +319,7 @@ def main() -> None:
     b = start(args.engine, "B", args, ledger_dir, work, tier=False, caching=False,
               cores=cores[1])
     out: dict = {"engine": args.engine, "tp": args.tp, "cpu": cpu_model(),
+                 "wake": not args.no_wake,
                  "model": "tiny random Llama" if args.tiny else "SmolLM2-135M",
                  "total_bytes": args.total_mib * MiB}
     try:
@@ -348,12 +360,14 @@ def main() -> None:
                 "max_held_together": max(sum(s.values()) for _, s in sampler.samples),
                 "samples": len(sampler.samples),
                 "a_answered_after_s": sampler.answers_s("A"),
+                "a_answers_ms": [round(x * 1e3, 1) for x in sampler.answers.get("A", [])],
                 "timeline_mib": sampler.timeline()})
         preempted_shared = b.metric(preempted) - after_alone
         loaded_metric = r"kvmem_offload_bytes_loaded(_total)?\{.*tier=\"cpu\""
         loaded = a.metric(loaded_metric)
         again = asyncio.run(burst(a, burst_a[:1], args.max_tokens, running))
         alone_tok_s = [run["tok_s"] for run in alone_runs]
+        answers = sorted(x for run in rounds for x in run["a_answers_ms"])
         shared_tok_s = [run["b_shared_tok_s"] for run in rounds]
         out.update({
             "b_alone_tok_s": alone_tok_s, "b_shared_tok_s": shared_tok_s,
@@ -364,6 +378,10 @@ def main() -> None:
             "b_preempted_shared": preempted_shared,
             "b_alone_full_batch_s": [run["full_batch_s"] for run in alone_runs],
             "rounds": rounds,
+            "a_answers": len(answers),
+            "a_answer_p50_ms": answers[len(answers) // 2] if answers else None,
+            "a_answer_p95_ms": answers[min(len(answers) - 1, int(0.95 * len(answers)))]
+            if answers else None,
             "max_held_together": max(r["max_held_together"] for r in rounds),
             "a_again_same_text": again["texts"] == first["texts"][:1],
             "a_again_tier_bytes_loaded": a.metric(loaded_metric) - loaded,

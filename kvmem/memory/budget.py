@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvmem.errors import ConfigError
+from kvmem.memory import wake
 from kvmem.memory.ledger import (
     Ledger,
     LedgerEntry,
@@ -75,8 +76,10 @@ class EngineBudget:
         self.reclaims = 0
         self.total_limit: int | None = None  # the device total, as last known
         self.problem: str | None = None  # why the ledger is not used now, if it is not
+        self.answered_s: float | None = None  # its last answer, after the ask
         self._lock = threading.RLock()
         self._start_time = process_start_time(os.getpid())
+        self._listener: wake.WakeListener | None = None
 
     # -- the entry ---------------------------------------------------------------------
     def _entry(self) -> LedgerEntry:
@@ -171,7 +174,7 @@ class EngineBudget:
         def change(entry: LedgerEntry, table: LedgerTable) -> bool:
             r = room(table, entry)
             if r is not None and nbytes > r:
-                ask_reclaim(table, entry, nbytes)
+                asked.extend(ask_reclaim(table, entry, nbytes))
                 return False
             entry.mapped_bytes += nbytes
             entry.active_at = time.time()
@@ -181,11 +184,13 @@ class EngineBudget:
         def own() -> bool:
             return self.allowed_bytes is None or self.held_bytes + nbytes <= self.allowed_bytes
 
+        asked: list[LedgerEntry] = []
         with self._lock:
             taken = self._update(change, own)
             if taken:
                 self.held_bytes += nbytes
-            return taken
+        self._wake(asked)
+        return taken
 
     def want(self, nbytes: int) -> bool:
         """It waits for ``nbytes`` more: if the device total keeps them from it, ask other
@@ -198,11 +203,14 @@ class EngineBudget:
             if r is None or nbytes <= r:
                 entry.wanted_bytes = 0
                 return r is not None
-            ask_reclaim(table, entry, nbytes)
+            asked.extend(ask_reclaim(table, entry, nbytes))
             return any(e.reclaim_bytes for e in table.others(entry.name))
 
+        asked: list[LedgerEntry] = []
         with self._lock:
-            return self._update(change, lambda: False)
+            coming = self._update(change, lambda: False)
+        self._wake(asked)
+        return coming
 
     def take(self, nbytes: int) -> None:
         """Take ``nbytes`` whatever the limits say: bytes an allocation already promised
@@ -262,9 +270,12 @@ class EngineBudget:
 
     def gave_back(self, nbytes: int) -> None:
         """It answered the ask: ``nbytes`` went back (already ``release``d). Whatever it
-        could not give is asked again by the engine still short."""
+        could not give is asked again by the engine still short. How long after the ask
+        it answered is kept in its entry (``answered_s``) and here."""
         def change(entry: LedgerEntry, table: LedgerTable) -> None:
-            entry.reclaim_bytes = 0
+            if entry.reclaim_bytes and entry.asked_at:
+                entry.answered_s = self.answered_s = max(0.0, time.time() - entry.asked_at)
+            entry.reclaim_bytes, entry.asked_at = 0, 0.0
             entry.reclaimed_bytes, entry.reclaims = self.reclaimed_bytes, self.reclaims
 
         with self._lock:
@@ -273,7 +284,28 @@ class EngineBudget:
                 self.reclaims += 1
             self._update(change, lambda: None)
 
+    # -- wake-ups ----------------------------------------------------------------------
+    def address(self) -> str:
+        """Its wake-up socket's name (``kvmem.memory.wake``)."""
+        return wake.address(self.ledger.path, self.name, os.getpid(), self._start_time)
+
+    def listen(self, on_wake: Callable[[], None]) -> bool:
+        """Call ``on_wake()`` (on a thread of its own) whenever another engine asks this
+        one for memory, or a limit of it changes; whether it can (else: poll)."""
+        with self._lock:
+            if self._listener is None:
+                self._listener = wake.WakeListener.start(self.address(), on_wake)
+            return self._listener is not None
+
+    def _wake(self, entries: list[LedgerEntry]) -> None:
+        if entries:
+            wake.wake_engines(self.ledger.path, entries)
+
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
         def change(table: LedgerTable) -> None:
             entry = table.engines.get(self.name)
             if entry is not None and entry.pid == os.getpid():

@@ -16,10 +16,12 @@ limit`` are built on it; so can anything that steers several engines::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvmem.memory import wake
 from kvmem.memory.ledger import Ledger, LedgerEntry, LedgerError, UnknownEngineError
 from kvmem.memory.sharing import allowed, reserved
 
@@ -92,8 +94,8 @@ def set_limits(name: str, *, floor_bytes: int | None = None,
                ceiling_bytes: int | None | str = "keep", device: str | None = None,
                ledger_dir: str | Path | None = None) -> list[str]:
     """Change engine ``name``'s floor and/or ceiling (``ceiling_bytes=None``: none) on
-    ``device`` (default: wherever it runs); returns the devices changed. The engine
-    applies it at its next heartbeat (within about 0.05 s)."""
+    ``device`` (default: wherever it runs); returns the devices changed. The engine is
+    woken to apply it at once."""
     ledgers = Ledger.all(ledger_dir)
     if device is not None:
         path = Ledger.for_device(device, ledger_dir).path
@@ -101,9 +103,10 @@ def set_limits(name: str, *, floor_bytes: int | None = None,
     changed = []
     for ledger in ledgers:
         try:
-            ledger.set_limits(name, floor_bytes=floor_bytes, ceiling_bytes=ceiling_bytes)
+            entry = ledger.set_limits(name, floor_bytes=floor_bytes, ceiling_bytes=ceiling_bytes)
         except UnknownEngineError:
             continue
+        wake.wake_engines(ledger.path, [entry])  # to apply it now, not at a heartbeat
         changed.append(ledger.device)
     if not changed:
         raise UnknownEngineError(f"no running engine named {name!r} (see kvmem top)")
@@ -113,4 +116,7 @@ def set_limits(name: str, *, floor_bytes: int | None = None,
 def set_total(device: str, nbytes: int | None, ledger_dir: str | Path | None = None) -> None:
     """The limit all engines on ``device`` share (None: no total); refused in one line
     when it cannot hold their floors."""
-    Ledger.for_device(device, ledger_dir).set_total_limit(nbytes)
+    ledger = Ledger.for_device(device, ledger_dir)
+    ledger.set_total_limit(nbytes)
+    with contextlib.suppress(LedgerError):
+        wake.wake_engines(ledger.path, ledger.entries())

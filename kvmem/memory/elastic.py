@@ -146,9 +146,11 @@ class ElasticKVStorage:
         if self.rank != 0 or self._premap is not None:
             return
         self._reclaim = reclaim or self.give_back
-        self._premap = PremapThread(self.table, heartbeat=self._heartbeat,
-                                    watch=self._watch if self.budget is not None else None)
-        self._premap.start()
+        self._premap = premap = PremapThread(self.table, heartbeat=self._heartbeat)
+        # woken by the engines that ask it for memory; where none can wake it, it polls
+        if self.budget is not None and not self.budget.listen(premap.wake):
+            premap.watch = self._watch
+        premap.start()
 
     def settle(self, timeout: float = 10.0) -> None:
         """Finish pending pre-mapping and trimming (tests and benchmarks)."""

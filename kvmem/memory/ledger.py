@@ -74,6 +74,8 @@ class LedgerEntry:
     wanted_bytes: int = 0  # what it waits for under the total
     reclaimed_bytes: int = 0  # given back to others, in all
     reclaims: int = 0  # times it gave back
+    asked_at: float = 0.0  # when the ask now outstanding was made (0: none)
+    answered_s: float = 0.0  # how long after the ask its last answer came
     active_at: float = 0.0  # when it last took memory (least recently active give first)
     heartbeat: float = 0.0
     start_time: int | None = None  # its process's start (clock ticks after boot): a reused
@@ -205,6 +207,7 @@ def _is_time(v: object) -> bool:
 
 
 _OPTIONAL = ("ceiling_bytes", "request_bytes", "start_time")
+_TIMES = ("active_at", "heartbeat", "asked_at", "answered_s")
 _DEFAULTS = {f.name: f.default for f in fields(LedgerEntry) if f.name not in ("name", "pid",
                                                                                 "device")}
 
@@ -222,7 +225,7 @@ def _entry(key: object, raw: object, device: str) -> tuple[LedgerEntry | None, l
     problems = []
     for name, default in _DEFAULTS.items():
         v = raw.get(name, default)
-        ok = (_is_time(v) if name in ("active_at", "heartbeat") else
+        ok = (_is_time(v) if name in _TIMES else
               _is_size(v, optional=name in _OPTIONAL))
         if not ok:
             problems.append(f"entry {key!r}: {name} {_shown(v)} is not valid")

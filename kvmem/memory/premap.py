@@ -3,9 +3,10 @@
 It runs ``PageTable.maintain_once`` until there is nothing to do, then sleeps until a
 block is freed or allocated, or a short interval passes: every ``interval`` (0.25 s) it
 sends a heartbeat, which also picks up a limit changed with ``kvmem limit`` and answers
-other engines' asks to give memory back, and every ``watch_interval`` (0.05 s) it looks,
-read-only, whether such an ask or a lowered limit waits, to answer it at once. So an
-idle engine gives back within about 50 ms. It starts only after the null block's page is
+other engines' asks to give memory back. ``wake`` makes the heartbeat due at once (an
+engine that asks for memory wakes it: ``kvmem.memory.wake``); where no wake-up can
+reach it, it looks every ``watch_interval`` (0.05 s), read-only, whether such an ask or
+a lowered limit waits, to answer it then. It starts only after the null block's page is
 mapped, and stopping it is bounded. An error (e.g. an unreadable ledger) is logged and
 kept for ``settle``; the thread retries after its interval instead of stopping, so
 pre-mapping and heartbeats resume once the cause is gone.
@@ -36,6 +37,7 @@ class PremapThread:
         self.watch_interval = watch_interval
         self.error: BaseException | None = None  # the latest error, raised by settle()
         self._logged_at = 0.0
+        self._woken = False  # another engine asked: the heartbeat is due now
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmem-premap", daemon=True)
 
@@ -52,7 +54,8 @@ class PremapThread:
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
-                due = now - last_beat >= self.interval
+                with self.table.cond:
+                    due, self._woken = now - last_beat >= self.interval or self._woken, False
                 if not due and self.watch is not None and now - last_watch >= self.watch_interval:
                     last_watch = now
                     due = self.watch()
@@ -64,7 +67,14 @@ class PremapThread:
             except Exception as e:  # logged, kept for settle(); pre-mapping goes on
                 self._record(e)
             with self.table.cond:
-                self.table.cond.wait(wait)
+                if not self._woken:
+                    self.table.cond.wait(wait)
+
+    def wake(self) -> None:
+        """Send the heartbeat now (another engine asked for memory, or a limit changed)."""
+        with self.table.cond:
+            self._woken = True
+            self.table.cond.notify_all()
 
     def _record(self, error: Exception) -> None:
         """Log an error of the thread (a repeat of the last one at most every 30 s)."""

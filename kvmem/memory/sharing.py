@@ -19,6 +19,8 @@ Pure functions of the table; no I/O.
 
 from __future__ import annotations
 
+import time
+
 from kvmem.errors import ConfigError
 from kvmem.memory.ledger import LedgerEntry, LedgerTable
 from kvmem.units import format_bytes
@@ -61,29 +63,31 @@ def attainable(table: LedgerTable, me: LedgerEntry) -> int | None:
     return min(caps) if caps else None
 
 
-def ask_reclaim(table: LedgerTable, me: LedgerEntry, nbytes: int) -> int:
+def ask_reclaim(table: LedgerTable, me: LedgerEntry, nbytes: int) -> list[LedgerEntry]:
     """``me`` could not take ``nbytes``: record what it waits for and, for what the total
     (not its own ceiling) refuses, ask other engines to give back memory they hold above
     their floors and do not use for live KV, least recently active first. Asks already
-    outstanding count. Returns the bytes newly asked for."""
+    outstanding count. Returns the engines newly asked (to be woken)."""
     own = None if me.ceiling_bytes is None else me.ceiling_bytes - me.mapped_bytes
     under_total = total_room(table, me)
     if under_total is None or (own is not None and own < nbytes):
         me.wanted_bytes = 0
-        return 0  # its own ceiling refuses: nothing to ask of others
+        return []  # its own ceiling refuses: nothing to ask of others
     short = nbytes - max(0, under_total)
     me.wanted_bytes = max(0, short)
     others = table.others(me.name)
     need = short - sum(e.reclaim_bytes for e in others)
-    asked = 0
+    asked = []
     for donor in sorted(others, key=lambda e: (e.active_at, e.name)):
         if need <= 0:
             break
         give = min(need, donor.givable_bytes - donor.reclaim_bytes)
         if give > 0:
+            if not donor.reclaim_bytes:
+                donor.asked_at = time.time()
             donor.reclaim_bytes += give
             need -= give
-            asked += give
+            asked.append(donor)
     return asked
 
 

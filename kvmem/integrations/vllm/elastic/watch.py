@@ -1,14 +1,15 @@
-"""Giving memory back while vLLM is idle: a thread that looks at the ledger and wakes
-vLLM's engine core loop.
+"""Giving memory back while vLLM is idle: waking vLLM's engine core loop when another
+engine asks this one for memory.
 
 vLLM's engine core takes no step while it has no request: it waits on its input queue,
 and the scheduler-side pool (``pool.ElasticPool``) only reads the ledger at a step. So
-``LedgerWatch`` reads the engine's entry every 50 ms (a shared-lock read, no write);
-when another engine asks it to give memory back, or its ceiling was lowered, it puts
-vLLM's own no-op ``WAKEUP`` message on the core's input queue. The loop then asks the
-connectors whether they have work (``has_pending_push_work``): the pool gives back what it
-can, on the loop's own thread, and the one empty step that follows carries the unmaps to
-every worker. A busy engine answers at its next step end; the wake-up is harmless then.
+``LedgerWatch`` listens for the wake-up an engine short of memory sends the engines it
+asks (``kvmem.memory.wake``) and puts vLLM's own no-op ``WAKEUP`` message on the core's
+input queue at once. The loop then asks the connectors whether they have work
+(``has_pending_push_work``): the pool gives back what it can, on the loop's own thread.
+A busy engine answers at its next step end; the wake-up is harmless then. It also reads
+the engine's entry (a shared-lock read, no write) every 250 ms, for a ceiling lowered
+in the ledger, and every 50 ms where no wake-up can reach it.
 
 The wake-up needs the core's input queue: ``with_core_wakeup`` wraps
 ``EngineCoreProc.run_busy_loop`` (in the engine core process only) to register it. With
@@ -27,7 +28,8 @@ from typing import Any
 from kvmem.memory.budget import EngineBudget
 
 log = logging.getLogger("vllm.kvmem.elastic")
-WATCH_INTERVAL_S = 0.05
+WATCH_INTERVAL_S = 0.05  # where no wake-up reaches the engine
+LIMIT_INTERVAL_S = 0.25  # where one does: only for limits changed in the ledger
 _MARK = "_kvmem_core_wakeup"
 _wakers: list[Callable[[], None]] = []  # one per engine core loop in this process
 
@@ -69,8 +71,8 @@ class LedgerWatch:
         self.budget = budget
         self.held = held  # the bytes the engine holds now
         self.wake = wake
-        self.interval = interval
         self.wakes = 0
+        self.interval = LIMIT_INTERVAL_S if budget.listen(self._woken) else interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmem-ledger-watch",
                                         daemon=True)
@@ -81,6 +83,10 @@ class LedgerWatch:
         state = self.budget.peek()
         return state.reclaim_bytes > 0 or (state.allowed_bytes is not None
                                            and self.held() > state.allowed_bytes)
+
+    def _woken(self) -> None:
+        if self.wake():
+            self.wakes += 1
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

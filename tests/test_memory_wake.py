@@ -1,0 +1,169 @@
+"""Engines on one device wake each other when one asks another for memory (and when a
+limit of theirs changes), rather than each polling the ledger."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kvmem.memory import control, wake
+from kvmem.memory.backends import FakeBackend
+from kvmem.memory.elastic import ElasticKVStorage
+from kvmem.memory.ledger import Ledger
+from kvmem.memory.storage import SlotShape
+
+MiB = 1 << 20
+SHAPE = SlotShape(num_kv=2, block_size=16, num_heads=2, head_dim=32)
+
+
+def test_an_engine_asked_for_memory_is_woken(tmp_path):
+    ledger = Ledger.for_device("cpu", tmp_path)
+    ledger.set_total_limit(10 * MiB)
+    a = ledger.register("a")
+    woken = threading.Event()
+    assert a.listen(woken.set)
+    try:
+        assert a.try_acquire(8 * MiB)  # held, idle: all of it givable
+        b = ledger.register("b")
+        assert not b.try_acquire(6 * MiB)  # the total refuses: a is asked, and woken
+        assert woken.wait(5)
+        entry = ledger.read().engines["a"]
+        assert entry.reclaim_bytes == 4 * MiB and entry.asked_at > 0
+    finally:
+        a.close()
+
+
+def test_an_engine_that_waits_for_memory_wakes_the_engine_it_asks(tmp_path):
+    ledger = Ledger.for_device("cpu", tmp_path)
+    ledger.set_total_limit(10 * MiB)
+    a, b = ledger.register("a"), ledger.register("b")
+    woken = threading.Event()
+    a.listen(woken.set)
+    try:
+        assert a.try_acquire(8 * MiB)
+        assert b.want(6 * MiB)
+        assert woken.wait(5)
+    finally:
+        a.close()
+
+
+def test_an_answer_records_how_long_after_the_ask_it_came(tmp_path):
+    ledger = Ledger.for_device("cpu", tmp_path)
+    ledger.set_total_limit(10 * MiB)
+    a, b = ledger.register("a"), ledger.register("b")
+    assert a.try_acquire(8 * MiB)
+    assert not b.try_acquire(6 * MiB)
+    asked = time.time()
+    time.sleep(0.02)
+    a.release(4 * MiB)
+    a.gave_back(4 * MiB)
+    entry = ledger.read().engines["a"]
+    assert entry.reclaim_bytes == 0 and entry.asked_at == 0
+    assert 0.02 <= entry.answered_s <= time.time() - asked + 0.01
+    assert a.answered_s == entry.answered_s
+    assert b.try_acquire(6 * MiB)
+
+
+def test_a_changed_limit_wakes_its_engine(tmp_path):
+    ledger = Ledger.for_device("cpu", tmp_path)
+    a = ledger.register("a")
+    woken = threading.Event()
+    a.listen(woken.set)
+    try:
+        control.set_limits("a", ceiling_bytes=64 * MiB, ledger_dir=tmp_path)
+        assert woken.wait(5)
+        woken.clear()
+        control.set_total("cpu", 128 * MiB, ledger_dir=tmp_path)
+        assert woken.wait(5)
+    finally:
+        a.close()
+
+
+def test_the_wake_address_names_one_engine_of_one_process_in_one_ledger(tmp_path):
+    base = wake.address(tmp_path / "l.json", "a", 100, 5)
+    assert base.startswith("\0kvmem-wake-")
+    assert len({base, wake.address(tmp_path / "m.json", "a", 100, 5),
+                wake.address(tmp_path / "l.json", "b", 100, 5),
+                wake.address(tmp_path / "l.json", "a", 101, 5),
+                wake.address(tmp_path / "l.json", "a", 100, 6)}) == 5
+
+
+def test_waking_an_engine_that_is_gone_neither_waits_nor_fails(tmp_path):
+    gone = wake.address(tmp_path / "l.json", "gone", os.getpid(), 1)
+    start = time.monotonic()
+    assert wake.wake([gone]) == 0
+    assert time.monotonic() - start < 1
+
+
+def test_a_full_queue_of_wake_ups_does_not_block_the_sender(tmp_path):
+    """A listener stuck in its callback: senders go on at once (a wake-up is queued)."""
+    release = threading.Event()
+    listener = wake.WakeListener(wake.address(tmp_path / "l.json", "a", 1, 1),
+                                 lambda: release.wait(10))
+    try:
+        start = time.monotonic()
+        for _ in range(2000):  # more than a datagram socket's queue holds
+            wake.wake([listener.address])
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+        listener.close()
+
+
+def test_a_name_taken_by_another_socket_falls_back_to_polling(tmp_path, caplog):
+    address = wake.address(tmp_path / "l.json", "a", 1, 1)
+    squatter = wake.WakeListener(address, lambda: None)
+    try:
+        assert wake.WakeListener.start(address, lambda: None) is None
+        assert "cannot listen for KV memory wake-ups" in caplog.text
+    finally:
+        squatter.close()
+
+
+def test_no_wake_ups_when_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMEM_MEMORY_WAKE", "0")
+    budget = Ledger.for_device("cpu", tmp_path).register("a")
+    assert not budget.listen(lambda: None)
+    budget.close()
+
+
+def test_closing_a_listener_ends_its_thread(tmp_path):
+    before = threading.active_count()
+    listener = wake.WakeListener(wake.address(tmp_path / "l.json", "a", 1, 1), lambda: None)
+    assert threading.active_count() == before + 1
+    listener.close()
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("woken", [True, False], ids=["woken", "polled"])
+def test_an_idle_storage_answers_an_ask_without_waiting_for_its_heartbeat(tmp_path,
+                                                                           monkeypatch, woken):
+    """Its heartbeat is pushed an hour away: only the wake-up (or, with wake-ups switched
+    off, the 50 ms look at the ledger) can make it answer."""
+    if not woken:
+        monkeypatch.setenv("KVMEM_MEMORY_WAKE", "0")
+    ledger = Ledger.for_device("cpu", tmp_path)
+    storage = ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=64, backend=FakeBackend(4096),
+                               blocks_per_page=4, reserve_pages=4, start=False,
+                               budget=ledger.register("a"))
+    page = storage.geometry.page_bytes
+    ledger.set_total_limit(8 * page)
+    storage.start()
+    try:
+        storage.settle()
+        assert storage.stats().held_bytes >= 5 * page  # the null page and 4 ahead
+        storage._premap.interval = 3600.0  # no heartbeat from here on
+        answered = threading.Event()
+        gave_back = storage.budget.gave_back
+        storage.budget.gave_back = lambda n: (gave_back(n), answered.set())
+        b = ledger.register("b")
+        assert not b.try_acquire(6 * page)
+        assert answered.wait(5)
+        assert b.try_acquire(6 * page)
+        assert ledger.read().engines["a"].answered_s < 5
+    finally:
+        storage.close()
