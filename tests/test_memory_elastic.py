@@ -321,9 +321,10 @@ def test_premap_thread_logs_an_error_and_keeps_going(caplog):
 
 def test_an_idle_storage_gives_back_what_it_caches_when_another_engine_asks(tmp_path):
     """Engine a holds pages of live, cached and free blocks and is idle; engine b needs
-    room under the shared total: a's pre-mapping thread is woken by the ask, gives back its free pages and then its cached-only pages, least recently used
-    first, through the pool (which drops their hashes), never its live blocks nor below its
-    floor; b then takes the room."""
+    room under the shared total: a's pre-mapping thread is woken by the ask, gives back
+    its free pages and then its cached-only pages, least recently used first, through the
+    pool (which drops their hashes), never its live blocks nor below its floor; b then
+    takes the room."""
     import threading
 
     from kvmem.cache import BlockPool
