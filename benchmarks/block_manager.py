@@ -6,7 +6,15 @@ The trace (seeded, deterministic): N requests, prompts of 32-2,048 tokens, outpu
 16,384 blocks, at most 128 requests in flight. Per request: hash the prompt's blocks,
 look up the prefix, allocate the prompt's blocks, grow the output 16 tokens per step
 (allocating decode blocks as it grows, caching full blocks), then free. When a decode
-step finds no capacity, the newest running request is preempted and later restarts.
+step finds no capacity, the newest running request is preempted and later restarts. Every
+decode round starts a scheduler step (``new_step``).
+
+Two layouts (``--layout``, both by default): ``full``, one full-attention group; ``gdn``, a
+Qwen3-Next-like hybrid of 3 gated-delta-net (linear attention) layers to 1 full attention
+layer: one full-attention group and three state groups, prefix caching on (vLLM's Mamba
+"align" mode). There a prompt is computed in two chunks, the first ending at the last block
+boundary before its last token (where its state checkpoint is cached), as vLLM's scheduler
+splits prefills for "align".
 
 Every backend runs in its own process and they take turns every ``--slice`` finished
 requests (1,000 by default), so that load from other jobs on a shared machine falls on all
@@ -24,7 +32,8 @@ Figures (one line each; drawing the trace's random token ids is never timed):
   and manager calls only.
 
 Usage:
-    .venv/bin/python benchmarks/block_manager.py [--requests N] [--slice N] [--vllm-python PATH]
+    .venv/bin/python benchmarks/block_manager.py [--requests N] [--slice N] [--layout L]
+        [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ NUM_PREFIXES = 64
 SHARED_FRACTION = 0.3
 VOCAB = 32_000
 STEP_TOKENS = 16  # output tokens appended per decode step
+# the KV groups of each layout: "full" or "state" (linear attention)
+LAYOUTS = {"full": ("full",), "gdn": ("full", "state", "state", "state")}
 
 
 class Trace:
@@ -80,13 +91,24 @@ class Trace:
 
 # -- backends: the same five operations over each manager --------------------------------------
 
+def checkpoint_chunk(num_tokens: int, hit: int, layout: str) -> int:
+    """Tokens of a prompt's first chunk after a hit of ``hit`` tokens: up to the last block
+    boundary before its last token when the layout has state groups, else all of it."""
+    last_checkpoint = (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    if "state" in LAYOUTS[layout] and hit < last_checkpoint:
+        return last_checkpoint - hit
+    return num_tokens - hit
+
+
 class KvmemBackend:
-    def __init__(self, hashing: str) -> None:
+    def __init__(self, hashing: str, layout: str) -> None:
         from kvmem.cache import KVCacheManager
         from kvmem.spec import AttentionKind, KVGroup
 
-        self.mgr = KVCacheManager([KVGroup(0, AttentionKind.FULL, None, (0,))], NUM_BLOCKS,
-                                  BLOCK_SIZE, enable_events=False)
+        kinds = {"full": AttentionKind.FULL, "state": AttentionKind.LINEAR}
+        groups = [KVGroup(g, kinds[kind], None, (g,)) for g, kind in enumerate(LAYOUTS[layout])]
+        self.mgr = KVCacheManager(groups, NUM_BLOCKS, BLOCK_SIZE, enable_events=False)
+        self.layout = layout
         self.hashing = hashing  # "xxh3" (inside the manager), "precomputed", "sha256"
 
     def build(self, i: int, prompt: list[int], output: list[int]):
@@ -98,11 +120,20 @@ class KvmemBackend:
             req.block_hashes = sha256_pickle_hashes(prompt + output)
         return req
 
+    def new_step(self) -> None:
+        self.mgr.new_step()
+
     def start(self, req) -> int | None:
         """Look up and allocate the whole prompt; the hit in tokens, or None (no capacity)."""
         hit = self.mgr.get_computed_blocks(req)
-        res = self.mgr.allocate_slots(req, req.num_tokens - hit.num_tokens, prefix_hit=hit)
-        return hit.num_tokens if res else None
+        first = checkpoint_chunk(req.num_tokens, hit.num_tokens, self.layout)
+        if not self.mgr.allocate_slots(req, first, prefix_hit=hit):
+            return None
+        rest = req.num_tokens - hit.num_tokens - first
+        if rest and not self.mgr.allocate_slots(req, rest):
+            self.mgr.free(req)
+            return None
+        return hit.num_tokens
 
     def append(self, req, tokens: list[int]) -> bool:
         req.all_token_ids.extend(tokens)
@@ -140,9 +171,9 @@ def sha256_pickle_hashes(tokens: list[int]) -> list[bytes]:
 
 
 class VllmBackend:
-    """vLLM's KVCacheManager with one full-attention group (vLLM installed separately)."""
+    """vLLM's KVCacheManager over the layout's groups (vLLM installed separately)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: str) -> None:
         import torch
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
@@ -152,27 +183,41 @@ class VllmBackend:
             FullAttentionSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
+            MambaSpec,
         )
         from vllm.v1.request import Request
 
         init_none_hash(sha256)
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
-                                 dtype=torch.float16)
+        specs = {"full": FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
+                                           dtype=torch.float16),
+                 "state": MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 16),),
+                                    dtypes=(torch.float32,), mamba_cache_mode="align")}
+        groups = [KVCacheGroupSpec([f"layer.{g}"], specs[kind])
+                  for g, kind in enumerate(LAYOUTS[layout])]
         config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                               kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+                               kv_cache_groups=groups)
         self.mgr = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK_SIZE,
                                   hash_block_size=BLOCK_SIZE, enable_caching=True)
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.params = SamplingParams(max_tokens=512)
         self.Request = Request
+        self.layout = layout
 
     def build(self, i: int, prompt: list[int], output: list[int]):
         return self.Request(f"r{i}", prompt, self.params, None, block_hasher=self.hasher)
 
+    def new_step(self) -> None:
+        self.mgr.new_step_starts()
+
     def start(self, req) -> int | None:
         blocks, hit, _ = self.mgr.get_computed_blocks(req)
-        res = self.mgr.allocate_slots(req, req.num_tokens - hit, hit, blocks)
-        if res is None:
+        first = checkpoint_chunk(req.num_tokens, hit, self.layout)
+        if self.mgr.allocate_slots(req, first, hit, blocks) is None:
+            return None
+        req.num_computed_tokens = hit + first
+        rest = req.num_tokens - req.num_computed_tokens
+        if rest and self.mgr.allocate_slots(req, rest) is None:
+            self.free(req)
             return None
         req.num_computed_tokens = req.num_tokens
         return hit
@@ -200,6 +245,13 @@ class Timed:
 
     def build(self, i, prompt, output):
         return self.backend.build(i, prompt, output)
+
+    def new_step(self):
+        t = time.perf_counter()
+        try:
+            self.backend.new_step()
+        finally:
+            self.seconds += time.perf_counter() - t
 
     def start(self, req):
         t = time.perf_counter()
@@ -260,6 +312,7 @@ def replay(backend, trace: Trace, pause_every: int = 0) -> Iterator[dict | None]
                 item[4] = False
             blocks += -(-req.num_tokens // BLOCK_SIZE) - hit // BLOCK_SIZE
             running.append(item)
+        backend.new_step()
         i = 0
         while i < len(running):  # one decode step for every running request
             item = running[i]
@@ -294,24 +347,25 @@ def replay(backend, trace: Trace, pause_every: int = 0) -> Iterator[dict | None]
            "preemptions": preemptions}
 
 
-def replay_backend(name: str, trace: Trace, pause_every: int = 0) -> Iterator[dict | None]:
+def replay_backend(name: str, trace: Trace, layout: str,
+                   pause_every: int = 0) -> Iterator[dict | None]:
     """``replay`` over the named backend; the result adds ``manager_seconds`` where timed."""
     if name == "vllm":
-        backend = Timed(VllmBackend())
+        backend = Timed(VllmBackend(layout))
     elif name == "kvmem-precomputed":
-        backend = Timed(KvmemBackend("precomputed"))
+        backend = Timed(KvmemBackend("precomputed", layout))
     else:
-        backend = KvmemBackend("sha256" if name == "kvmem-sha256" else "xxh3")
+        backend = KvmemBackend("sha256" if name == "kvmem-sha256" else "xxh3", layout)
     for result in replay(backend, trace, pause_every):
         if result is not None and isinstance(backend, Timed):
             result["manager_seconds"] = backend.seconds
         yield result
 
 
-def serve_backend(name: str, trace: Trace, pause_every: int) -> None:
+def serve_backend(name: str, trace: Trace, layout: str, pause_every: int) -> None:
     """Child process: replay one slice per line read from stdin; answer each with a line
     (``paused``, or the result as JSON at the end)."""
-    steps = replay_backend(name, trace, pause_every)
+    steps = replay_backend(name, trace, layout, pause_every)
     print("ready", flush=True)
     for _ in sys.stdin:
         result = next(steps)
@@ -320,7 +374,8 @@ def serve_backend(name: str, trace: Trace, pause_every: int) -> None:
             return
 
 
-def run_interleaved(backends: dict[str, str], args: argparse.Namespace) -> dict[str, dict]:
+def run_interleaved(backends: dict[str, str], args: argparse.Namespace,
+                    layout: str) -> dict[str, dict]:
     """Run every backend in its own process, taking turns every ``args.slice`` finished
     requests, so that load from other jobs on the machine falls on all of them alike."""
     with contextlib.ExitStack() as stack:
@@ -329,7 +384,7 @@ def run_interleaved(backends: dict[str, str], args: argparse.Namespace) -> dict[
             logs[name] = stack.enter_context(tempfile.TemporaryFile("w+"))
             children[name] = stack.enter_context(subprocess.Popen(
                 [python, __file__, "--backend", name, "--requests", str(args.requests),
-                 "--seed", str(args.seed), "--slice", str(args.slice)],
+                 "--seed", str(args.seed), "--slice", str(args.slice), "--layout", layout],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[name], text=True,
                 bufsize=1))
 
@@ -367,23 +422,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", help="interpreter with vLLM installed, for the comparison")
     ap.add_argument("--slice", type=int, default=1000,
                     help="finished requests per turn when the backends take turns")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), action="append",
+                    help="KV layout to replay (repeatable; default: every layout)")
     ap.add_argument("--backend", help=argparse.SUPPRESS)  # child process: one backend
     args = ap.parse_args(argv)
     if args.requests <= 0 or args.slice <= 0:
         ap.error("--requests and --slice must be positive")
     trace = Trace(args.requests, args.seed)
     if args.backend:
-        serve_backend(args.backend, trace, args.slice)
+        serve_backend(args.backend, trace, args.layout[0], args.slice)
         return 0
+    for layout in args.layout or list(LAYOUTS):
+        run_layout(layout, args)
+    return 0
 
-    print(f"trace: {args.requests:,} requests, block size {BLOCK_SIZE}, {NUM_BLOCKS:,} blocks, "
-          f"{MAX_IN_FLIGHT} in flight, seed {args.seed}; backends take turns every "
-          f"{args.slice:,} finished requests")
+
+def run_layout(layout: str, args: argparse.Namespace) -> None:
+    """Replay the trace over every backend for one layout and print the figures."""
+    print(f"layout {layout} ({' + '.join(LAYOUTS[layout])} groups); trace: {args.requests:,} "
+          f"requests, block size {BLOCK_SIZE}, {NUM_BLOCKS:,} blocks, {MAX_IN_FLIGHT} in "
+          f"flight, seed {args.seed}; backends take turns every {args.slice:,} finished "
+          f"requests")
     backends = dict.fromkeys(("kvmem-xxh3", "kvmem-precomputed", "kvmem-sha256"),
                              sys.executable)
     if args.vllm_python:
         backends["vllm"] = args.vllm_python
-    results = run_interleaved(backends, args)
+    results = run_interleaved(backends, args, layout)
 
     k, kp, ks = results["kvmem-xxh3"], results["kvmem-precomputed"], results["kvmem-sha256"]
     print(report("kvmem xxh3 (end to end)", k, k["seconds"]))
@@ -396,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio end to end: {v['seconds'] / k['seconds']:.2f}x; "
               f"manager only: {v['manager_seconds'] / kp['manager_seconds']:.2f}x")
     print(f"ratio xxh3 vs sha256+pickle end to end: {ks['seconds'] / k['seconds']:.2f}x")
-    return 0
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from xxhash import xxh3_128_digest
 
 from kvmem.cache.block_pool import BlockPool
 from kvmem.cache.coordinator import LOAD_BLOCK, KVCacheCoordinator
+from kvmem.cache.free_queue import FreeBlockQueue
 from kvmem.cache.hashing import (
     ROOT_PARENT_HASH,
     BlockHash,
@@ -110,6 +111,9 @@ class KVCacheManager:
         # hashes of state checkpoints cached since the last new_step()
         self._state_cached_this_step: set[BlockHash] = set()
         self._state_groups = [m.holds_state for m in self.coordinator.managers]
+        # the pool's own queue: a decode step may take its one block straight from it
+        # (pop_n raises when it is empty)
+        self._plain_queue = type(pool.free_queue) is FreeBlockQueue
         self._republish = republish_prompt_checkpoint and enable_prefix_caching \
             and bool(self.coordinator.state_managers)
         self._pack_block = block_packer(block_size)
@@ -250,8 +254,22 @@ class KVCacheManager:
         table = state.tables[0]
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         need = (num_tokens + block_size - 1) // block_size - len(table)
-        if need > 0:
-            pool = self.pool
+        pool = self.pool
+        if need == 1 and self._plain_queue and pool.capacity_guard is None \
+                and not pool.listeners:  # the usual decode step: one block, inlined
+            try:
+                new_ids = pool.free_queue.pop_n(1)
+            except ValueError:
+                return self.coordinator.no_capacity(1, 0, num_computed, len(table) + 1, [0],
+                                                    state.tables)
+            block_id = new_ids[0]
+            if pool.block_hash[block_id] is None:
+                pool.ref_cnt[block_id] = 1
+            else:
+                pool._claim(new_ids)  # evicts its cached data
+            pool.block_group[block_id] = 0
+            table.append(block_id)
+        elif need > 0:
             guard = pool.capacity_guard
             if need > len(pool.free_queue) or (guard is not None and not guard(need)):
                 return self.coordinator.no_capacity(need, 0, num_computed, len(table) + need,
