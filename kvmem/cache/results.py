@@ -16,7 +16,8 @@ class PrefixHit:
 
     ``num_tokens`` is a multiple of the block size and always leaves at least one prompt
     token to compute. ``blocks[g]`` is the block table prefix of group ``g`` (null blocks
-    where a sliding window or attention chunk does not need the data).
+    where a sliding window or attention chunk does not need the data; a state group's is
+    null but for the state at its end).
     """
 
     num_tokens: int
@@ -31,9 +32,9 @@ class PrefixHit:
 
 class Allocation(NamedTuple):
     """A successful ``allocate_slots`` (always truthy): the block ids added to each group's
-    table, the tokens computed before this step (including a prefix hit), and per group how
-    many leading table entries are now the null block (empty: unchanged, no group releases
-    blocks)."""
+    table (a state group's null entries before its new block included), the tokens computed
+    before this step (including a prefix hit), and per group how many leading table entries
+    are now the null block (empty: unchanged, no group releases blocks)."""
 
     new_block_ids: tuple[list[int], ...]
     num_computed_tokens: int
