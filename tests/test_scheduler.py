@@ -76,6 +76,21 @@ def test_prefix_hit_skips_cached_blocks():
     assert sched.stats.prefix_hit_tokens == 12
 
 
+def test_a_state_checkpoint_from_the_last_step_is_hit():
+    """A linear-attention hybrid: the state after 8 tokens, cached in step 1, is a prefix hit
+    in step 2 (a hit on a checkpoint of the current step would have to wait)."""
+    groups = [KVGroup(0, AttentionKind.FULL, None, (0,)),
+              KVGroup(1, AttentionKind.LINEAR, None, (1,))]
+    mgr = KVCacheManager(groups, 64, BLOCK, max_num_batched_tokens=8)
+    sched = Scheduler(mgr, max_num_seqs=8, max_num_batched_tokens=8)
+    sched.add_request(req("a", 9))
+    assert run_step(sched) == {"a": 8}  # the chunk ends on a block boundary
+    second = Request("b", list(range(8)) + [99, 98], SamplingParams())
+    sched.add_request(second)
+    assert run_step(sched) == {"a": 1, "b": 2}
+    assert second.num_cached_tokens == 8
+
+
 def test_preempts_newest_first_and_requeues_it_in_front():
     sched = make_scheduler(num_blocks=7)  # 6 usable blocks = 24 tokens
     a, b, c = req("a", 8), req("b", 8, start=100), req("c", 4, start=200)

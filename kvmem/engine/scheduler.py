@@ -202,6 +202,7 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache_manager.new_step()  # state checkpoints of the last step can be hit
         if self.offload is not None:
             self._admit_loaded()
         preemptions = self.stats.num_preemptions
