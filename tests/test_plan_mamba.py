@@ -182,3 +182,19 @@ def test_the_vllm_command_keeps_prefix_caching_off_and_the_state_dtypes():
     # a float32 temporal state needs a larger block: 16 x cdiv(3 x 8192 x 2 + 32 x 128 x
     # 128 x 4, 16 x 1024 x 2)
     assert p.engine.block_size == 16 * ceil((3 * 8192 * 2 + 32 * 128 * 128 * 4) / (16 * TOKEN))
+
+
+def test_lfm2_short_convolutions_keep_a_conv_state_only():
+    """LFM2's conv layers (``layer_types`` "conv") hold (conv_L_cache - 1) rows of conv_dim
+    channels (``short_conv_state_shape``) in the model's dtype, and no checkpoint block."""
+    lfm2 = {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 2048,
+            "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 65536, "conv_L_cache": 3, "conv_dim": 2048,
+            "layer_types": ["conv", "conv", "full_attention", "conv"],
+            "max_position_embeddings": 128000, "torch_dtype": "bfloat16"}
+    spec = spec_from_config(lfm2)
+    state = spec.layers[0].state
+    assert state.kind is StateKind.SHORT_CONV and state.shapes(2) == [((2, 1024), False)]
+    p = plan(spec, Layout(), settings())
+    geometry = engine_geometry(spec, 1, 1, p.settings, "bfloat16")
+    assert geometry.mamba.state_bytes == 2 * 2048 * 2 and geometry.mamba.charge == 2

@@ -1,18 +1,18 @@
-"""kvmem's vLLM rules for Mamba2 and Gated DeltaNet hybrids against vLLM's own, 0.32 and 0.33.
+"""kvmem's vLLM rules for linear-attention hybrids against vLLM's own, 0.32 and 0.33.
 
 One subprocess per vLLM venv runs ``tests/vllm_hybrid_rules.py`` over a grid of tiny
-Qwen3-Next-shaped (Gated DeltaNet 3 : 1 full attention) and Nemotron-H-shaped (Mamba2,
-attention and MLP layers) configs: vLLM's engine arguments read each as a model, its
-platform raises the attention block size to hold a state page, and its KV cache functions
-group, size, charge and check the layers. Each case is planned here under the same
-release's rules from the same config; the attention block size, the state page, the
-groups, each group's charge, each stage's bytes per block, the engine's blocks, the
-logged KV cache size and concurrency, the start-up check's need and its estimate of the
-longest length that fits must be vLLM's.
+Qwen3-Next-shaped (Gated DeltaNet 3 : 1 full attention), Nemotron-H-shaped (Mamba2,
+attention and MLP layers) and LFM2-shaped (short convolutions 2 : 1 full attention)
+configs: vLLM's engine arguments read each as a model, its platform raises the attention
+block size to hold a state page, and its KV cache functions group, size, charge and check
+the layers. Each case is planned here under the same release's rules from the same config;
+the attention block size, the state page, the groups, each group's charge, each stage's
+bytes per block, the engine's blocks, the logged KV cache size and concurrency, the
+start-up check's need and its estimate of the longest length that fits must be vLLM's.
 
-The grid: tp 1 and 2, pp 1 and 2, the model's bfloat16 KV and fp8 KV, prefix caching on
-("align") and off ("none"), vLLM's CPU attention and FlashAttention's kernel blocks,
-Mamba2 groups that tp does not divide, block sizes below and above the raise.
+The grid: tp 1 and 2, pp 1 and 2, a bfloat16 or float32 model with its own or fp8 KV,
+prefix caching on ("align") and off ("none"), vLLM's CPU attention and FlashAttention's
+kernel blocks, Mamba2 groups that tp does not divide, block sizes below and above the raise.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from kvmem.plan.partition import even_partition, stage_layers
 from kvmem.plan.planner import engine_geometry
 from kvmem.plan.vllm_mamba import MAMBA
 from kvmem.spec import spec_from_config
-from tests.tiny_models import tiny_nemotron_h, tiny_qwen3_next
+from tests.tiny_models import tiny_lfm2, tiny_nemotron_h, tiny_qwen3_next
 
 pytestmark = [pytest.mark.vllm]
 
 SERIES = ("0.32", "0.33")
 SPEC_CLASSES = {"full": "FullAttentionSpec", MAMBA: "MambaSpec"}
+SHAPES = ("gdn", "mamba2", "short_conv")
 
 
 def layer_kinds(config: dict) -> list[str]:
@@ -42,6 +43,8 @@ def layer_kinds(config: dict) -> list[str]:
     if config["model_type"] == "nemotron_h":
         return [{"M": "linear", "*": "full"}.get(c, "none")
                 for c in config["hybrid_override_pattern"]]
+    if config["model_type"] == "lfm2":
+        return ["full" if t == "full_attention" else "linear" for t in config["layer_types"]]
     step = config["full_attention_interval"]
     return ["full" if (i + 1) % step == 0 else "linear"
             for i in range(config["num_hidden_layers"])]
@@ -65,15 +68,22 @@ def planned(case: dict, series: str, memory: list[int]):
                 suggest=False)
 
 
+def tiny_config(shape: str, dtype: str, rng: random.Random) -> dict:
+    if shape == "gdn":
+        return tiny_qwen3_next(rng.choice([8, 12]), dtype)
+    if shape == "mamba2":
+        return tiny_nemotron_h(dtype, rng.choice([1, 2]))
+    return tiny_lfm2(dtype)
+
+
 @cache
 def grid() -> list[dict]:
     rng = random.Random(49)
     cases = []
-    for shape in ("gdn", "mamba2"):
+    for shape in SHAPES:
         for k in range(16):
             dtype = rng.choice(["bfloat16", "float32"])
-            config = (tiny_qwen3_next(rng.choice([8, 12]), dtype) if shape == "gdn"
-                      else tiny_nemotron_h(dtype, rng.choice([1, 2])))
+            config = tiny_config(shape, dtype, rng)
             n = config["num_hidden_layers"]
             pp = 1 + k % 2  # each of tp, pp, prefix caching and device half the cases
             case = {"id": len(cases), "config": config, "dtype": dtype,
@@ -107,7 +117,7 @@ def vllm_hybrid(request, tmp_path_factory) -> tuple[str, dict]:
 def test_the_grid_covers_what_the_rules_distinguish():
     cases = grid()
     for key in ("tp", "prefix_caching", "device", "kv_dtype", "dtype"):
-        for shape in ("qwen3_next", "nemotron_h"):
+        for shape in ("qwen3_next", "nemotron_h", "lfm2"):
             assert len({c[key] for c in cases if c["config"]["model_type"] == shape}) == 2, key
     assert {len(c["stages"]) for c in cases} == {1, 2}
     assert any(c["config"].get("n_groups") == 1 and c["tp"] == 2 for c in cases)
@@ -115,7 +125,7 @@ def test_the_grid_covers_what_the_rules_distinguish():
     assert {c["block_size"] for c in cases} >= {16, 1024}
 
 
-@pytest.mark.parametrize("index", range(32))
+@pytest.mark.parametrize("index", range(16 * len(SHAPES)))
 def test_kvmem_follows_vllms_hybrid_rules(vllm_hybrid, index):
     series, results = vllm_hybrid
     case, got = grid()[index], results["cases"][index]

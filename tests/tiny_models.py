@@ -273,3 +273,14 @@ def tiny_nemotron_h(dtype: str, n_groups: int) -> dict:
             "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": n_groups,
             "conv_kernel": 4, "mlp_hidden_act": "relu2", "torch_dtype": dtype,
             "tie_word_embeddings": False}
+
+
+def tiny_lfm2(dtype: str) -> dict:
+    """A tiny LFM2: short-convolution layers and, every third layer, full attention."""
+    return {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 128,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "layer_types": ["full_attention" if (i + 1) % 3 == 0 else "conv"
+                            for i in range(6)],
+            "conv_L_cache": 3, "conv_dim": 128, "intermediate_size": 256,
+            "block_ff_dim": 256, "vocab_size": 320, "max_position_embeddings": 8192,
+            "torch_dtype": dtype, "tie_word_embeddings": True}

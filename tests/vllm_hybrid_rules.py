@@ -1,9 +1,9 @@
-"""vLLM's own KV cache rules for Mamba2 and Gated DeltaNet hybrids, run inside a vLLM venv.
+"""vLLM's own KV cache rules for linear-attention hybrids, run inside a vLLM venv.
 
 Not a test module: ``tests/test_plan_vllm_hybrid.py`` runs it with a vLLM venv's
 interpreter (``python vllm_hybrid_rules.py TESTS_DIR TOKENIZER_DIR CASES.json``) and
 compares kvmem's rules with the JSON it prints last. Each case is a model config
-(Qwen3-Next-shaped or Nemotron-H-shaped), written as a model directory that vLLM's engine
+(Qwen3-Next-, Nemotron-H- or LFM2-shaped), written as a model directory that vLLM's engine
 arguments read as they read any model: the model's own config hooks set the Mamba cache
 mode, its state block size and dtypes, and vLLM's CPU platform its SSM dtype. Then, as a
 start does once the layers exist (none are built here, no engine starts):

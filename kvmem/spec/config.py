@@ -268,6 +268,10 @@ def _linear_state(cfg: dict[str, Any], where: str) -> LinearState | None:
             "mamba_d_conv", "mamba_expand"), where, "Mamba2")
         return _mamba2(expand * _positive_int(cfg, "hidden_size", where), heads, head_dim,
                        state, groups, kernel, None)
+    if str(cfg.get("model_type", "")).startswith("lfm2"):  # LFM2's short convolutions
+        kernel = _int(cfg, "conv_L_cache", where, 3, low=1)
+        channels = _int(cfg, "conv_dim", where, low=1) or _positive_int(cfg, "hidden_size", where)
+        return LinearState(StateKind.SHORT_CONV, channels, kernel - 1)
     return None
 
 

@@ -235,6 +235,9 @@ def layer_params(spec: ModelSpec, i: int) -> LayerParams:
         # in_proj (z, x, B, C, dt), conv, out_proj, and A, D, dt_bias
         attention = (h * (inner + st.conv_channels + heads_m)
                      + st.conv_channels * (st.conv_len + 1) + inner * h + 3 * heads_m)
+    elif layer.state is not None and layer.state.kind is StateKind.SHORT_CONV:  # LFM2
+        c = layer.state.conv_channels  # in_proj (B, C, x), depthwise conv, out_proj
+        attention = h * 3 * c + c * (layer.state.conv_len + 1) + c * h
     elif layer.kind is AttentionKind.LINEAR:  # gated delta net (Qwen3-Next)
         kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
         kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
