@@ -48,7 +48,6 @@ from pathlib import Path
 
 import httpx
 
-from kvmem.memory import control
 from kvmem.memory.ledger import Ledger
 
 MiB = 1 << 20
@@ -218,11 +217,12 @@ class LedgerSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            for d in control.devices(self.ledger_dir):
+            for ledger in Ledger.all(self.ledger_dir):
+                engines = ledger.entries()
                 now = time.monotonic()
-                self.samples.append((now, {e.name: e.mapped_bytes for e in d.engines}))
-                self.asks.append((now, {e.name: e.reclaim_bytes for e in d.engines}))
-                for e in d.engines:  # an answer changes its count or its time
+                self.samples.append((now, {e.name: e.mapped_bytes for e in engines}))
+                self.asks.append((now, {e.name: e.reclaim_bytes for e in engines}))
+                for e in engines:  # an answer changes its count or its time
                     seen = (e.reclaims, e.answered_s)
                     if self._last.get(e.name, seen) != seen and e.answered_s:
                         self.answers.setdefault(e.name, []).append(e.answered_s)

@@ -167,3 +167,61 @@ def test_tensor_over_the_file_is_ordinary(backend) -> None:
     x.copy_(torch.arange(x.numel(), dtype=torch.float32))
     assert float(x[-1]) == x.numel() - 1
     del x
+
+
+# -- rank 0 releases every rank's pages ----------------------------------------------------
+def test_rank_zero_releases_the_other_ranks_pages_at_once(tmp_path):
+    """Rank 1 (here in the same process) keeps its pages in a memory file it names to rank
+    0; when rank 0 gives pages back to another engine, they are free on rank 1 at once,
+    with no step of rank 1, and only then does the ledger count them given back."""
+    from kvmem.memory.elastic import ElasticKVStorage
+    from kvmem.memory.ledger import Ledger
+    from kvmem.memory.storage import SlotShape
+
+    shape = SlotShape(2, 16, 2, 32)  # 8 KiB a block and slot
+    ledger = Ledger.for_device("cpu", tmp_path)
+    leader = ElasticKVStorage(2, shape, torch.float32, max_blocks=64, reserve_pages=0,
+                              rank=0, world_size=2, start=False, budget=ledger.register("e"))
+    follower = ElasticKVStorage(2, shape, torch.float32, max_blocks=64, reserve_pages=0,
+                                rank=1, world_size=2, start=False)
+    try:
+        follower.apply_ops(leader.drain_ops())  # the null block's page
+        assert leader.connect_ranks([follower.rank_file()])
+        blocks = leader.free_queue().pop_n(16)
+        leader.on_blocks_allocated(blocks)
+        follower.apply_ops(leader.drain_ops())
+        follower.slot_tensor(1)[blocks] = 7.0  # rank 1's step writes its KV
+        fd = follower.backend.fd
+        held = os.fstat(fd).st_blocks
+        leader.on_blocks_released(blocks)
+        leader.table.push_free(blocks)
+        released = []
+        leader.budget.release = lambda n, release=leader.budget.release: (
+            released.append(os.fstat(fd).st_blocks), release(n))
+        given = leader.give_back(1 << 30)
+        assert given >= 16 * leader.table.block_bytes  # every page of those blocks
+        assert os.fstat(fd).st_blocks < held  # free on rank 1, which took no step
+        assert released and released[0] < held  # before the ledger heard of it
+        assert float(follower.slot_tensor(1)[blocks].abs().sum()) == 0.0
+        assert leader.ranks.released_bytes >= given
+        follower.apply_ops(leader.drain_ops())  # its next step: the same decisions
+        assert follower.table.mapped_pages == leader.table.mapped_pages
+    finally:
+        follower.close()
+        leader.close()
+
+
+def test_a_rank_file_that_cannot_be_opened_leaves_release_to_the_next_step(tmp_path, caplog):
+    from kvmem.memory.elastic import ElasticKVStorage
+    from kvmem.memory.rank_files import RankFile
+    from kvmem.memory.storage import SlotShape
+
+    leader = ElasticKVStorage(2, SlotShape(2, 16, 2, 32), torch.float32, max_blocks=64,
+                              rank=0, world_size=2, start=False)
+    try:
+        gone = RankFile(1, MemoryFile(os.getpid(), 1, 999, 4096, 1, 1), 4096, 1, 4096, 4096)
+        assert not leader.connect_ranks([gone])
+        assert "the other ranks release pages given back with their next step" in caplog.text
+        assert leader.table.on_unmapped is None
+    finally:
+        leader.close()

@@ -4,7 +4,9 @@ Rank 0 maps the null block's page (and whatever else it decided before starting 
 pre-mapping thread), publishes those decisions with the page layout (pages and blocks
 per page; the slot tensors behind a page may differ between pipeline stages) through a
 ``torch.distributed`` store, and waits for every other rank to replay them and report
-ready. Only then does rank 0 start pre-mapping. Rank and world size are arguments, taken
+ready, naming its KV memory file where it has one (the CPU), in which rank 0 then
+releases the pages it gives back (``kvmem.memory.rank_files``). Only then does rank 0
+start pre-mapping. Rank and world size are arguments, taken
 from the engine's configuration; every wait is bounded and names what it waited for.
 
 Later mapping decisions travel with each engine step (``drain_ops`` on rank 0,
@@ -21,6 +23,7 @@ from typing import Any
 from kvmem.errors import ConfigError, KvmemError
 from kvmem.memory.elastic import ElasticKVStorage
 from kvmem.memory.page_table import PageOp
+from kvmem.memory.rank_files import RankFile
 from kvmem.memory.wait import wait_for
 
 
@@ -65,10 +68,16 @@ class PageMapCoordinator:
         if self.rank == 0:
             plan = {"layout": layout, "ops": _encode(storage.drain_ops())}
             self.store.set(self._key("plan"), json.dumps(plan))
+            files = []
             for r in range(1, self.world_size):
-                self._wait_key(self._key("ready", r),
-                               f"rank {r} of {self.world_size} to map the startup KV pages "
-                               f"(is rank {r} running?)")
+                ready = json.loads(self._wait_key(
+                    self._key("ready", r), f"rank {r} of {self.world_size} to map the startup "
+                    f"KV pages (is rank {r} running?)"))
+                if ready.get("file") is not None:
+                    files.append(RankFile.from_json(ready["file"]))
+            # every rank's pages in a memory file (the CPU): rank 0 releases them all
+            if len(files) == self.world_size - 1:
+                storage.connect_ranks(files)
         else:
             raw = self._wait_key(self._key("plan"),
                                  f"rank 0 to publish the KV page map (rank {self.rank} of "
@@ -79,7 +88,9 @@ class PageMapCoordinator:
                     f"rank {self.rank} has KV layout (pages, blocks per page) {layout}, "
                     f"rank 0 has {plan['layout']}")
             storage.apply_ops(_decode(plan["ops"]))
-            self.store.set(self._key("ready", self.rank), "1")
+            file = storage.rank_file()
+            self.store.set(self._key("ready", self.rank),
+                           json.dumps({"file": file and file.to_json()}))
         storage.start(reclaim=reclaim)
 
     def publish(self, step: int, ops: list[PageOp]) -> None:

@@ -37,6 +37,7 @@ from kvmem.memory.free_queue import PageAwareFreeQueue
 from kvmem.memory.page_table import PageOp, PageTable
 from kvmem.memory.pages import PageGeometry
 from kvmem.memory.premap import PremapThread
+from kvmem.memory.rank_files import RankFile, RankFiles
 from kvmem.memory.storage import SlotShape
 
 if TYPE_CHECKING:
@@ -83,8 +84,10 @@ class ElasticKVStorage:
         self.rank, self.world_size = rank, world_size
         self.shape, self.dtype, self.device = shape, dtype, device
         elem = torch.empty((), dtype=dtype).element_size()
-        self.backend = with_injected_faults(
-            backend if backend is not None else make_backend(device), rank)
+        if backend is None:  # another rank's pages in a file rank 0 can release
+            backend = make_backend(device, shared=rank > 0)
+        self._memory_file = getattr(backend, "memory_file", None)
+        self.backend = with_injected_faults(backend, rank)
         self.geometry = PageGeometry.build(
             num_slots=num_slots, block_slot_bytes=shape.elements_per_block * elem,
             max_blocks=max_blocks, granularity=self.backend.granularity,
@@ -101,6 +104,7 @@ class ElasticKVStorage:
             self.table.pin(NULL_BLOCK)
             self.table.remove_free(NULL_BLOCK)  # the pool keeps the null block out of its queue
         self._slots: list[torch.Tensor] | None = None
+        self.ranks = RankFiles()  # rank 0: the other ranks' memory files, once connected
         self._premap: PremapThread | None = None
         self._reclaim: Callable[[int], int] = self.give_back
         if start and world_size == 1:
@@ -205,6 +209,23 @@ class ElasticKVStorage:
             pass
         return max(0, before - t.held_bytes)
 
+    def rank_file(self) -> RankFile | None:
+        """This rank's memory file and page layout, for rank 0 to release its pages in
+        (None: its pages are in no such file, e.g. on a GPU)."""
+        if self._memory_file is None:
+            return None
+        geo = self.geometry
+        return RankFile(self.rank, self._memory_file(), self.backend.granularity,
+                        geo.num_slots, geo.slot_bytes, geo.page_slot_bytes)
+
+    def connect_ranks(self, files: list[RankFile]) -> bool:
+        """Rank 0: release the other ranks' pages in their files from now on, as it
+        unmaps its own; whether it does."""
+        if self.rank != 0 or not files or not self.ranks.connect(files):
+            return False
+        self.table.on_unmapped = self.ranks.release
+        return True
+
     def drain_ops(self) -> list[PageOp]:
         return self.table.drain_ops()
 
@@ -239,6 +260,8 @@ class ElasticKVStorage:
         if self.budget is not None:
             self.budget.close()
             self.budget = None
+        self.table.on_unmapped = None
+        self.ranks.close()
         self._slots = None
         self.backend.close()
 

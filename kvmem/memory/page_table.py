@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from math import ceil
@@ -100,6 +100,9 @@ class PageTable:
         self.maps = 0
         self.unmaps = 0
         self._ops: list[PageOp] | None = [] if record_ops else None
+        # pages just unmapped here, before the ledger hears of them (rank 0 releases the
+        # other ranks' copies: ``kvmem.memory.rank_files``)
+        self.on_unmapped: Callable[[list[int]], None] | None = None
 
     # ---- budget -------------------------------------------------------------------------
 
@@ -573,6 +576,8 @@ class PageTable:
                     for page in run:
                         self._unmapped(page, release=False)
         finally:
+            if pages and self.on_unmapped is not None:
+                self.on_unmapped(pages)
             if self.budget is not None and pages:  # one ledger write for them all
                 self.budget.release(len(pages) * self.page_bytes)
         return len(pages)
@@ -595,6 +600,8 @@ class PageTable:
             if self._free[page]:
                 heapq.heappush(self._unmapped_heap, page)
             self.cond.notify_all()
+        if release and self.on_unmapped is not None:
+            self.on_unmapped([page])
         if release and self.budget is not None:
             self.budget.release(self.page_bytes)
 
