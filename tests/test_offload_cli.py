@@ -196,3 +196,23 @@ def test_bad_offload_flags_are_one_line_exit_2(flags, message):
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvmem: error:") and message in lines[0]
+
+
+def test_tier_capacity_gauges_for_routers():
+    """Per tier, used and total in bytes and in blocks, as KV-aware routers weigh tiers."""
+    cpu = TierStats(used_bytes=300, capacity_bytes=1000, used_blocks=3, capacity_blocks=10)
+    disk = TierStats(used_bytes=7000, capacity_bytes=9000, used_blocks=70, capacity_blocks=90)
+    text = generate_latest(make_registry(lambda: snapshot(cpu=cpu, disk=disk), "m")).decode()
+    values = {(s.name, s.labels["tier"], s.labels["kind"]): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name.startswith("kvmem_tier_capacity")}
+    assert values == {
+        ("kvmem_tier_capacity_bytes", "cpu", "used"): 300,
+        ("kvmem_tier_capacity_bytes", "cpu", "total"): 1000,
+        ("kvmem_tier_capacity_blocks", "cpu", "used"): 3,
+        ("kvmem_tier_capacity_blocks", "cpu", "total"): 10,
+        ("kvmem_tier_capacity_bytes", "disk", "used"): 7000,
+        ("kvmem_tier_capacity_bytes", "disk", "total"): 9000,
+        ("kvmem_tier_capacity_blocks", "disk", "used"): 70,
+        ("kvmem_tier_capacity_blocks", "disk", "total"): 90,
+    }

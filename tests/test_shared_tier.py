@@ -250,3 +250,21 @@ def test_a_read_only_directory_is_loaded_from_and_not_written(manager_factory, s
     assert _warnings(caplog, READ_ONLY) == 1
     disk = reader.stats()["disk"]
     assert disk.enabled and disk.stored_blocks == 0 and disk.skipped_stores >= 2
+
+
+def test_a_shared_disk_tier_reports_its_namespace_capacity(manager_factory, tmp_path):
+    """The capacity figures of a disk tier shared by two instances are the namespace's:
+    each instance counts the other's blocks too; the CPU tier's are its own."""
+    shared = tmp_path / "shared"
+    a, _, _ = manager_factory(cpu_blocks=2, disk_blocks=8, disk_dir=shared)
+    b, _, _ = manager_factory(cpu_blocks=2, disk_blocks=8, disk_dir=shared,
+                              storage=make_storage(seed=1))
+    a.offer([1, 2, 3], keys(1, 2, 3))
+    a.drain()
+    b.offer([4, 5], keys(4, 5))
+    b.drain()
+    for mgr in (a, b):
+        disk, cpu = mgr.stats()["disk"], mgr.stats()["cpu"]
+        assert disk.used_blocks == 5 and disk.used_bytes == files_bytes(mgr.disk)
+        assert disk.capacity_blocks == disk.capacity_bytes // mgr.disk.entry_nbytes >= 8
+        assert cpu.capacity_blocks == 2 and cpu.used_blocks == 2

@@ -19,7 +19,14 @@ from prometheus_client.core import (
 from kvmem.engine.errors import FAILURE_STAGES
 from kvmem.engine.llm_engine import EngineSnapshot
 from kvmem.engine.request_metrics import HISTOGRAMS
-from kvmem.tiers.stats import COUNTERS, FAILED_LOAD_CAUSES, GAUGES, PREFILL_RATE, metric_name
+from kvmem.tiers.stats import (
+    COUNTERS,
+    FAILED_LOAD_CAUSES,
+    GAUGES,
+    PREFILL_RATE,
+    capacity_samples,
+    metric_name,
+)
 
 
 class EngineCollector:
@@ -115,6 +122,13 @@ def _offload_metrics(s: EngineSnapshot, labels: list[str], m: list[str]) -> Iter
                 for tier, stats in s.offload.items():
                     metric.add_metric([*m, tier], float(getattr(stats, name)))
             yield metric
+    capacity: dict[str, GaugeMetricFamily] = {}
+    for tier, stats in s.offload.items():
+        for name, doc, kind, value in capacity_samples(stats.as_dict()):
+            family = capacity.setdefault(name, GaugeMetricFamily(
+                name, doc, labels=[*labels, "tier", "kind"]))
+            family.add_metric([*m, tier, kind], value)
+    yield from capacity.values()
     if s.prefill_rate is not None:
         rate = GaugeMetricFamily(PREFILL_RATE[0], PREFILL_RATE[1], labels=labels)
         rate.add_metric(m, s.prefill_rate)

@@ -68,6 +68,10 @@ class CPUStore(BlockStore):
     def _entry_bytes(self, name: str) -> int:
         return self.block_nbytes
 
+    @property
+    def entry_nbytes(self) -> int:
+        return self.block_nbytes
+
     def _allocate(self, name: str) -> int:
         return self.rows.take(1)[0]  # _make_room made room
 

@@ -49,11 +49,17 @@ import torch
 import xxhash
 
 from kvmem.errors import ConfigError
-from kvmem.tiers.config import FLAG_NAMES, FORMAT_VERSION, SettingNames, TierIdentity
+from kvmem.tiers.config import (
+    DISK_ENTRY_OVERHEAD_BYTES,
+    FLAG_NAMES,
+    FORMAT_VERSION,
+    SettingNames,
+    TierIdentity,
+)
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
 from kvmem.tiers.shared_dir import SharedUsage
-from kvmem.tiers.stats import CHECKSUM, NAMESPACE
+from kvmem.tiers.stats import CHECKSUM, NAMESPACE, TierStats
 from kvmem.tiers.store import BlockStore, Entry, IndexListener, LoadError
 from kvmem.units import GiB, format_bytes
 
@@ -167,6 +173,18 @@ class DiskStore(BlockStore):
 
     def _entry_bytes(self, name: str) -> int:
         return _HEADER.size + len(name.encode()) + self.block_nbytes
+
+    @property
+    def entry_nbytes(self) -> int:
+        return self.block_nbytes + DISK_ENTRY_OVERHEAD_BYTES
+
+    def snapshot(self) -> TierStats:
+        """The namespace's usage when it is shared (every process's blocks)."""
+        stats = super().snapshot()
+        if self.shared.shared:
+            stats.used_bytes = self.shared.current()
+            stats.used_blocks = round(stats.used_bytes / self.entry_nbytes)
+        return stats
 
     # -- blocks other processes wrote -----------------------------------------------------
     def contains(self, name: str) -> bool:

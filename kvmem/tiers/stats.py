@@ -11,7 +11,7 @@ vLLM's ``/metrics`` and periodic log line (``KvmemConnector``), ``kvmem top`` an
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 # Why a block that was looked up could not be loaded (``failed_load_causes``)
@@ -50,8 +50,10 @@ class TierStats:
     skipped_files: int = 0  # disk: entries found that are not its regular files (left alone)
     # gauges
     unused_blocks: int = 0  # blocks stored here, still held, not loaded yet
-    used_bytes: int = 0
+    used_bytes: int = 0  # a shared disk directory: its namespace's, every instance's blocks
     capacity_bytes: int = 0
+    used_blocks: int = 0
+    capacity_blocks: int = 0  # the blocks the budget holds
     enabled: bool = True
 
     def as_dict(self) -> dict:
@@ -88,11 +90,31 @@ GAUGES = {
     "unused_blocks": "KV blocks stored in this tier and not loaded yet",
     "used_bytes": "Bytes this tier holds now",
     "capacity_bytes": "This tier's byte budget",
+    "used_blocks": "KV blocks this tier holds now",
+    "capacity_blocks": "KV blocks this tier's budget holds",
     "enabled": "1 while this tier is in use (a failed disk turns it off)",
 }
 PREFILL_RATE = ("kvmem_prefill_tokens_per_second",
                 "The engine's measured prefill rate (tokens computed per second of forward "
                 "passes that compute prompt tokens), which values the tiers' hit tokens")
+
+
+# For KV-aware routers weighing tiers: per tier, used and total, in bytes and in blocks
+# (a disk directory shared by instances of a model: the namespace's figures, all of them)
+CAPACITY = {
+    "kvmem_tier_capacity_bytes": ("Bytes of each offload tier, used and total "
+                                  "(kind=used|total)", "used_bytes", "capacity_bytes"),
+    "kvmem_tier_capacity_blocks": ("KV blocks of each offload tier, used and total "
+                                   "(kind=used|total)", "used_blocks", "capacity_blocks"),
+}
+
+
+def capacity_samples(figures: dict[str, float]) -> Iterator[tuple[str, str, str, float]]:
+    """(metric, help, kind, value) of one tier's capacity gauges, from its figures
+    (``TierStats`` fields by name)."""
+    for metric, (doc, used, total) in CAPACITY.items():
+        yield metric, doc, "used", float(figures.get(used, 0))
+        yield metric, doc, "total", float(figures.get(total, 0))
 
 
 def metric_name(field_name: str) -> str:

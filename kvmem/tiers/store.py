@@ -98,6 +98,8 @@ class BlockStore(ABC):
     def snapshot(self) -> TierStats:
         with self._lock:
             self.stats.used_bytes = self._used
+            self.stats.used_blocks = len(self)
+            self.stats.capacity_blocks = self.capacity_bytes // self.entry_nbytes
             self.stats.enabled = self._enabled
             return TierStats(**self.stats.as_dict())
 
@@ -299,6 +301,11 @@ class BlockStore(ABC):
     def _after_unlock(self) -> None:  # noqa: B027 - optional hook
         """Called (lock not held) after a change that may have freed entries: let go of
         what ``_release`` set aside (a disk tier removes the files here)."""
+
+    @property
+    @abstractmethod
+    def entry_nbytes(self) -> int:
+        """What one block takes in this tier (a disk block's file with its header)."""
 
     @abstractmethod
     def _entry_bytes(self, name: str) -> int:

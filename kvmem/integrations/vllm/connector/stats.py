@@ -26,11 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvmem.tiers.stats import (
+    CAPACITY,
     COUNTERS,
     FAILED_LOAD_CAUSES,
     GAUGES,
     PREFILL_RATE,
     TierStats,
+    capacity_samples,
     metric_name,
 )
 
@@ -166,7 +168,12 @@ class KvmemPromMetrics(KVConnectorPromMetrics):
         self._rate = self._gauge_cls(name=PREFILL_RATE[0], documentation=PREFILL_RATE[1],
                                      labelnames=[*labelnames, "rank"],
                                      multiprocess_mode="mostrecent")
-        _registered.extend([*self._counters.values(), *self._gauges.values(), self._rate])
+        self._capacity = {
+            name: self._gauge_cls(name=name, documentation=doc, labelnames=[*labels, "kind"],
+                                  multiprocess_mode="mostrecent")
+            for name, (doc, _, _) in CAPACITY.items()}
+        _registered.extend([*self._counters.values(), *self._gauges.values(), self._rate,
+                            *self._capacity.values()])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
@@ -183,5 +190,8 @@ class KvmemPromMetrics(KVConnectorPromMetrics):
                         self._gauges[name].labels(*labels).set(float(value))
                     elif name in self._counters:
                         self._counters[name].labels(*labels).inc(value)
+                if any(name in GAUGES for name in figures):  # sent together
+                    for name, _, kind, value in capacity_samples(figures):
+                        self._capacity[name].labels(*labels, kind).set(value)
                 for cause in FAILED_LOAD_CAUSES:  # every cause shown, 0 until it happens
                     self._counters["failed_loads"].labels(*labels, cause)
