@@ -133,17 +133,17 @@ def test_concurrent_writers_of_the_same_blocks_never_give_a_damaged_read(tmp_pat
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     procs = [ctx.Process(target=_hammer, args=(str(root), identity, BLOCK_NBYTES, budget,
-                                               w, 300, names, out)) for w in range(1, 5)]
+                                               w, 150, names, out)) for w in range(1, 5)]
     for p in procs:
         p.start()
     time.sleep(0.5)
     late = DiskStore(root, budget, BLOCK_NBYTES, identity, make_policy("lru", 64))
-    results = [out.get(timeout=120) for _ in procs]
+    results = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(30)
     assert all(p.exitcode == 0 for p in procs)
     assert [bad for _, _, bad, _ in results] == [[]] * 4
-    assert sum(reads for _, reads, _, _ in results) > 200
+    assert sum(reads for _, reads, _, _ in results) > 100
     late.shared.recount()
     assert not list(late.root.glob("*/*.tmp"))
     assert files_bytes(late) <= budget and ledger_bytes(late) == files_bytes(late)
