@@ -644,9 +644,12 @@ class _Recorder:
         self.log.append(("released", list(ids)))
 
 
-def _wired_manager(flat: bool, log: list, limit: list[int]) -> KVCacheManager:
-    mgr = KVCacheManager([full()], 20, BS, max_num_batched_tokens=16)
+def _wired_manager(flat: bool, log: list, limit: list[int], wired: bool = True
+                   ) -> KVCacheManager:
+    mgr = KVCacheManager([full()], 20, BS, max_num_batched_tokens=16, enable_events=wired)
     mgr._flat_decode = flat  # the general path when False
+    if not wired:  # a bare pool: decode steps take their block inline
+        return mgr
     pool = mgr.pool
     pool.add_listener(_Recorder(log))
     pool.evict_listener = lambda block_id, block_hash: log.append(("evict", block_id, block_hash))
@@ -660,10 +663,12 @@ def _outcome(res):
     return ("no", res.reason, res.needed_blocks, res.available_blocks, res.can_ever_fit)
 
 
-def test_flat_decode_path_matches_the_general_path():
+@pytest.mark.parametrize("wired", [True, False], ids=["hooks", "bare"])
+def test_flat_decode_path_matches_the_general_path(wired):
     """One full-attention group takes the flat path for running requests; the same random
     walk on a manager forced onto the general path must give identical results, pool state,
-    events, listener calls, guard calls and evictions, running out of blocks often."""
+    events, listener calls, guard calls and evictions, running out of blocks often. Bare (no
+    events, listeners or guard), a one-block step takes and evicts its block inline."""
     import random
 
     rng = random.Random(7)
@@ -672,7 +677,7 @@ def test_flat_decode_path_matches_the_general_path():
     for flat in (True, False):
         log: list = []
         limit = [19]
-        mgr = _wired_manager(flat, log, limit)
+        mgr = _wired_manager(flat, log, limit, wired)
         rng.seed(7)
         running: dict[str, Req] = {}
         holds: list[list[int]] = []
@@ -719,13 +724,15 @@ def test_flat_decode_path_matches_the_general_path():
                 mgr.cache_blocks(req, mgr.num_computed_tokens(req.request_id))
             outcomes.append((pool_snapshot(mgr.pool), {
                 rid: (mgr.get_block_ids(rid), mgr.num_computed_tokens(rid)) for rid in running}))
-        walks.append((outcomes, mgr.take_events(), log))
+        walks.append((outcomes, mgr.take_events(), log, mgr.pool.epoch))
     flat_walk, general_walk = walks
     assert flat_walk[0] == general_walk[0]
-    assert flat_walk[1] == general_walk[1] and flat_walk[2] == general_walk[2]
+    assert flat_walk[1:] == general_walk[1:]
     kinds = [o[0] for o in flat_walk[0] if isinstance(o[0], str)]
     assert kinds.count("no") > 50 and kinds.count("ok") > 500  # both outcomes exercised
-    assert any(entry[0] == "evict" for entry in flat_walk[2])
+    assert flat_walk[3] > 50  # evictions
+    if wired:
+        assert any(entry[0] == "evict" for entry in flat_walk[2])
 
 
 # -- state groups (linear attention, Mamba) -----------------------------------------------

@@ -121,10 +121,7 @@ class BlockPool:
         if n <= 0:
             return []
         block_ids = self.free_queue.pop_n(n)
-        self._claim(block_ids)
-        block_group = self.block_group
-        for block_id in block_ids:
-            block_group[block_id] = group_id
+        self._claim(block_ids, group_id)
         return block_ids
 
     def take_by_group(self, counts: list[int]) -> list[list[int]]:
@@ -133,31 +130,35 @@ class BlockPool:
         if not total:
             return [[] for _ in counts]
         block_ids = self.free_queue.pop_n(total)
-        self._claim(block_ids)
+        self._claim(block_ids, 0)
+        if total == counts[0]:
+            return [block_ids] + [[] for _ in counts[1:]]
         block_group = self.block_group
         out = []
         end = 0
         for group_id, n in enumerate(counts):
             start, end = end, end + n
             taken = block_ids[start:end]
-            for block_id in taken:
-                block_group[block_id] = group_id
+            if group_id:
+                for block_id in taken:
+                    block_group[block_id] = group_id
             out.append(taken)
         return out
 
-    def _claim(self, block_ids: list[int]) -> None:
-        """Blocks just taken from the free queue: evict their cached data, ref count 1."""
+    def _claim(self, block_ids: list[int], group_id: int) -> None:
+        """Blocks just taken from the free queue for ``group_id``: evict their cached data,
+        ref count 1."""
         ref_cnt, block_hash, block_group = self.ref_cnt, self.block_hash, self.block_group
         cached, events, on_evict = self.cached, self.events, self.evict_listener
-        copies = self.copies
+        copies = self.copies if any(self.copies) else None
         num_evicted = 0
         for block_id in block_ids:
             old_hash = block_hash[block_id]
             if old_hash is not None:  # a cached-free block: evict its data (inlined: hot)
                 old_group = block_group[block_id]
                 num_evicted += 1
-                if old_hash in copies[old_group]:  # the content stays cached in a copy
-                    self._forget_copy(block_id, old_hash, old_group)
+                if copies is not None and old_hash in copies[old_group]:
+                    self._forget_copy(block_id, old_hash, old_group)  # a copy keeps it cached
                 else:
                     if on_evict is not None:
                         on_evict(block_id, old_hash)
@@ -166,6 +167,7 @@ class BlockPool:
                     if events is not None:
                         events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
             ref_cnt[block_id] = 1
+            block_group[block_id] = group_id
         if num_evicted:
             self.epoch += 1
             if events is not None and len(events) > self.max_events:

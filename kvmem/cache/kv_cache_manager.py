@@ -263,10 +263,17 @@ class KVCacheManager:
                 return self.coordinator.no_capacity(1, 0, num_computed, len(table) + 1, [0],
                                                     state.tables)
             block_id = new_ids[0]
-            if pool.block_hash[block_id] is None:
+            old_hash = pool.block_hash[block_id]
+            if old_hash is None:
+                pool.ref_cnt[block_id] = 1
+            elif pool.events is None and pool.evict_listener is None \
+                    and old_hash not in pool.copies[0]:  # evict its cached data, inlined
+                del pool.cached[0][old_hash]
+                pool.block_hash[block_id] = None
+                pool.epoch += 1
                 pool.ref_cnt[block_id] = 1
             else:
-                pool._claim(new_ids)  # evicts its cached data
+                pool._claim(new_ids, 0)  # evicts its cached data
             pool.block_group[block_id] = 0
             table.append(block_id)
         elif need > 0:
