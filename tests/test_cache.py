@@ -828,6 +828,14 @@ def test_state_blocks_are_all_or_nothing_with_attention_blocks():
     assert mgr.allocate_slots(too_long, 13).can_ever_fit is False
 
 
+def test_can_fit_counts_the_state_blocks_a_request_holds_at_once():
+    # with checkpoints a request holds its state and the block the next state goes to
+    mgr = KVCacheManager([full(0), state(1)], 7, BS)
+    assert mgr.can_fit(16) and not mgr.can_fit(17)  # 4 + 2 blocks, 5 + 2 blocks
+    assert KVCacheManager([full(0), state(1)], 7, BS, enable_prefix_caching=False).can_fit(20)
+    assert KVCacheManager([full(0), state(1)], 7, BS).can_fit(4)  # one block, one state
+
+
 def test_fork_shares_no_state():
     mgr = KVCacheManager([full(0), state(1)], 32, BS, enable_prefix_caching=False)
     parent = Req("p", range(9))

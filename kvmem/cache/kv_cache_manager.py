@@ -431,8 +431,8 @@ class KVCacheManager:
         """Whether one request of ``num_tokens`` tokens fits in the otherwise empty pool."""
         need = 0
         for group, manager in zip(self.groups, self.coordinator.managers, strict=True):
-            if isinstance(manager, StateManager):
-                need += manager.max_blocks_held(-(-num_tokens // self.block_size), num_tokens)
+            if isinstance(manager, StateManager):  # the state, and the next one under way
+                need += 2 if manager.checkpoints and num_tokens > self.block_size else 1
             else:
                 need += group.blocks_per_request(num_tokens, self.block_size,
                                                  self.max_num_batched_tokens)
