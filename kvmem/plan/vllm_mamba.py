@@ -39,7 +39,6 @@ from kvmem.spec import AttentionKind, ModelSpec, dtype_bytes
 from kvmem.spec.layout import LinearState, StateKind
 
 MAMBA = "mamba"
-MAMBA_CACHE_MODES = ("align", "none")
 KERNEL_BLOCK = {"gpu": 16, "cpu": 32}  # FlashAttention MultipleOf(16); CPU MultipleOf(32)
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64  # vllm/v1/attention/backends/gdn_attn.py (0.33)
 
