@@ -598,3 +598,33 @@ def test_a_get_with_a_body_is_answered_once_and_closed(server):
 def test_too_many_query_fields_are_one_line(server):
     status, body = api(server, "plan", "model=qwen3-8b&" + "&".join(["gpu=H100"] * 300))
     assert status == 400 and "Max number of fields exceeded" in body["error"]
+
+
+def _serve_with_a_hog(conn, memory_bytes: int) -> None:
+    """A plan worker with one more endpoint, which allocates the bytes its query names."""
+    from kvmem.ui import view, workers
+
+    view.ENDPOINTS["hog"] = lambda query: len(bytearray(int(query)))
+    workers._serve(conn, memory_bytes)
+
+
+def test_a_plan_worker_past_its_memory_cap_refuses_in_one_line_and_serves_on():
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    worker = context.Process(target=_serve_with_a_hog, args=(theirs, 1 << 30), daemon=True)
+    worker.start()
+    theirs.close()
+    try:
+        for size, answer in ((100 << 20, ("ok", 100 << 20)),
+                             (3 << 30, ("refused", ("this plan needs more than 1.00 GiB of "
+                                                    "memory to compute, the page's limit",
+                                                    None))),
+                             (1 << 20, ("ok", 1 << 20))):
+            ours.send(("hog", str(size)))
+            assert ours.poll(60) and ours.recv() == answer
+    finally:
+        ours.close()
+        worker.join(timeout=30)
+    assert worker.exitcode == 0  # its pipe closed, it ends

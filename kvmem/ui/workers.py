@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 
 from kvmem.ui import limits
 from kvmem.ui.query import QueryError
+from kvmem.units import format_bytes
 
 # an answer from a worker: ("ok", document) | ("refused", (message, field)) | ("failed", line)
 Answer = tuple[str, object]
@@ -45,8 +46,8 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
         except QueryError as e:
             answer = ("refused", (str(e), e.field))
         except MemoryError:
-            answer = ("refused", (f"this plan needs more than {memory_bytes >> 30} GiB of "
-                                  "memory to compute; the page refuses it", None))
+            answer = ("refused", (f"this plan needs more than {format_bytes(memory_bytes)} "
+                                  "of memory to compute, the page's limit", None))
         except Exception as e:  # a planner bug: one line to the page, the trace to the log
             traceback.print_exc(file=sys.stderr)
             answer = ("failed", f"internal error: {type(e).__name__}: {e}")
