@@ -250,21 +250,14 @@ def test_parse_reads_ranks_from_worker_prefixes():
 
 
 # ---------------------------------------------------------------------- hybrid and speculative
-# vLLM 0.33 serving Qwen3-Coder-Next (Qwen3-Next's architecture: 12 full attention and 36
-# Gated DeltaNet layers) at tp 4 with MTP, in the shape of its start-up log, each line from
-# vLLM's format
-# strings. The block size and padding as vLLM works them out: a rank's attention token is 1
-# KV head (2 / 4, at least 1) x 256 x K and V x bf16 = 1,024 bytes per layer; its DeltaNet
-# state page is the conv state 2,048 channels (8,192 / 4) x 3 x 2 bytes = 12,288 plus the
-# recurrent state 8 heads x 128 x 128 x 2 bytes = 262,144: 274,432 bytes. The attention
-# block is 16 x cdiv(274,432, 16 x 1,024) = 272 tokens, its page 278,528 bytes: the state
-# page is padded by 4,096 / 274,432 = 1.49%. A block is 12 layers' pages (one attention
-# group, three DeltaNet groups of 12): 3,342,336 bytes, so 27.96 GiB is 8,223 to 8,227
-# blocks; with 8,225, one request is charged 121 attention blocks (32,768 / 272) and 1 + 2
-# speculative blocks in each DeltaNet group: 130, 63.27x, 2,073,206 tokens. kvmem does not
-# model vLLM's charge for the states (its report says so): these figures are read, not
-# matched.
-QWEN3_NEXT_MTP = (DATA / "gpu-0.33.0-qwen3-coder-next-tp4-mtp.log").read_text()
+# A constructed excerpt, not a captured log: vLLM 0.33 serving Qwen3-Coder-Next at tp 4 with
+# MTP, each line written from vLLM's format strings (the block-size raise and state-page
+# padding lines, the two-line KV size, the speculative config in the engine config and in
+# the non-default args). Its figures are not vLLM's: by 0.33's code the 2 MTP tokens add 2
+# conv rows to each state, so the raised block would be larger than the 272 written here.
+# It tests what --from-vllm-log reads and shows, never that kvmem matches its figures; the
+# captured CPU starts below test the figures.
+QWEN3_NEXT_MTP = (DATA / "constructed-0.33-qwen3-coder-next-tp4-mtp.log").read_text()
 
 
 def test_a_hybrid_models_raised_block_and_padded_state_page_are_read_and_shown(
