@@ -358,6 +358,8 @@ def test_a_long_value_or_key_is_refused_short(server):
     assert status == 400 and body["field"] == "gpu" and "characters long" in body["error"]
     status, body = api(server, "plan", "model=qwen3-8b&" + "k" * 5000 + "=1")
     assert status == 400 and len(body["error"]) < 200 and "5,000 characters" in body["error"]
+    status, body = api(server, "plan", "model=qwen3-8b&" + "k" * 300 + "=" + "1" * 9000)
+    assert status == 400 and body["field"] is None and len(body["error"]) < 200
 
 
 @pytest.mark.parametrize("config", ['{"a": ' + "9" * 5000 + "}", "[" * 100_00 + "]" * 100_00])

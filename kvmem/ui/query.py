@@ -158,10 +158,11 @@ def _short(text: str, most: int = 80) -> str:
 def _check_value(key: str, value: str) -> None:
     if key != CONFIG and len(value) > limits.MAX_VALUE_CHARS:
         raise QueryError(f"{_short(key)} is {len(value):,} characters long; the page takes "
-                         f"at most {limits.MAX_VALUE_CHARS:,}", key)
+                         f"at most {limits.MAX_VALUE_CHARS:,}",
+                         key if key in _actions() else None)
 
 
-def flag_name(dest: str) -> str:
+def _flag_name(dest: str) -> str:
     return _actions()[dest].option_strings[0]
 
 
@@ -170,13 +171,13 @@ def _check_flags(args: argparse.Namespace) -> None:
     for dest, bound in limits.FLAG_BOUNDS.items():
         value = getattr(args, dest, None)
         if isinstance(value, int) and value > bound:
-            raise QueryError(f"argument {flag_name(dest)}: at most {bound:,} on this page, "
+            raise QueryError(f"argument {_flag_name(dest)}: at most {bound:,} on this page, "
                              f"got {value:,}", dest)
     ranks = args.tp * args.pp
     if ranks > limits.MAX_WORLD:
         raise QueryError(f"argument --tp: tp x pp is {ranks:,} ranks; the page plans at most "
                          f"{limits.MAX_WORLD:,}", "tp")
-    if args.speculative_config is not None:
+    if getattr(args, "speculative_config", None) is not None:
         _check_draft(args.speculative_config)
 
 
