@@ -5,7 +5,8 @@ manager and is tp rank 0 of pipeline stage 0.
 up like every other rank, and watches the workers. The engine's ``Executor`` broadcasts
 each step through ``broadcast`` and runs rank 0's part itself. A worker that dies, or a
 step that fails or times out, stops the engine with one error naming the rank; every later
-step raises the same error.
+step raises the same error. Ranks that torchrun started are watched through their
+heartbeats (``heartbeat.py``), so a dead node is found even while the server is idle.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from kvmem.engine.distributed.channel import broadcast_step
 from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import ParallelError, StartupError, WorkerDiedError
+from kvmem.engine.distributed.heartbeat import HEARTBEAT_S, PeerWatch, first_line
 from kvmem.engine.distributed.page_ops import PageOpsFeed
 from kvmem.engine.distributed.rank_setup import GroupPeers, local_copier
 from kvmem.engine.distributed.remote_copy import RemoteBlockCopier
@@ -40,6 +42,7 @@ from kvmem.errors import ConfigError
 logger = logging.getLogger("kvmem.engine.distributed")
 
 DEATH_NOTICE_S = 3.0  # how long a failed step waits for the watchdog to name a dead worker
+WATCH_S = 0.2  # how often the watchdog looks at the workers
 
 
 def hold_rendezvous(parallel: ParallelConfig) -> dist.TCPStore:
@@ -82,6 +85,7 @@ class ParallelDriver:
         self.shared_slots: list[torch.Tensor] | None = None  # every rank's KV, rank order
         self.page_feed: PageOpsFeed | None = None  # elastic page decisions, numbered
         self.remote_copier: RemoteBlockCopier | None = None  # offload without shared KV
+        self.peers: PeerWatch | None = None  # heartbeats of ranks torchrun started
         self.error: ParallelError | None = None
         self._failure_callbacks: list[Callable[[ParallelError], None]] = []
         self._stopping = threading.Event()
@@ -122,6 +126,8 @@ class ParallelDriver:
             self.remote_copier = RemoteBlockCopier(
                 local_copier(self.state.kv, self.state.kv_plan, 0), self.state.copy_channel,
                 self.page_feed)
+        if self.parallel.launcher == "torchrun":
+            self.peers = PeerWatch(self.parallel)
         threading.Thread(target=self._watch, name="kvmem-rank-watchdog", daemon=True).start()
         for a in self.state.allocations:
             logger.info("%s: layers %d-%d, %d KV heads, %d blocks, %d KV bytes allocated",
@@ -190,11 +196,30 @@ class ParallelDriver:
         return None
 
     def _watch(self) -> None:
-        while not self._stopping.wait(0.2):
+        while not self._stopping.wait(WATCH_S):
             dead = self._dead_worker()
-            if dead is not None:
-                self._fail(self._death_error(*dead))
+            error = self._death_error(*dead) if dead is not None else self._silent_peer()
+            if error is not None:
+                self._fail(error)
                 return
+
+    def _silent_peer(self) -> ParallelError | None:
+        """A torchrun rank whose heartbeat stopped, or the rendezvous store's loss."""
+        if self.peers is None:
+            return None
+        try:
+            self.peers.poll()
+        except Exception as e:  # the store lives with this node's torchrun agent
+            p = self.parallel
+            return ParallelError(f"the rendezvous store at {p.master_addr}:{p.master_port} is "
+                                 f"gone ({first_line(e)}); the engine stopped")
+        found = self.peers.silent()
+        return None if found is None else self._gone_error(*found)
+
+    def _gone_error(self, rank: int, silence_s: float) -> WorkerDiedError:
+        return WorkerDiedError(f"{self.parallel.describe(rank)} on {self.peers.where[rank]} is "
+                               f"gone: no heartbeat for {silence_s:.0f} s; the engine stopped",
+                               rank)
 
     def _death_error(self, rank: int, code: int | None) -> WorkerDiedError:
         pid = self.processes[rank].pid
@@ -229,10 +254,14 @@ class ParallelDriver:
             if dead is not None:
                 return self._fail(self._death_error(*dead))
             time.sleep(0.05)
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if self.peers is not None:  # a closed connection: is a rank's heartbeat gone too?
+            found = self.peers.wait_silent(DEATH_NOTICE_S - HEARTBEAT_S / 2,
+                                           within_s=DEATH_NOTICE_S + HEARTBEAT_S)
+            if found is not None:
+                return self._fail(self._gone_error(*found))
         return self._fail(ParallelError(f"a distributed step failed (a rank stopped answering "
                                         f"within {self.parallel.timeout_s:.0f} s or its "
-                                        f"connection closed): {first}"))
+                                        f"connection closed): {first_line(exc)}"))
 
     # -- stop ----------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:

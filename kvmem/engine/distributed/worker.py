@@ -5,19 +5,25 @@ ignores SIGINT and SIGTERM, so that a signal sent to the whole process group (Ct
 terminal, ``systemctl stop``, ``timeout``) reaches the driver, which stops every worker
 cleanly, instead of killing the worker first and looking like a crash; and it exits as
 soon as its parent (the driver) is gone, however the driver ended, so it is never left
-behind. torchrun launch: ``run_worker`` runs in the ranks > 0 that torchrun started.
+behind. torchrun launch: ``run_worker`` runs in the ranks > 0 that torchrun started; each
+sends heartbeats to the driver (``heartbeat.py``) and exits 2 with one line as soon as rank
+0's node is gone (its step broadcast's connection closes or the store stops answering).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvmem.engine.distributed.channel import receive_step
+from kvmem.engine.distributed.config import ParallelConfig
+from kvmem.engine.distributed.heartbeat import Heartbeat
 from kvmem.engine.distributed.rank_setup import GroupPeers, local_copier
 from kvmem.engine.distributed.remote_copy import CopyService
 from kvmem.engine.distributed.state import (
@@ -34,6 +40,7 @@ logger = logging.getLogger("kvmem.engine.distributed")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PARENT_POLL_S = 0.5  # how often a local worker checks that its driver is still there
 COPY_STOP_S = 5.0  # how long a stopping worker waits for its copy service to end
+_gone = threading.Lock()  # held by the first thread to find the driver gone
 
 
 def worker_main(ctx: RankContext, handoff: Any) -> None:
@@ -52,8 +59,13 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
         import torch
 
         torch.cuda.set_device(device)
+    heartbeat = None
     try:
         groups = init_distributed(ctx.parallel, device)
+        driver_lost = None
+        if ctx.parallel.launcher == "torchrun":
+            driver_lost = functools.partial(_driver_gone, ctx.parallel)
+            heartbeat = Heartbeat(ctx.parallel, driver_lost).start()
         if ctx.profile_only:  # measured and gathered by rank 0: wait for its stop
             load_rank(ctx, GroupPeers(groups))
             receive_step(groups.control)
@@ -63,7 +75,9 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
             num_slots = state.kv_plan.ranks[ctx.parallel.rank].num_slots
             handoff.put((ctx.parallel.rank, _shared_slots(state.kv.storage, num_slots, ctx)))
         service = _start_copy_service(ctx, state)
-        serve_steps(state.runner, groups)
+        serve_steps(state.runner, groups, driver_lost)
+        if heartbeat is not None:  # stopped by the driver: its node may now go away
+            heartbeat.stop()
         if service is not None:  # the driver stopped it before the last step
             service.thread.join(COPY_STOP_S)
         return 0
@@ -74,16 +88,34 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
         logger.error("%s stopped: %s", ctx.parallel.describe(), str(e).splitlines()[0])
         return 1
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         destroy_distributed()
 
 
-def serve_steps(runner: ModelRunner, groups: DistributedGroups) -> None:
-    """Run each SchedulerOutput the driver broadcasts; ``None`` means stop."""
+def serve_steps(runner: ModelRunner, groups: DistributedGroups,
+                driver_lost: Callable[[str], None] | None = None) -> None:
+    """Run each SchedulerOutput the driver broadcasts; ``None`` means stop. A failed wait
+    for the next step means the driver is gone: ``driver_lost(reason)``, if given."""
     while True:
-        step = receive_step(groups.control)
+        try:
+            step = receive_step(groups.control)
+        except RuntimeError:  # gloo's "Connection closed by peer" and its advice
+            if driver_lost is None:
+                raise
+            driver_lost("its connection closed while this rank waited for a step")
+            raise
         if step is None:
             return
         runner.execute_model(step)
+
+
+def _driver_gone(parallel: ParallelConfig, reason: str) -> None:
+    """Say, once, that rank 0's node is gone, and exit 2 (whatever the main thread waits on)."""
+    with _gone:
+        print(f"kvmem: error: {parallel.describe()}: rank 0 at {parallel.master_addr} is gone "
+              f"({reason}); stopping", file=sys.stderr, flush=True)
+        os._exit(2)
 
 
 def _start_copy_service(ctx: RankContext, state) -> CopyService | None:
