@@ -130,7 +130,7 @@ class DiskStore(BlockStore):
         self.shared.recount()
 
     def path_of(self, name: str) -> Path:
-        return self.root / name[:2] / f"{name}{SUFFIX}"
+        return block_path(self.root, name)
 
     def _scan(self) -> None:
         """Index the block files an earlier process left under this identity; remove
@@ -336,6 +336,19 @@ class DiskStore(BlockStore):
     def close(self) -> None:
         """Let go of the namespace's ledger."""
         self.shared.close()
+
+
+def block_path(root: Path, name: str) -> Path:
+    """Where the block ``name`` of the namespace ``root`` is stored."""
+    return root / name[:2] / f"{name}{SUFFIX}"
+
+
+def on_disk(root: Path, name: str) -> bool:
+    """Whether the namespace ``root`` has a regular file for ``name`` (one ``lstat``)."""
+    try:
+        return stat.S_ISREG(os.lstat(block_path(root, name)).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def check_disk_budget(budget_bytes: int, root: Path, names: SettingNames = FLAG_NAMES) -> None:

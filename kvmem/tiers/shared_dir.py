@@ -17,6 +17,10 @@ and an unlinked open file stays readable. A process whose index still names a re
 file finds it missing at its next load and recomputes those tokens.
 
 A namespace on a read-only file system has no ledger (nothing is written there).
+
+``tier_id`` names the namespace where it lies: a random id written once (``tier.id``), so
+that a router hearing of a block from several instances sharing it counts it once, and
+two volumes holding the same model are told apart.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ import fcntl
 import os
 import stat
 import struct
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LEDGER = "usage.lock"
+TIER_ID = "tier.id"
 _COUNT = struct.Struct("<Q")
 LOW_WATER_FRACTION = 1 / 16  # an eviction scan frees this much of the budget beyond the need
 
@@ -45,6 +52,24 @@ def block_files(root: Path, suffix: str) -> Iterator[tuple[str, os.DirEntry]]:
                 for entry in files:
                     if entry.name.endswith(suffix) and entry.is_file(follow_symlinks=False):
                         yield entry.name[:-len(suffix)], entry
+
+
+def tier_id(root: Path) -> str:
+    """The namespace's id: read from ``tier.id``, which the first process to ask writes
+    (``O_EXCL``: the others read the winner's); '' when it can be neither read nor made."""
+    path = root / TIER_ID
+    with contextlib.suppress(FileExistsError, OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex)
+    for _ in range(50):  # the winner may not have written it yet
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd) as f:
+                if len(text := f.read(64).strip()) == 32:
+                    return text
+        time.sleep(0.01)
+    return ""
 
 
 class SharedUsage:

@@ -13,6 +13,11 @@ or a load of it (``describe``). A block counts as stored in a tier once every ra
 its share there, and as removed when the first rank lets it go, as vLLM's connectors
 count events common to all workers. A block a restarted server finds on disk is
 announced once a request's load first describes it (its vLLM hash is not known before).
+
+The disk tier may be shared by every instance of the model (one directory): its events
+carry ``ownership="kvmem-disk:<id>"``, the id of the tier's namespace, the same in every
+instance sharing it, so a router counts a block stored there once, not once per instance
+that tells of it. The CPU tier is each instance's own and carries none.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class TierEvents:
         self._pending: OrderedDict[str, _Block] = OrderedDict()  # described, not held yet
         self._announced: set[tuple[str, str]] = set()
         self._events: list[KVCacheEvent] = []
+        self.disk_tier_id = ""  # the shared disk tier's id (rank 0's first report)
 
     def describe(self, name: str, request: Any, index: int, group: int) -> None:
         """Learn block ``index`` of ``request`` (KV cache group ``group``), kvmem's ``name``."""
@@ -111,7 +117,8 @@ class TierEvents:
                     self._announced.discard(key)
                     block = self._blocks[name]
                     self._events.append(BlockRemoved(block_hashes=[block.block_hash],
-                                                     medium=MEDIA[tier], group_idx=block.group))
+                                                     medium=MEDIA[tier], group_idx=block.group,
+                                                     **self._owner(tier)))
                 if self._ranks[key] <= 0:
                     del self._ranks[key]
                 if self._held[name] <= 0:
@@ -127,7 +134,14 @@ class TierEvents:
             block_hashes=[block.block_hash], parent_block_hash=block.parent_hash,
             token_ids=block.token_ids.tolist(), block_size=self.block_size,
             lora_id=block.lora_id, medium=MEDIA[tier], lora_name=block.lora_name,
-            extra_keys=block.extra_keys, group_idx=block.group))
+            extra_keys=block.extra_keys, group_idx=block.group, **self._owner(tier)))
+
+    def _owner(self, tier: str) -> dict[str, str]:
+        """The shared disk tier's name, where vLLM's events have the field for it."""
+        if tier != "disk" or not self.disk_tier_id or \
+                "ownership" not in BlockStored.__struct_fields__:
+            return {}
+        return {"ownership": f"kvmem-disk:{self.disk_tier_id}"}
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

@@ -10,7 +10,10 @@ Workers to scheduler, once per step (``TierReport``): which blocks became readab
 rank's tiers and which left them, in order, so the scheduler answers prefix lookups from
 its own view without asking the workers. A rank's first report (its disk tier's blocks
 from earlier processes included) tells the scheduler the rank is up. With vLLM's KV events
-on, the same changes tier by tier, for the events of each medium (``events``).
+on, the same changes tier by tier, for the events of each medium (``events``). A rank
+with a disk tier names, in its first report, its namespace and the namespace's id
+(``disk_tiers``): the scheduler looks there by name for blocks other instances sharing
+the directory wrote, and names the shared tier in its events.
 
 A block is named ``kvmem.tiers.blocks.key_name((group, hash))``: its KV cache group and
 kvmem's chained prefix hash (``kvmem.cache.hashing``), stable across processes.
@@ -53,11 +56,13 @@ class TierReport(KVConnectorWorkerMetadata):
 
     changes: dict[int, list[tuple[str, bool]]] = field(default_factory=dict)
     tier_changes: dict[int, list[tuple[str, str, bool]]] = field(default_factory=dict)
+    disk_tiers: dict[int, tuple[str, str]] = field(default_factory=dict)  # (namespace, id)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> TierReport:
         assert isinstance(other, TierReport)
         return TierReport(_merged(self.changes, other.changes),
-                          _merged(self.tier_changes, other.tier_changes))
+                          _merged(self.tier_changes, other.tier_changes),
+                          {**self.disk_tiers, **other.disk_tiers})
 
 
 def _merged(mine: dict[int, list], theirs: dict[int, list]) -> dict[int, list]:

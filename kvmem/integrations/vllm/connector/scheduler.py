@@ -8,6 +8,10 @@ cache salt), so a hit is the same in any process and after a restart. A stored b
 named by its KV cache group and hash: a hybrid model's groups (full attention beside
 sliding-window or chunked local layers) are stored and loaded each by its own rules.
 
+A block no rank reported is still loadable when every rank's disk namespace has its file:
+another instance of the model sharing the directory wrote it (one ``lstat`` per rank; the
+worker indexes the file when it loads it, and a file gone meanwhile is recomputed).
+
 - ``get_num_new_matched_tokens``: from vLLM's own (block-aligned) hit, the longest run of
   following blocks that every group can be restored to, by vLLM's hybrid rules (a full
   group needs every block of the run; a sliding-window group only the blocks of its window
@@ -35,9 +39,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmem.cache.hashing import BlockHash, encode_extra_keys, extend_block_hashes
+from kvmem.cache.results import NULL_BLOCK_ID as NULL_BLOCK
 from kvmem.integrations.vllm.connector.layout import GroupRule, block_ids_per_group
 from kvmem.integrations.vllm.connector.meta import (
     BlockTransfer,
@@ -45,12 +51,11 @@ from kvmem.integrations.vllm.connector.meta import (
     TierReport,
 )
 from kvmem.tiers.blocks import key_name
+from kvmem.tiers.disk_store import on_disk
 from kvmem.tiers.stats import block_tokens, prefill_step_tokens
 
 if TYPE_CHECKING:
     from kvmem.integrations.vllm.connector.events import TierEvents
-
-NULL_BLOCK = 0  # vLLM's null block: a position a group does not keep
 
 
 @dataclass
@@ -89,6 +94,7 @@ class SchedulerSide:
         self._loads: list[BlockTransfer] = []
         self._stores: list[BlockTransfer] = []
         self._held: dict[str, list[int]] = {}  # request -> blocks vLLM keeps for its store
+        self._disk_roots: dict[int, Path] = {}  # rank -> its disk tier's namespace
 
     # -- lookups --------------------------------------------------------------------------
     def _block_hashes(self, request: Any, num_blocks: int, extra: bytes) -> list[BlockHash]:
@@ -97,7 +103,11 @@ class SchedulerSide:
                                    self.block_size, extra)[:num_blocks]
 
     def loadable(self, key: tuple[int, bytes]) -> bool:
-        return self._holders[key_name(key)] >= self.num_ranks
+        name = key_name(key)
+        if self._holders[name] >= self.num_ranks:
+            return True
+        return len(self._disk_roots) == self.num_ranks and all(
+            on_disk(root, name) for root in self._disk_roots.values())
 
     def _longest_restorable(self, hashes: list[BlockHash], start: int, end: int) -> int:
         """The largest ``stop <= end`` such that every group can have the blocks it keeps
@@ -220,6 +230,10 @@ class SchedulerSide:
             self._held.pop(request_id, None)
         report = output.kv_connector_worker_meta
         if isinstance(report, TierReport):
+            for rank, (root, tier) in report.disk_tiers.items():
+                self._disk_roots[rank] = Path(root)
+                if self.events is not None and rank == 0 and tier:
+                    self.events.disk_tier_id = tier
             for rank, events in report.changes.items():
                 self._reported.add(rank)
                 for name, held in events:

@@ -46,6 +46,7 @@ from kvmem.plan.types import rank_label
 from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.faults import Faults
 from kvmem.tiers.manager import OffloadManager
+from kvmem.tiers.shared_dir import tier_id
 from kvmem.tiers.stats import PrefillMeter
 from kvmem.tiers.weights import weights_digest
 
@@ -269,9 +270,12 @@ class WorkerSide:
             tier_changes, self._tier_changes = self._tier_changes, []
         if not changes and not tier_changes and self._reported:
             return None
+        disk = self.offload.disk
+        disk_tiers = {self.place.rank: (str(disk.root), tier_id(disk.root))} \
+            if not self._reported and disk is not None and disk.enabled else {}
         self._reported = True
         return TierReport({self.place.rank: changes},
-                          {self.place.rank: tier_changes} if tier_changes else {})
+                          {self.place.rank: tier_changes} if tier_changes else {}, disk_tiers)
 
     def stats(self) -> KvmemConnectorStats | None:
         """What this rank's tiers did since the last call; None when nothing changed."""
