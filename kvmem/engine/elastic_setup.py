@@ -39,7 +39,7 @@ import torch
 
 from kvmem.engine.config import EngineConfig
 from kvmem.errors import ConfigError
-from kvmem.memory import ElasticKVStorage, Ledger, PageMapCoordinator
+from kvmem.memory import ElasticKVStorage, Ledger, PageMapCoordinator, reclaim
 from kvmem.memory.budget import MemoryWait
 from kvmem.memory.sizing import CUDA_GRANULARITY, ElasticSizing, plan_elastic, useful_blocks
 from kvmem.memory.storage import SlotShape
@@ -210,12 +210,10 @@ class ElasticSetup:
         storage = self._storage()
         if storage.budget is None or self.pool is None or not num_tokens:
             return False
-        s, table = self.sizing, storage.table
-        blocks = 1 + sum(self.need_blocks(n) - 1 for n in num_tokens)  # the null block once
-        have = self.pool.usage().used + 1 + table.free_within(0)
-        pages = -(-max(0, blocks - have) // s.blocks_per_page)
-        coming = pages > 0 and storage.budget.want(pages * s.page_bytes)
-        return self._memory_wait(coming, table.held_bytes)
+        blocks = sum(self.need_blocks(n) - 1 for n in num_tokens)  # less the null block
+        more = blocks - self.pool.usage().used
+        coming = reclaim.ask_for_blocks(storage.table, storage.budget, more)
+        return self._memory_wait(coming, storage.table.held_bytes)
 
     # -- the scheduler's view ------------------------------------------------------------
     def fits_limit(self, num_tokens: int) -> bool:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from kvmem.errors import ConfigError
 from kvmem.memory import wake
@@ -49,6 +49,16 @@ from kvmem.memory.sharing import (
 
 log = logging.getLogger("kvmem.memory")
 T = TypeVar("T")
+
+
+class Budget(Protocol):
+    """What a page table takes the bytes of its pages from: an engine's ledger entry
+    (``EngineBudget``), or vLLM's view of it within a step
+    (``integrations.vllm.elastic.pool.LedgerView``)."""
+
+    def try_acquire(self, nbytes: int) -> bool: ...
+
+    def release(self, nbytes: int) -> None: ...
 
 
 @dataclass(frozen=True)

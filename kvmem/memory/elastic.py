@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import ceil
 from typing import TYPE_CHECKING, Any
 
+from kvmem.cache.results import NULL_BLOCK_ID as NULL_BLOCK
 from kvmem.errors import ConfigError
+from kvmem.memory import reclaim
 from kvmem.memory.backends import PageBackend, make_backend
 from kvmem.memory.budget import EngineBudget
 from kvmem.memory.faults import with_injected_faults
@@ -42,8 +43,6 @@ from kvmem.memory.storage import SlotShape
 
 if TYPE_CHECKING:
     import torch
-
-NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -174,11 +173,7 @@ class ElasticKVStorage:
                                    len(t.cached) * t.block_bytes)
         with t.cond:
             t.cond.notify_all()  # the caps it read (the budget keeps them) may free work
-        over = 0 if state.allowed_bytes is None else t.held_bytes - state.allowed_bytes
-        want = max(over, state.reclaim_bytes)
-        given = self._reclaim(want) if want > 0 else 0
-        if state.reclaim_bytes:
-            self.budget.gave_back(given)
+        reclaim.answer(t, self.budget, state, self._reclaim)
 
     def _watch(self) -> bool:
         """Whether an ask to give back, or a lowered limit, waits in the ledger."""
@@ -188,26 +183,10 @@ class ElasticKVStorage:
                                            and self.table.held_bytes > state.allowed_bytes)
 
     def give_back(self, nbytes: int, evict: Callable[[list[int]], None] | None = None) -> int:
-        """Give about ``nbytes`` back: every wholly free page (mapping ahead stops until
-        the engine allocates again) and, with ``evict`` (which takes cached-free blocks
-        out of the prefix cache, leaving them free), pages holding only cached blocks,
-        least recently used first, never going below the engine's floor. Returns the
-        bytes released to the ledger."""
-        t = self.table
+        """Give about ``nbytes`` back (``reclaim.give_back``: free pages, then, with
+        ``evict``, pages of cached blocks only); the bytes released to the ledger."""
         floor = self.budget.floor_bytes if self.budget is not None else 0
-        before = t.held_bytes
-        with t.cond:
-            t.reserve_suspended = True
-            pages = min(ceil(nbytes / t.page_bytes), max(0, before - floor) // t.page_bytes)
-        short = pages - t.idle_pages()
-        if evict is not None and short > 0:
-            victims = t.cached_victims(short)
-            if victims:
-                evict(victims)
-        t.trim_idle()
-        while t.maintain_once():
-            pass
-        return max(0, before - t.held_bytes)
+        return reclaim.give_back(self.table, nbytes, floor, evict)
 
     def rank_file(self) -> RankFile | None:
         """This rank's memory file and page layout, for rank 0 to release its pages in

@@ -29,7 +29,7 @@ from math import ceil
 
 from kvmem.errors import KvmemError
 from kvmem.memory.backends import BackendError, PageBackend
-from kvmem.memory.budget import EngineBudget
+from kvmem.memory.budget import Budget
 from kvmem.memory.pages import PageGeometry
 from kvmem.memory.wait import wait_for
 
@@ -55,7 +55,7 @@ class PageOp:
 
 class PageTable:
     def __init__(self, geometry: PageGeometry, backend: PageBackend,
-                 budget: EngineBudget | None = None, *, reserve_pages: int = 2,
+                 budget: Budget | None = None, *, reserve_pages: int = 2,
                  wait_timeout: float = 30.0, record_ops: bool = False,
                  owner: str = "") -> None:
         self.geo = geometry

@@ -45,18 +45,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from math import ceil
 from typing import Any
 
+from kvmem.cache.results import NULL_BLOCK_ID as NULL_BLOCK
 from kvmem.errors import KvmemError
 from kvmem.integrations.vllm.elastic.release import BlockRange, WorkerFiles
+from kvmem.memory import reclaim
 from kvmem.memory.budget import BudgetState, EngineBudget
 from kvmem.memory.page_table import PageState, PageTable
 from kvmem.memory.pages import PageGeometry
 
 log = logging.getLogger("vllm.kvmem.elastic")  # shown and formatted as vLLM's own lines
 
-NULL_BLOCK = 0
 BACKOFF_S = 0.01
 __all__ = ["BlockRange", "ElasticBlockQueue", "ElasticPool", "LedgerView", "PoolStats"]
 
@@ -238,32 +238,24 @@ class ElasticPool:
 
     def maintain(self) -> None:
         """Read the ledger; give back what other engines ask for or what is over the
-        limit (free pages, then cached-only pages); trim free pages."""
-        t = self.table
+        limit (``kvmem.memory.reclaim``: free pages, then cached-only pages); trim free
+        pages."""
+        t, budget = self.table, self.view.budget
         state = self.view.refresh(self.used_bytes, len(t.cached) * self.block_bytes)
-        room = self.view.room
-        want = max(0 if room is None else -room, state.reclaim_bytes)
-        before = t.held_bytes
-        if want > 0:
-            floor = self.view.budget.floor_bytes
-            pages = min(ceil(want / self.page_bytes), max(0, before - floor) // self.page_bytes)
-            victims = t.cached_victims(pages - t.idle_pages())
-            if victims:
-                self._evict(set(victims))
-                t.remove_cached(victims)
-                t.push_free(victims)
-        t.trim_idle()
-        while t.maintain_once():
-            pass
-        if state.reclaim_bytes:
-            self.view.budget.gave_back(max(0, before - t.held_bytes))
+        reclaim.answer(t, budget, state,
+                       lambda n: reclaim.give_back(t, n, budget.floor_bytes, self._drop_cached))
+        reclaim.trim(t)
+
+    def _drop_cached(self, victims: list[int]) -> None:
+        """Evict cached-free blocks from vLLM's prefix cache: they become free blocks."""
+        self._evict(set(victims))
+        self.table.remove_cached(victims)
+        self.table.push_free(victims)
 
     def want(self, blocks: int) -> bool:
         """Requests need ``blocks`` more: ask other engines for what the device total
         keeps from them (once for all of them); whether some is coming."""
-        free = self.table.free_within(0)
-        pages = ceil(max(0, blocks - free) / self.blocks_per_page)
-        return bool(pages) and self.view.budget.want(pages * self.page_bytes)
+        return reclaim.ask_for_blocks(self.table, self.view.budget, blocks)
 
     @property
     def used_bytes(self) -> int:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvmem.cache.results import NULL_BLOCK_ID as NULL_BLOCK
 from kvmem.errors import ConfigError, KvmemError
 from kvmem.integrations.vllm.elastic.config import ElasticSettings
 from kvmem.integrations.vllm.elastic.layout import GranuleMap, KVLayout
@@ -49,8 +50,6 @@ from kvmem.memory.backends import BackendError, PageBackend, make_backend
 from kvmem.memory.shared_mmap import SharedMmapBackend
 
 log = logging.getLogger("vllm.kvmem.elastic")
-
-NULL_BLOCK = 0
 
 
 class ElasticMapError(KvmemError):
