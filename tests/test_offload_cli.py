@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -216,3 +217,35 @@ def test_tier_capacity_gauges_for_routers():
         ("kvmem_tier_capacity_blocks", "disk", "used"): 70,
         ("kvmem_tier_capacity_blocks", "disk", "total"): 90,
     }
+
+
+@pytest.mark.slow
+def test_two_serve_instances_share_one_disk_tier(model_dir, tmp_path):
+    """Two `kvmem serve` instances of one model on one disk directory, both running: B's
+    first request for a prompt A served loads A's blocks (same text), and both instances'
+    capacity gauges count the namespace's blocks, A's included."""
+    flags = ["--disk-offload-dir", str(tmp_path / "tier"), "--disk-offload-gib", "0.01",
+             "--max-model-len", "192"]
+    servers = [start_server(model_dir, *flags) for _ in range(2)]
+    try:
+        (_, a), (_, b) = servers
+        prompt = "".join(chr(97 + i % 26) for i in range(150))  # 9 full blocks past the first
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True}
+        first = httpx.post(f"{a}/v1/completions", json=body, timeout=120).json()
+        disk = '{model_name="tiny",tier="disk"}'
+        deadline = time.monotonic() + 60
+        while scrape(a)[f"kvmem_offload_stored_blocks_total{disk}"] < 9:
+            assert time.monotonic() < deadline, "A's blocks were not written"
+            time.sleep(0.2)
+        second = httpx.post(f"{b}/v1/completions", json=body, timeout=120).json()
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        after = scrape(b)
+        assert after[f"kvmem_offload_hits_total{disk}"] == 9
+        for base in (a, b):
+            used = scrape(base)['kvmem_tier_capacity_blocks{kind="used",model_name="tiny",'
+                                'tier="disk"}']
+            assert used == 9
+    finally:
+        for proc, _ in servers:
+            assert stop_server(proc) == 0
