@@ -97,6 +97,7 @@ class Hub:
                  sizes: dict[str, int] | None = None):
         self.repos, self.gated, self.sizes = repos, gated, sizes or {}
         self.requests: list[tuple[str, str, str | None]] = []  # method, path, Range
+        self.tokens: list[tuple[str, str]] = []  # path, Authorization: every one sent
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -119,6 +120,8 @@ class Hub:
 
     def answer(self, req: BaseHTTPRequestHandler, body: bool) -> None:
         self.requests.append((req.command, req.path, req.headers.get("Range")))
+        if req.headers.get("Authorization"):
+            self.tokens.append((req.path, req.headers["Authorization"]))
         path = req.path.split("?")[0]
         if path.startswith("/api/models/"):
             repo, _, _rev = path.removeprefix("/api/models/").partition("/revision/")
@@ -345,7 +348,8 @@ def test_the_page_plans_a_hub_repo_and_answers_400_for_a_missing_one(hub, tmp_pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    environ |= {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")}
+    # the server holds a token; the page must not lend it to whoever asks
+    environ |= {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": TOKEN}
     page = subprocess.Popen([*KVMEM, "ui", "--port", str(port)],
                             env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -368,6 +372,9 @@ def test_the_page_plans_a_hub_repo_and_answers_400_for_a_missing_one(hub, tmp_pa
         status, body = api("acme/missing")
         assert status == 400 and body["field"] == "model"
         assert "no model repo acme/missing on the Hub" in body["error"]
+        status, body = api("acme/gated")
+        assert status == 400 and "gated" in body["error"]
+        assert hub.tokens == []  # the page asked the Hub anonymously
     finally:
         page.terminate()
         page.wait(timeout=30)

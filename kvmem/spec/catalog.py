@@ -91,8 +91,9 @@ def catalog_config(name: str) -> tuple[str, dict[str, Any]]:
     return entry.hf_id, cfg
 
 
-def named_spec(name: str) -> ModelSpec:
-    """The model ``name`` stands for: a catalog entry, else the Hub repo of that id."""
+def named_spec(name: str, *, hub_token: bool | None = None) -> ModelSpec:
+    """The model ``name`` stands for: a catalog entry, else the Hub repo of that id
+    (``hub_token``: as ``kvmem.spec.hub.hub_spec``'s ``token``)."""
     from kvmem.spec.config import spec_from_config
     from kvmem.spec.hub import hub_spec, is_repo_id
 
@@ -102,7 +103,7 @@ def named_spec(name: str) -> ModelSpec:
         if not is_repo_id(name.strip()):
             raise
         try:
-            return hub_spec(name.strip())
+            return hub_spec(name.strip(), token=hub_token)
         except ConfigError as e:  # a repo id one letter off a catalog id may be a typo
             raise ConfigError(f"{e}{_close_names(name, cutoff=0.8)}") from None
     return spec_from_config(cfg, name=entry_name)

@@ -55,19 +55,22 @@ def is_repo_id(name: str) -> bool:
     return True
 
 
-def hub_spec(repo_id: str) -> ModelSpec:
+def hub_spec(repo_id: str, *, token: bool | None = None) -> ModelSpec:
     """The ModelSpec of the Hub repo ``repo_id``, with its checkpoint's tensor sizes when it
-    has safetensors weights (else the planner estimates them from the config)."""
+    has safetensors weights (else the planner estimates them from the config).
+
+    ``token``: None sends ``HF_TOKEN`` as huggingface_hub does; False asks anonymously, as
+    a server must for requests from others (public repos only)."""
     from kvmem.spec.config import spec_from_config
 
     if not is_repo_id(repo_id):
         raise UnknownModelError(f"unknown model {repo_id!r}: not a path, not in the catalog "
                                 "and not a Hub repo id (org/name)")
-    path = _fetch(repo_id, CONFIG)
+    path = _fetch(repo_id, CONFIG, token)
     cfg = _read_config(repo_id, path)
     cfg.setdefault("_name_or_path", repo_id)
     spec = spec_from_config(cfg, name=repo_id)
-    tensors = _checkpoint_tensors(repo_id, commit=path.parent.name)
+    tensors = _checkpoint_tensors(repo_id, commit=path.parent.name, token=token)
     if tensors is None:
         return spec
     return replace(spec, extra={**spec.extra,
@@ -138,7 +141,7 @@ def _hub_calls(repo_id: str):
             enable_progress_bars()
 
 
-def _fetch(repo_id: str, filename: str) -> Path:
+def _fetch(repo_id: str, filename: str, token: bool | None) -> Path:
     """The cached path of ``filename`` of the repo: downloaded when the Hub has a newer one
     (refused before downloading when larger than a config can be), the cached copy when
     the Hub cannot be reached. One request without retries decides: a machine without
@@ -151,7 +154,7 @@ def _fetch(repo_id: str, filename: str) -> Path:
         if _offline():
             return Path(hf_hub_download(repo_id, filename, local_files_only=True))
         try:
-            size = get_hf_file_metadata(hf_hub_url(repo_id, filename),
+            size = get_hf_file_metadata(hf_hub_url(repo_id, filename), token=token,
                                         timeout=constants.HF_HUB_ETAG_TIMEOUT).size
         except HfHubHTTPError:
             raise
@@ -165,7 +168,7 @@ def _fetch(repo_id: str, filename: str) -> Path:
         if size is not None and size > JSON_LIMIT:
             raise ConfigError(f"{repo_id}'s {filename} is {format_bytes(size)}, larger than "
                               f"a config can be; {_pass_config(repo_id)}")
-        return Path(hf_hub_download(repo_id, filename))
+        return Path(hf_hub_download(repo_id, filename, token=token))
 
 
 def _read_config(repo_id: str, path: Path) -> dict[str, Any]:
@@ -182,7 +185,8 @@ def _read_config(repo_id: str, path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- weights: safetensors headers
 
-def _checkpoint_tensors(repo_id: str, commit: str) -> tuple[Tensor, ...] | None:
+def _checkpoint_tensors(repo_id: str, commit: str,
+                        token: bool | None) -> tuple[Tensor, ...] | None:
     """Every tensor of the repo's safetensors checkpoint at ``commit`` (None: it has none),
     from the assets cache, else from the headers on the Hub (then cached)."""
     from huggingface_hub import cached_assets_path
@@ -200,20 +204,20 @@ def _checkpoint_tensors(repo_id: str, commit: str) -> tuple[Tensor, ...] | None:
             pass  # a damaged cache entry is read again
     if _offline():
         return None  # the planner estimates the weights from the config
-    tensors = _read_headers(repo_id, commit)
+    tensors = _read_headers(repo_id, commit, token)
     if cached is not None:
         with suppress(OSError):  # kept for the next run only when the cache can be written
             cached.write_text(json.dumps({"tensors": tensors}))
     return tensors
 
 
-def _read_headers(repo_id: str, commit: str) -> tuple[Tensor, ...] | None:
+def _read_headers(repo_id: str, commit: str, token: bool | None) -> tuple[Tensor, ...] | None:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
 
     with _hub_calls(repo_id):
         try:
-            metadata = HfApi().get_safetensors_metadata(repo_id, revision=commit)
+            metadata = HfApi(token=token).get_safetensors_metadata(repo_id, revision=commit)
         except NotASafetensorsRepoError:
             return None
         except (SafetensorsParsingError, ValueError, TypeError, KeyError, AttributeError) as e:

@@ -133,7 +133,9 @@ def _spec(model: str, config: str) -> tuple[ModelSpec, str]:
         raise QueryError("give a model: a catalog name (see `kvmem models`) or a pasted "
                          "config.json", "model")
     try:
-        spec = named_spec(model)  # the catalog's, else the Hugging Face Hub's
+        # the catalog's, else the Hub's, asked anonymously: the page serves others, who must
+        # not read private or gated repos with this server's HF_TOKEN
+        spec = named_spec(model, hub_token=False)
         return spec, spec.name
     except KvmemError as e:
         raise QueryError(str(e), "model") from None
