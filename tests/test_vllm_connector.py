@@ -74,6 +74,7 @@ from kvmem.cache.hashing import hash_request_tokens
 from kvmem.tiers.blocks import key_name
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 assert KvmemConnector.__name__ == "KvmemConnector" and supports_hma(KvmemConnector)
@@ -124,20 +125,24 @@ assert not side.has_pending_block_frees()
 assert side.request_finished(request("v", computed=7), [3, 4]) == (False, None)  # all held
 assert side.request_finished(request("w", mm_features=[1], computed=17), [1, 2]) == (False, None)
 
-def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16, sleep=False, mamba=False):
+def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16, sleep=False, mamba=None):
     pc = NS(world_size=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    if mamba:
-        spec = MambaSpec(block_size=block, shapes=((4, 4),), dtypes=(torch.float32,))
+    specs = [spec] * groups
+    if mamba:  # a hybrid: a state group (its own block size in vLLM's "none" mode) first
+        specs = [MambaSpec(block_size=1024, shapes=((4, 4),), dtypes=(torch.float32,),
+                           mamba_type=MambaAttentionBackendEnum[mamba]), *specs]
     return (NS(parallel_config=pc, cache_config=NS(block_size=sched_block),
                model_config=NS(enable_sleep_mode=sleep)),
-            NS(kv_cache_groups=[NS(kv_cache_spec=spec)] * groups))
+            NS(kv_cache_groups=[NS(kv_cache_spec=s) for s in specs]))
 
 assert _check_deployment(*deployment()) == ([GroupRule("full")], 16)
 assert _check_deployment(*deployment(groups=2))[0] == [GroupRule("full")] * 2
 assert _check_deployment(*deployment(tp=2, pp=2))[1] == 16  # every rank keeps its own shard
 for kw, text in [({"sleep": True}, "does not support sleep mode"),
-                 ({"mamba": True}, "MambaSpec cannot be offloaded"),
+                 ({"mamba": "GDN_ATTN"}, "this model's Gated DeltaNet layers keep a "
+                  "per-request state (vLLM's MambaSpec), which kvmem's tiers do not store"),
+                 ({"mamba": "MAMBA2"}, "this model's Mamba2 layers keep a per-request state"),
                  ({"block": 32}, "block size 32")]:
     try:
         _check_deployment(*deployment(**kw))

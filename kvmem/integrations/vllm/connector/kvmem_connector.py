@@ -32,7 +32,9 @@ log line; with ``--kv-events-config``, blocks stored to and evicted from the tie
 published in vLLM's KV event stream under vLLM's block hashes (``events``).
 
 Not supported, refused at start-up with one line: KV cache specs that are not attention
-(Mamba and other per-request state), groups of different block sizes, and sleep mode
+(the per-request state of Gated DeltaNet, Mamba2 and other linear-attention layers of
+hybrid models: a reloaded prefix would need the state at its last token, which the tiers
+do not keep), groups of different block sizes, and sleep mode
 (``supports_sleep_mode`` is False): sleep mode exists to free or replace the weights while
 the engine sleeps, and the tiers, keyed by the checkpoint's digest, would then serve KV the
 new weights did not compute.

@@ -12,9 +12,11 @@ and every layout round-trips byte for byte, on the CPU and on CUDA; vLLM's kerne
 their layout.
 
 The slots are the distinct views: layers of different groups that alias the same bytes
-are one slot, copied once. Specs other than attention (Mamba states and other per-request
-state) are refused at start-up in one line, as is a tensor whose shape does not match its
-group's blocks; so is a model whose groups have different block sizes.
+are one slot, copied once. Specs other than attention are refused at start-up in one line:
+per-request state (vLLM's ``MambaSpec``: Gated DeltaNet, Mamba2 and other linear-attention
+layers of hybrid models) says why, since a reloaded prefix needs the state at its last
+token, which the tiers do not keep. So is a tensor whose shape does not match its group's
+blocks, and a model whose groups have different block sizes.
 """
 
 from __future__ import annotations
@@ -72,18 +74,35 @@ def group_rule(spec: Any) -> GroupRule:
         return GroupRule("chunked", int(chunk))
     if name in ("FullAttentionSpec", "MLAAttentionSpec") and not window and not chunk:
         return GroupRule("full")
+    if name == "MambaSpec":
+        raise ConfigError(state_refusal(spec))
     raise ConfigError(f"{PREFIX}: KV cache spec {name} cannot be offloaded (kvmem offloads "
                       "full, sliding-window, chunked local and MLA attention blocks)")
+
+
+_STATE_LAYERS = {"GDN_ATTN": "Gated DeltaNet", "MAMBA2": "Mamba2", "MAMBA1": "Mamba",
+                 "LINEAR": "linear attention", "SHORT_CONV": "short convolution"}
+
+
+def state_refusal(spec: Any) -> str:
+    """Why a model with per-request state layers (vLLM's ``MambaSpec``) is refused."""
+    kind = getattr(getattr(spec, "mamba_type", None), "name", "")
+    layers = _STATE_LAYERS.get(kind, "recurrent")
+    return (f"{PREFIX}: this model's {layers} layers keep a per-request state (vLLM's "
+            "MambaSpec), which kvmem's tiers do not store: a prefix reloaded without the "
+            "state at its last token would give wrong outputs, so the connector refuses "
+            "hybrid linear-attention models (start vLLM without it)")
 
 
 def group_rules(kv_cache_config: Any) -> tuple[list[GroupRule], int]:
     """Each group's rule and the one block size they share."""
     groups = kv_cache_config.kv_cache_groups
+    rules = [group_rule(g.kv_cache_spec) for g in groups]  # a state group's refusal first
     sizes = {g.kv_cache_spec.block_size for g in groups}
     if len(sizes) != 1:
         raise ConfigError(f"{PREFIX}: KV cache groups of different block sizes "
                           f"({sorted(sizes)}) are not supported")
-    return [group_rule(g.kv_cache_spec) for g in groups], sizes.pop()
+    return rules, sizes.pop()
 
 
 def block_rows(view: torch.Tensor, num_blocks: int, name: str = "") -> torch.Tensor:
