@@ -108,12 +108,16 @@ def plan_deployment(vllm_config: Any, kv_cache_specs: list[dict], available_memo
     if len(kv_cache_specs) != tp * pp:
         raise ConfigError(f"{ENV}: {len(kv_cache_specs)} workers for tp {tp} x pp {pp} "
                           "(data or context parallel layouts are not planned)")
-    layer_spec = next(iter(s for worker in kv_cache_specs for s in worker.values()))
+    # the KV block size and dtype are the attention layers': a hybrid's state layers
+    # (MambaSpec) carry state dtypes, and without prefix caching a request-long block
+    specs = [s for worker in kv_cache_specs for s in worker.values()]
+    layer_spec = next((s for s in specs if hasattr(s, "dtype")), specs[0])
     # Without a stated value, what each worker measured is all it may use for KV.
     measured = None if vllm_config.cache_config.kv_cache_memory_bytes is not None else \
         [_kv_only(m) for m in available_memory]
     return deployment_plan(vllm_config, block_size=layer_spec.block_size,
-                           layer_dtype=layer_spec.dtype, policy=policy, profile=measured)
+                           layer_dtype=getattr(layer_spec, "dtype", None), policy=policy,
+                           profile=measured)
 
 
 def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
@@ -126,7 +130,7 @@ def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
 
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    spec = spec_from_config(model.hf_config.to_dict(), name=str(model.model))
+    spec = spec_from_config(config_dict(model.hf_config), name=str(model.model))
     # vLLM's own split: VLLM_PP_LAYER_PARTITION, else its even split.
     bounds = [get_pp_indices(spec.num_layers, stage, pp) for stage in range(pp)]
     explicit = vllm_config.cache_config.kv_cache_memory_bytes
@@ -155,6 +159,16 @@ def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
     layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                     layer_partition=[end - start for start, end in bounds])
     return plan(spec, layout, settings, policy, profile=profile)
+
+
+def config_dict(hf_config: Any) -> dict[str, Any]:
+    """The model's config as kvmem's spec reads it: ``to_dict()``, and ``num_hidden_layers``
+    where the config derives it from its layer list and writes only that (transformers'
+    Nemotron-H: ``layers_block_type``)."""
+    config = hf_config.to_dict()
+    if "num_hidden_layers" not in config and hasattr(hf_config, "num_hidden_layers"):
+        config["num_hidden_layers"] = hf_config.num_hidden_layers
+    return config
 
 
 def _kv_only(kv_bytes: int) -> RankProfile:
