@@ -20,6 +20,7 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.logger import init_logger
 
 from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.elastic import hybrid
 from kvmem.integrations.vllm.elastic.config import LIMIT_ENV, ElasticSettings
 from kvmem.integrations.vllm.elastic.config import ledger_device as elastic_ledger_device
 from kvmem.integrations.vllm.elastic.layout import KVLayout, TensorPlacement
@@ -52,13 +53,19 @@ class ElasticStepMeta(KVConnectorMetadata):
     block_bytes: tuple[int, ...] | None = None
 
 
-def rank_block_bytes(vllm_config: VllmConfig, own: int) -> list[int]:
+def rank_block_bytes(vllm_config: VllmConfig, own: int,
+                     kv_cache_config: KVCacheConfig | None = None) -> list[int]:
     """Every worker's KV bytes per block, in rank order, from the scheduler's (stage 0's)
-    own: pipeline stages hold their share of the layers (vLLM's split)."""
+    own: pipeline stages hold their share of the layers (vLLM's split); a hybrid's, the
+    KV tensors kvmem's plan gives them (``hybrid``)."""
     pc = vllm_config.parallel_config
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     if pp == 1:
         return [own] * tp
+    if kv_cache_config is not None and hybrid.state_groups(kv_cache_config):
+        planned = hybrid.planned_rank_block_bytes(vllm_config, kv_cache_config, own)
+        if planned is not None:
+            return planned
     n = vllm_config.model_config.hf_text_config.num_hidden_layers
     layers = [end - start for start, end in (get_pp_indices(n, s, pp) for s in range(pp))]
     return [own * layers[stage] // layers[0] for stage in range(pp) for _ in range(tp)]
@@ -81,7 +88,7 @@ class ElasticScheduler:
                  settings: ElasticSettings) -> None:
         pc = vllm_config.parallel_config
         layout = KVLayout.from_kv_cache_config(kv_cache_config)
-        self.rank_bytes = rank_block_bytes(vllm_config, layout.block_bytes)
+        self.rank_bytes = rank_block_bytes(vllm_config, layout.block_bytes, kv_cache_config)
         device = vllm_config.device_config.device_type
         self.device = device
         self.world_size = pc.world_size
@@ -121,7 +128,7 @@ class ElasticScheduler:
             budget.close()
             raise
         self.watch = LedgerWatch(budget, lambda: self.pool.table.held_bytes)
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.block_size = hybrid.attention_block_size(kv_cache_config)
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._considered: dict[str, int] = {}  # waiting requests vLLM looked at this step
