@@ -152,7 +152,20 @@ class BlockPool:
         cached, events, on_evict = self.cached, self.events, self.evict_listener
         copies = self.copies if any(self.copies) else None
         num_evicted = 0
-        for block_id in block_ids:
+        if len(cached) == 1 and events is None and on_evict is None and copies is None:
+            group_map = cached[0]  # one group, nothing to tell: the plain loop
+            for block_id in block_ids:
+                old_hash = block_hash[block_id]
+                if old_hash is not None:
+                    del group_map[old_hash]
+                    block_hash[block_id] = None
+                    num_evicted = 1
+                ref_cnt[block_id] = 1
+                block_group[block_id] = group_id
+            general: list[int] = []
+        else:
+            general = block_ids
+        for block_id in general:
             old_hash = block_hash[block_id]
             if old_hash is not None:  # a cached-free block: evict its data (inlined: hot)
                 old_group = block_group[block_id]
