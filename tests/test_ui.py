@@ -403,6 +403,25 @@ def test_a_plan_past_the_deadline_is_refused_and_its_worker_replaced():
 
 # --- connections: deadlines, a bound on their number, HEAD/OPTIONS, clients that go away ------
 
+def test_a_disk_tier_directory_is_never_looked_up_on_the_server(server, tmp_path):
+    """The page plans a disk tier by its size: whether a path exists on the server (a file,
+    a directory, nothing) must not change the answer, or a remote user learns it."""
+    a_file = tmp_path / "secret.txt"
+    a_file.write_text("x")
+    answers = []
+    for path in (str(a_file), str(a_file / "below"), str(tmp_path), "/no/such/dir"):
+        status, body = api(server, "plan", "model=llama-3.1-8b&gpu=H100&disk_offload_gib=1"
+                           f"&disk_offload_dir={path}")
+        assert status == 200, body
+        assert body["kv_offload"]["disk"].pop("dir") == path  # named as given
+        answers.append(body["kv_offload"])
+    assert all(a == answers[0] for a in answers)
+    # the command line, on the machine it runs on, still refuses a file
+    code, _, err = cli(["plan", "llama-3.1-8b", "--gpu", "H100", "--disk-offload-gib", "1",
+                        "--disk-offload-dir", str(a_file)])
+    assert code == 2 and "is not a directory" in err
+
+
 @pytest.fixture
 def strict():
     """A server whose requests must arrive within 0.5 s, with at most 3 connections."""

@@ -48,6 +48,7 @@ def _positive_int(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = _EPILOG
+    p.set_defaults(check_disk_dir=True)  # --disk-offload-dir is on this machine
     p.add_argument("model", metavar="MODEL", nargs="?",
                    help="catalog name, config.json or model directory (with --from-vllm-log: "
                         "the logged model's, when kvmem's catalog lacks it)")
@@ -273,7 +274,8 @@ def _offload_config(args: argparse.Namespace):
     from kvmem.tiers.config import OffloadConfig
 
     return OffloadConfig.from_gib(args.cpu_offload_gib, args.disk_offload_dir,
-                                  args.disk_offload_gib, args.offload_policy)
+                                  args.disk_offload_gib, args.offload_policy,
+                                  check_dir=args.check_disk_dir)
 
 
 def kv_offload(plan, config) -> dict | None:

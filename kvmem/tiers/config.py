@@ -9,7 +9,7 @@ so the directory of a tier is named by a digest of exactly those.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -52,6 +52,9 @@ class OffloadConfig:
     # writer: a store waits for one to be free (STAGING_WAIT_S at most), then skips the disk.
     staging_bytes: int = 512 * MiB
     names: SettingNames = FLAG_NAMES
+    # False: the directory is a name in a plan for another machine, never looked at here
+    # (kvmem ui: a remote user must not learn which paths exist on the server)
+    check_dir: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 0 or self.disk_bytes < 0:
@@ -67,19 +70,20 @@ class OffloadConfig:
             raise ConfigError("max_inflight_store_blocks must be at least 1")
         if self.staging_bytes < 1:
             raise ConfigError("staging_bytes must be at least 1")
-        if self.disk_dir:
+        if self.disk_dir and self.check_dir:
             check_disk_dir(self.disk_dir, self.names)
 
     @classmethod
     def from_gib(cls, cpu_offload_gib: float = 0.0, disk_offload_dir: str | None = None,
-                 disk_offload_gib: float = 0.0, policy: str = "lru") -> OffloadConfig:
+                 disk_offload_gib: float = 0.0, policy: str = "lru",
+                 check_dir: bool = True) -> OffloadConfig:
         """Build from the CLI's GiB values (negative or non-finite values are rejected)."""
         for flag, value in (("--cpu-offload-gib", cpu_offload_gib),
                             ("--disk-offload-gib", disk_offload_gib)):
             if not value >= 0 or value == float("inf"):
                 raise ConfigError(f"{flag} must be a non-negative number of GiB, got {value!r}")
         return cls(cpu_bytes=int(cpu_offload_gib * GiB), disk_dir=disk_offload_dir,
-                   disk_bytes=int(disk_offload_gib * GiB), policy=policy)
+                   disk_bytes=int(disk_offload_gib * GiB), policy=policy, check_dir=check_dir)
 
     @property
     def enabled(self) -> bool:

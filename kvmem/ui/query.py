@@ -61,6 +61,8 @@ def plan_parser() -> argparse.ArgumentParser:
     """`kvmem plan`'s parser: the flags, types, choices and checks of the command line."""
     parser = _Parser(prog="kvmem plan", add_help=False)
     plan_cli.add_arguments(parser)
+    # a disk tier's directory is a name in the plan: never looked up on this server
+    parser.set_defaults(check_disk_dir=False)
     return parser
 
 
