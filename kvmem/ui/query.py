@@ -24,8 +24,8 @@ from functools import cache
 from pathlib import Path
 from urllib.parse import parse_qsl
 
-from kvmem.cli import plan as plan_cli
 from kvmem.errors import KvmemError, UnknownModelError
+from kvmem.plan import invocation
 from kvmem.spec import ModelSpec
 from kvmem.ui import limits
 
@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
 def plan_parser() -> argparse.ArgumentParser:
     """`kvmem plan`'s parser: the flags, types, choices and checks of the command line."""
     parser = _Parser(prog="kvmem plan", add_help=False)
-    plan_cli.add_arguments(parser)
+    invocation.add_arguments(parser)
     # a disk tier's directory is a name in the plan: never looked up on this server
     parser.set_defaults(check_disk_dir=False)
     return parser
@@ -243,11 +243,11 @@ def parse_query(query: str) -> Query:
     return Query(args, spec)
 
 
-def run_query(query: str) -> tuple[argparse.Namespace, plan_cli.PlanRun]:
+def run_query(query: str) -> tuple[argparse.Namespace, invocation.PlanRun]:
     """The flags a query string gives and the `kvmem plan` run they ask for."""
     parsed = parse_query(query)
     try:
-        return parsed.args, plan_cli.build(parsed.args, parsed.spec)
+        return parsed.args, invocation.build(parsed.args, parsed.spec)
     except KvmemError as e:
         raise QueryError(str(e), blame(str(e))) from None
 

@@ -4,7 +4,7 @@ The page shows, beside `kvmem plan --json`'s document: each rank's memory as the
 bar `--plot` draws (``kvmem.plan.plot.rank_segments``), the per-rank table, the engine
 summary lines of the table output, vLLM's KV size and concurrency as vLLM logs them, the
 engine commands as the CLI prints them (shell-quoted, ready to paste), and every warning
-the CLI prints. Nothing here plans: it formats a ``kvmem.cli.plan.PlanRun``.
+the CLI prints. Nothing here plans: it formats a ``kvmem.plan.invocation.PlanRun``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 
 from rich.text import Text
 
-from kvmem.cli.plan import PlanRun, elastic_lines
+from kvmem.plan.invocation import PlanRun, elastic_lines
 from kvmem.plan.plot import PARTS, rank_segments
 from kvmem.plan.report import summary_lines
 from kvmem.plan.types import FitError
