@@ -26,16 +26,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvmem.errors import ConfigError
 from kvmem.memory import wake
-from kvmem.memory.ledger import (
-    Ledger,
+from kvmem.memory.ledger_table import (
     LedgerEntry,
     LedgerError,
     LedgerTable,
     alive,
+    check_engine_name,
     process_start_time,
 )
 from kvmem.memory.sharing import (
@@ -46,6 +46,9 @@ from kvmem.memory.sharing import (
     check_total,
     room,
 )
+
+if TYPE_CHECKING:
+    from kvmem.memory.ledger import Ledger
 
 log = logging.getLogger("kvmem.memory")
 T = TypeVar("T")
@@ -323,6 +326,17 @@ class EngineBudget:
 
         with self._lock, contextlib.suppress(LedgerError):  # nothing to leave
             self.ledger.change(change)
+
+
+def register(ledger: Ledger, name: str, *, floor_bytes: int = 0,
+             ceiling_bytes: int | None = None, request_bytes: int | None = None,
+             total_limit: int | None = None) -> EngineBudget:
+    """Add this process to ``ledger`` as engine ``name`` (a live engine of that name is an
+    error; so are floors the total cannot hold) and return its ``EngineBudget``."""
+    handle = EngineBudget(ledger, check_engine_name(name), floor_bytes=floor_bytes,
+                          ceiling_bytes=ceiling_bytes, request_bytes=request_bytes)
+    handle.register(total_limit=total_limit)
+    return handle
 
 
 class MemoryWait:

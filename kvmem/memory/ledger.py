@@ -3,9 +3,12 @@
 
 The table holds an optional ``total_limit`` for all engines on the device and one entry
 per engine (``LedgerEntry``): its floor and ceiling, what it maps, what of that holds
-live and cached KV, what others asked it to give back and what it gave. The rules that
-read the table (how much an engine may take, who gives back what) are in
-``kvmem.memory.sharing``; an engine's handle on its entry is ``kvmem.memory.budget``.
+live and cached KV, what others asked it to give back and what it gave
+(``kvmem.memory.ledger_table``). This module reads and writes the file only: the rules
+over the table (how much an engine may take, who gives back what, limits set by hand)
+are in ``kvmem.memory.sharing``, an engine's handle on its entry and its registration in
+``kvmem.memory.budget``; ``Ledger``'s ``register``, ``set_limits`` and
+``set_total_limit`` hand over to them.
 
 The file is ``kvmem-ledger-<device>.json`` in ``$KVMEM_LEDGER_DIR``; by default it is
 ``kvmem-<uid>-ledger-<device>.json`` in ``/dev/shm`` (else the temp directory): a folder
@@ -31,72 +34,33 @@ import fcntl
 import json
 import math
 import os
-import reprlib
 import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
-from kvmem.errors import ConfigError, KvmemError
+from kvmem.memory import budget, sharing
+from kvmem.memory.ledger_table import (
+    MAX_PID,
+    LedgerEntry,
+    LedgerError,
+    LedgerTable,
+    UnknownEngineError,
+    _is_name,
+    _shown,
+    alive,
+    check_engine_name,
+    process_start_time,
+)
+
+__all__ = ["Ledger", "LedgerEntry", "LedgerError", "LedgerTable", "UnknownEngineError",
+           "alive", "check_engine_name", "ledger_dir", "parse_table", "process_start_time"]
 
 LEDGER_LIMIT = 1 << 20  # bytes; an engine's entry is about 400
 LOCK_TIMEOUT_S = 2.0  # a lock held longer belongs to a stuck process
-MAX_NAME = 128
-MAX_PID = (1 << 22)  # Linux's pid_max ceiling
-
-
-class UnknownEngineError(KvmemError):
-    """No running engine of that name is in the ledger."""
-
-
-class LedgerError(ConfigError):
-    """The ledger file cannot be used: not creatable, not a regular file of this user,
-    too large, locked too long, or no room to write it."""
-
-
-@dataclass
-class LedgerEntry:
-    """One engine's row. Sizes are bytes of the ledger's device."""
-
-    name: str
-    pid: int
-    device: str
-    floor_bytes: int = 0  # reserved for it: others never grow into it
-    ceiling_bytes: int | None = None  # most it may hold (None: only the total applies)
-    mapped_bytes: int = 0  # held: mapped pages plus budget taken for pages about to be
-    live_bytes: int = 0  # of which blocks hold live KV (running requests)
-    cached_bytes: int = 0  # of which cached-free blocks (prefix cache, evictable)
-    request_bytes: int | None = None  # one request of max_model_len: the least ceiling
-    reclaim_bytes: int = 0  # what other engines asked it to give back, not yet given
-    wanted_bytes: int = 0  # what it waits for under the total
-    reclaimed_bytes: int = 0  # given back to others, in all
-    reclaims: int = 0  # times it gave back
-    asked_at: float = 0.0  # when the ask now outstanding was made (0: none)
-    answered_s: float = 0.0  # how long after the ask its last answer came
-    active_at: float = 0.0  # when it last took memory (least recently active give first)
-    heartbeat: float = 0.0
-    start_time: int | None = None  # its process's start (clock ticks after boot): a reused
-    # pid is another process; None (older entries): the pid alone is checked
-
-    @property
-    def givable_bytes(self) -> int:
-        """What it could give back now: all it holds above its floor but live KV."""
-        return max(0, self.mapped_bytes - max(self.floor_bytes, self.live_bytes))
-
-
-@dataclass
-class LedgerTable:
-    total_limit: int | None = None
-    engines: dict[str, LedgerEntry] = field(default_factory=dict)
-    damage: list[str] = field(default_factory=list)  # what validation dropped
-    total_known: bool = True  # False: the file's total was missing or damaged
-    damaged: set[str] = field(default_factory=set)  # engines whose entries were damaged
-
-    def others(self, name: str) -> list[LedgerEntry]:
-        return [e for n, e in self.engines.items() if n != name]
 
 
 def ledger_dir() -> Path:
@@ -129,73 +93,7 @@ def _device_name(key: str) -> str:
     return f"{kind}:{index}" if kind == "cuda" and index.isdecimal() else key
 
 
-def _is_name(name: object) -> bool:
-    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and name.isprintable()
-            and name == name.strip())
-
-
-def check_engine_name(name: str) -> str:
-    """An engine name as the ledger keeps it: 1-128 printable characters, not starting
-    or ending with a space."""
-    if not _is_name(name):
-        raise ConfigError(f"engine name {_shown(name)}: use 1-{MAX_NAME} printable "
-                          "characters, not starting or ending with a space")
-    return name
-
-
-def _proc_stat(pid: int) -> list[bytes] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (the state first), or
-    None when it cannot be read."""
-    try:
-        line = Path(f"/proc/{pid}/stat").read_bytes()
-    except (OSError, ValueError):
-        return None
-    return line[line.rfind(b")") + 2:].split()
-
-
-def _start_time(stat_fields: list[bytes]) -> int | None:
-    try:
-        return int(stat_fields[19])  # field 22 of the whole line
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start_time(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field
-    22): with the pid, it names one process even after the pid is reused."""
-    stat_fields = _proc_stat(pid)
-    return None if stat_fields is None else _start_time(stat_fields)
-
-
-def alive(pid: int, start_time: int | None = None) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed and not yet waited for by its
-    parent, holds no memory and does not), and, given its ``start_time``, is still the
-    process that started then (not another one that reuses the pid)."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:  # another user's process
-        pass
-    stat_fields = _proc_stat(pid)
-    if stat_fields is None:
-        return True  # no /proc here: the signal said it exists
-    if stat_fields[:1] == [b"Z"]:
-        return False
-    return start_time is None or _start_time(stat_fields) in (None, start_time)
-
-
 # -- validation ------------------------------------------------------------------------
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlevel = 2  # never recurses far: a value may be nested thousands deep
-
-
-def _shown(v: object) -> str:
-    """``v`` for a message: short, whatever its size or depth."""
-    return _REPR.repr(v)
-
-
 def _is_size(v: object, *, optional: bool = False) -> bool:
     if v is None:
         return optional
@@ -413,41 +311,23 @@ class Ledger:
 
         return self.change(change)
 
+    # -- the rules' entry points ----------------------------------------------------
     def set_total_limit(self, nbytes: int | None) -> None:
-        from kvmem.memory.sharing import check_total
-
-        def change(table: LedgerTable) -> None:
-            check_total(table, nbytes)
-            table.total_limit, table.total_known = nbytes, True
-
-        self.change(change)
+        """The limit all engines on the device share (``sharing.set_total``)."""
+        sharing.set_total(self, nbytes)
 
     def set_limits(self, name: str, *, floor_bytes: int | None = None,
                    ceiling_bytes: int | None | str = "keep") -> LedgerEntry:
-        """Change engine ``name``'s floor and/or ceiling (``None`` ceiling: none);
-        refused in one line when the floors would not fit the total, the floor would be
-        above the ceiling, or the ceiling below one of its requests."""
-        from kvmem.memory.sharing import check_limits
-
-        def change(table: LedgerTable) -> LedgerEntry:
-            entry = table.engines.get(name)
-            if entry is None:
-                raise UnknownEngineError(f"no running engine named {name!r} on {self.device}")
-            floor = entry.floor_bytes if floor_bytes is None else floor_bytes
-            ceiling = entry.ceiling_bytes if ceiling_bytes == "keep" else ceiling_bytes
-            check_limits(table, name, floor, ceiling, entry.request_bytes)  # type: ignore[arg-type]
-            entry.floor_bytes, entry.ceiling_bytes = floor, ceiling  # type: ignore[assignment]
-            return entry
-
-        return self.change(change)  # type: ignore[return-value]
+        """Change engine ``name``'s floor and/or ceiling (``None`` ceiling: none; by
+        default the ceiling is kept): ``sharing.set_limits``."""
+        keep = isinstance(ceiling_bytes, str)
+        return sharing.set_limits(self, name, floor_bytes=floor_bytes,
+                                  ceiling_bytes=None if keep else ceiling_bytes,  # type: ignore[arg-type]
+                                  keep_ceiling=keep)
 
     def register(self, name: str, *, floor_bytes: int = 0, ceiling_bytes: int | None = None,
-                 request_bytes: int | None = None, total_limit: int | None = None):
-        """Add this process as engine ``name`` (a live engine of that name is an error;
-        so are floors the total cannot hold) and return its ``EngineBudget``."""
-        from kvmem.memory.budget import EngineBudget
-
-        budget = EngineBudget(self, check_engine_name(name), floor_bytes=floor_bytes,
-                              ceiling_bytes=ceiling_bytes, request_bytes=request_bytes)
-        budget.register(total_limit=total_limit)
-        return budget
+                 request_bytes: int | None = None,
+                 total_limit: int | None = None) -> budget.EngineBudget:
+        """Add this process as engine ``name`` and return its handle (``budget.register``)."""
+        return budget.register(self, name, floor_bytes=floor_bytes, ceiling_bytes=ceiling_bytes,
+                               request_bytes=request_bytes, total_limit=total_limit)

@@ -26,7 +26,7 @@ import os
 from dataclasses import astuple, dataclass
 
 from kvmem.memory.backends import _MAP_FAILED, _PROT_READ, _PROT_WRITE, BackendError, MmapBackend
-from kvmem.memory.ledger import process_start_time
+from kvmem.memory.ledger_table import process_start_time
 
 FILE_NAME = "kvmem-kv"  # memfd_create's name: /proc/PID/fd/FD reads "/memfd:kvmem-kv (deleted)"
 

@@ -20,10 +20,14 @@ Pure functions of the table; no I/O.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from kvmem.errors import ConfigError
-from kvmem.memory.ledger import LedgerEntry, LedgerTable
+from kvmem.memory.ledger_table import LedgerEntry, LedgerTable, UnknownEngineError
 from kvmem.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvmem.memory.ledger import Ledger
 
 
 def reserved(entry: LedgerEntry) -> int:
@@ -125,3 +129,30 @@ def check_limits(table: LedgerTable, name: str, floor: int, ceiling: int | None,
     if table.total_limit is not None and floors > table.total_limit:
         raise ConfigError(f"engine {name!r}: floors would add up to {format_bytes(floors)}, "
                           f"above the device total of {format_bytes(table.total_limit)}")
+
+
+def set_total(ledger: Ledger, nbytes: int | None) -> None:
+    """The limit all engines on ``ledger``'s device share (None: none); refused in one
+    line when it cannot hold their floors (``check_total``)."""
+    def change(table: LedgerTable) -> None:
+        check_total(table, nbytes)
+        table.total_limit, table.total_known = nbytes, True
+
+    ledger.change(change)
+
+
+def set_limits(ledger: Ledger, name: str, *, floor_bytes: int | None,
+               ceiling_bytes: int | None, keep_ceiling: bool) -> LedgerEntry:
+    """Change engine ``name``'s floor (None: keep it) and its ceiling (``keep_ceiling``,
+    or ``ceiling_bytes``, None for none); refused in one line by ``check_limits``."""
+    def change(table: LedgerTable) -> LedgerEntry:
+        entry = table.engines.get(name)
+        if entry is None:
+            raise UnknownEngineError(f"no running engine named {name!r} on {ledger.device}")
+        floor = entry.floor_bytes if floor_bytes is None else floor_bytes
+        ceiling = entry.ceiling_bytes if keep_ceiling else ceiling_bytes
+        check_limits(table, name, floor, ceiling, entry.request_bytes)
+        entry.floor_bytes, entry.ceiling_bytes = floor, ceiling
+        return entry
+
+    return ledger.change(change)  # type: ignore[return-value]
