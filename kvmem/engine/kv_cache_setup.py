@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmem.engine.config import EngineConfig, default_cpu_kv_memory_bytes
+from kvmem.engine.state_groups import engine_layer_slots
 from kvmem.memory.storage import KVStorage, SlotShape, TensorKVStorage
 from kvmem.spec import ModelSpec
 
@@ -74,9 +75,15 @@ def allocate_kv_cache(spec: ModelSpec, kv_plan, *, block_size: int, dtype: torch
     rank_plan = kv_plan.ranks[rank]
     num_blocks = kv_plan.engine.num_blocks
     head_dim = next((layer.head_dim for layer in spec.layers if layer.kind.uses_blocks), 0)
-    shape = SlotShape(2, block_size, rank_plan.kv_heads_on_rank, head_dim)
+    heads = rank_plan.kv_heads_on_rank
+    if not heads and engine_layer_slots(spec):  # a stage of linear-attention layers only
+        tp = sum(1 for r in kv_plan.ranks if r.pp_stage == rank_plan.pp_stage)
+        heads = next(layer.kv_heads_on_rank(tp) for layer in spec.layers
+                     if layer.kind.uses_blocks)
+    shape = SlotShape(2, block_size, heads, head_dim)
     if elastic is None:
-        storage = TensorKVStorage(num_blocks, rank_plan.num_slots, shape, dtype, device)
+        storage = TensorKVStorage(num_blocks, num_stage_slots(spec, rank_plan), shape, dtype,
+                                  device)
     else:
         storage = elastic.build_storage(rank_plan.num_slots, shape, dtype, device)
         num_blocks = storage.num_blocks
@@ -86,7 +93,16 @@ def allocate_kv_cache(spec: ModelSpec, kv_plan, *, block_size: int, dtype: torch
 
 def layer_views(spec: ModelSpec, rank_plan, storage: KVStorage) -> list[torch.Tensor]:
     """The slot tensor of each layer the rank holds (its pipeline stage), in layer order."""
-    slots = spec.layer_slots()
+    slots = engine_layer_slots(spec)
     layers = rank_plan.layers if rank_plan.layers else range(spec.num_layers)
     local = {slot: i for i, slot in enumerate(sorted({slots[i] for i in layers if i in slots}))}
     return [storage.slot_tensor(local[slots[i]]) for i in layers]
+
+
+def num_stage_slots(spec: ModelSpec, rank_plan) -> int:
+    """Slot tensors of the rank's stage: its planned ones, or more where the stage's
+    linear-attention layers use slots its attention layers do not (a pipeline stage of
+    mostly linear layers)."""
+    slots = engine_layer_slots(spec)
+    layers = rank_plan.layers if rank_plan.layers else range(spec.num_layers)
+    return max(rank_plan.num_slots, len({slots[i] for i in layers if i in slots}))

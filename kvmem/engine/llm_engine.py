@@ -89,6 +89,7 @@ class LLMEngine:
         settings instead of ``config``'s (``offload_faults``: injected tier faults)."""
         from kvmem.cache import KVCacheManager
         from kvmem.engine.loader import resolve_model
+        from kvmem.engine.state_groups import engine_kv_groups
         from kvmem.spec import spec_from_config
 
         files = resolve_model(config.model, load_format=config.load_format)
@@ -97,6 +98,7 @@ class LLMEngine:
         self.tokenizer = files.tokenizer
         self.spec = spec_from_config(files.config, files.name)
         ctx = rank_context(config, self.spec, parallel)
+        config = self.config = ctx.config  # its block size holds a linear-attention state
         self.device, self.dtype = ctx.device, ctx.torch_dtype
         if config.kv_cache_dtype not in ("auto", ctx.dtype):
             raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype!r}: this engine stores KV "
@@ -124,7 +126,7 @@ class LLMEngine:
         self.num_blocks = state.kv.num_blocks
         self.model_runner = state.runner
         self.executor = Executor(self.model_runner, self.parallel)
-        groups = self.spec.kv_groups()
+        groups = engine_kv_groups(self.spec)  # and state groups of linear attention
         pool = self.elastic.make_pool(len(groups)) if self.elastic is not None else None
         self.kv_cache_manager = KVCacheManager(
             groups, self.num_blocks, config.block_size,

@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from kvmem.engine.attention.metadata import AttentionMetadata
+from kvmem.engine.attention.metadata import AttentionMetadata, StateMetadata
 from kvmem.engine.errors import RequestFailed, RequestFailure, request_stage
 from kvmem.engine.logprobs import position_logprobs
 from kvmem.engine.outputs import PositionLogprobs
@@ -75,11 +75,14 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], *,
                  num_kv_groups: int, block_size: int, device: torch.device, sampler: Sampler,
-                 links: StageLinks | None = None, page_map: PageMapReplay | None = None
-                 ) -> None:
+                 links: StageLinks | None = None, page_map: PageMapReplay | None = None,
+                 state_groups: tuple[int, ...] = ()) -> None:
+        """``state_groups``: the KV groups whose blocks hold linear-attention states."""
         self.model = model
         self.kv_caches = kv_caches
         self.num_kv_groups = num_kv_groups
+        self.state_groups = state_groups
+        self.attention_groups = [g for g in range(num_kv_groups) if g not in state_groups]
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
@@ -94,7 +97,10 @@ class ModelRunner:
         return self.links is None or self.links.samples
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
-        """Capture the decode forward for ``batch_sizes`` over this runner's KV cache (GPU)."""
+        """Capture the decode forward for ``batch_sizes`` over this runner's KV cache (GPU);
+        not for a linear-attention hybrid, whose states are not captured."""
+        if self.state_groups:
+            return
         from kvmem.engine.cuda_graphs import CUDAGraphRunner
 
         graphs = CUDAGraphRunner(self.model, self.kv_caches, num_kv_groups=self.num_kv_groups,
@@ -139,7 +145,9 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
-        tables: list[list[list[int]]] = [[] for _ in range(self.num_kv_groups)]
+        tables: list[list[list[int]]] = [[] for _ in self.attention_groups]
+        reads: list[list[int]] = [[] for _ in self.state_groups]
+        writes: list[list[int]] = [[] for _ in self.state_groups]
         sample_rows, sample_ids = [], []
         for rid, num_new in out.num_scheduled_tokens.items():
             state = self.requests[rid]
@@ -148,16 +156,32 @@ class ModelRunner:
             positions.extend(range(start, start + num_new))
             query_lens.append(num_new)
             seq_lens.append(start + num_new)
-            for group, ids in zip(tables, state.block_ids, strict=True):
-                group.append(ids)
+            for group, g in zip(tables, self.attention_groups, strict=True):
+                group.append(state.block_ids[g])
+            for read, write, g in zip(reads, writes, self.state_groups, strict=True):
+                self._state_blocks(state.block_ids[g], start, start + num_new, read, write)
             if start + num_new == len(state.token_ids):  # its last known token: sample
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(rid)
         metadata = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
                                            device=self.device)
+        if self.state_groups:
+            metadata.states = StateMetadata(
+                [torch.tensor(r, dtype=torch.long, device=self.device) for r in reads],
+                [torch.tensor(w, dtype=torch.long, device=self.device) for w in writes])
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device), metadata,
                 sample_rows, sample_ids)
+
+    def _state_blocks(self, table: list[int], start: int, end: int, read: list[int],
+                      write: list[int]) -> None:
+        """The blocks of a state group's ``table`` that hold the state after ``start``
+        tokens (-1: none yet) and receive the state after ``end``: under prefix caching the
+        block of the state's last token (a table entry per block), else its only block."""
+        last = len(table) - 1
+        bs = self.block_size
+        read.append(table[min((start - 1) // bs, last)] if start else -1)
+        write.append(table[min((end - 1) // bs, last)])
 
     # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -308,9 +332,9 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
             max_query_len=max(query_lens), max_seq_len=max(query_lens),
-            block_tables=[table] * self.num_kv_groups,
+            block_tables=[table] * len(self.attention_groups),
             slot_mappings=[torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)]
-            * self.num_kv_groups,
+            * len(self.attention_groups),
             block_size=self.block_size)
         positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)

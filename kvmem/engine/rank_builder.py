@@ -35,6 +35,7 @@ from kvmem.engine.distributed.errors import StartupError
 from kvmem.engine.kv_cache_setup import KVCacheSetup, allocate_kv_cache, plan_kv_cache
 from kvmem.engine.model_runner import ModelRunner, PageMapReplay, StageLinks
 from kvmem.engine.sampler import Sampler
+from kvmem.engine.state_groups import engine_kv_groups, state_block_size, state_group_ids
 from kvmem.errors import ConfigError
 from kvmem.plan.types import rank_label
 from kvmem.units import format_bytes
@@ -152,6 +153,11 @@ def rank_context(config: EngineConfig, spec: ModelSpec, parallel: ParallelConfig
     # (elastic pages stay private to each process)
     share_kv = SHARE_LOCAL_KV and parallel.world_size > 1 and device.type == "cpu" and \
         parallel.launcher == "local" and config.kv_memory == "plain" and not profile_only
+    block_size = state_block_size(spec, config.block_size, parallel.tensor_parallel_size)
+    if block_size != config.block_size:  # a page must hold a linear-attention state
+        logger.info("block size raised from %d to %d tokens so that an attention page holds "
+                    "a linear-attention state", config.block_size, block_size)
+        config = replace(config, block_size=block_size)
     return RankContext(config, parallel, max_model_len_for(spec, config),
                        str(resolve_dtype(config.dtype, device)).removeprefix("torch."),
                        device.type, device.index, share_kv, profile_only)
@@ -365,9 +371,11 @@ def build_rank(ctx: RankContext, peers: Peers) -> RankState:
     page_ops = peers.page_map(elastic) if elastic is not None else None
     links = peers.links(hidden_size=int(model.config["hidden_size"]), dtype=ctx.torch_dtype,
                         device=device)
-    runner = ModelRunner(model, kv.kv_caches, num_kv_groups=len(spec.kv_groups()),
+    groups = engine_kv_groups(spec)
+    runner = ModelRunner(model, kv.kv_caches, num_kv_groups=len(groups),
                          block_size=config.block_size, device=device,
-                         sampler=Sampler(config.seed), links=links, page_map=page_ops)
+                         sampler=Sampler(config.seed), links=links, page_map=page_ops,
+                         state_groups=tuple(state_group_ids(groups)))
     capture_graphs(runner, config, model, ctx.max_model_len, device)
     channel = peers.copy_channel(kv, kv_plan) if ctx.remote_copy else None
     return RankState(spec, model, kv_plan, kv, allocations, runner, elastic, memory_profile,

@@ -40,6 +40,7 @@ from kvmem.engine.step import (
     NewRequestData,
     SchedulerOutput,
 )
+from kvmem.errors import ConfigError
 
 
 class OffloadHooks(Protocol):
@@ -111,6 +112,12 @@ class Scheduler:
         self.offload = offload
         self.kv_memory = kv_memory
         self.page_ops = page_ops
+        self._align_chunks = enable_prefix_caching and \
+            bool(kv_cache_manager.coordinator.state_managers)
+        if self._align_chunks and max_num_batched_tokens < kv_cache_manager.block_size:
+            raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at "
+                              f"least the block size ({kv_cache_manager.block_size}) for a "
+                              "linear-attention model with prefix caching")
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is last
@@ -320,7 +327,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
+            if not num_new:  # its next chunk cannot end on a block boundary in this step
+                i += 1
+                continue
             while not (result := self.kv_cache_manager.allocate_slots(request, num_new)):
                 if result.can_ever_fit and self._memory_coming():
                     break  # other engines give back what it needs: it waits, keeps its KV
@@ -345,6 +355,20 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens of ``request`` to compute in this step: what is left, up to ``budget``.
+
+        With state checkpoints (a linear-attention hybrid under prefix caching) a chunk
+        that does not finish the request ends on a block boundary, so that the state the
+        step leaves in a block is the state at its boundary (vLLM's "align" mode); 0 when
+        the budget does not reach the next boundary.
+        """
+        num_new = min(request.num_tokens - num_computed, budget)
+        if self._align_chunks and num_computed + num_new < request.num_tokens:
+            bs = self.kv_cache_manager.block_size
+            num_new = (num_computed + num_new) // bs * bs - num_computed
+        return max(num_new, 0)
+
     def _schedule_waiting(self, scheduled: list, budget: int) -> None:
         mgr = self.kv_cache_manager
         while self.waiting and budget > 0 and \
@@ -356,7 +380,9 @@ class Scheduler:
             if hit is not None and self.offload is not None and self._start_load(request, hit):
                 continue  # it waits for its blocks from a tier (or failed there)
             num_cached = hit.num_tokens if hit is not None else 0
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._chunk(request, num_cached, budget)
+            if not num_new:
+                break  # its first chunk cannot end on a block boundary in this step
             result = mgr.allocate_slots(request, num_new, prefix_hit=hit)
             if not result:
                 alone = not self.running and not self._loading and mgr.usage().held == 0

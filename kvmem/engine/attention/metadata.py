@@ -15,6 +15,15 @@ import torch
 
 
 @dataclass
+class StateMetadata:
+    """Where each sequence keeps its linear-attention state, per state group (the
+    ``kvmem.engine.state_groups`` after the attention groups)."""
+
+    read: list[torch.Tensor]  # per state group: int64 [B], the state's block; -1: zeros
+    write: list[torch.Tensor]  # per state group: int64 [B], the block the new state goes to
+
+
+@dataclass
 class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [B+1]: cumulative count of new tokens per sequence
     seq_lens: torch.Tensor  # int32 [B]: context length after this step (cached + new)
@@ -25,6 +34,7 @@ class AttentionMetadata:
     block_size: int
     query_lens: list[int] = field(default_factory=list)  # host copies, filled when left empty
     seq_lens_cpu: list[int] = field(default_factory=list)
+    states: StateMetadata | None = None  # linear-attention hybrids only
     # what a backend derives from this step once and reuses in every layer (gather
     # indices, masks), keyed by the backend's own keys; a new step brings a new object
     step_cache: dict[object, object] = field(default_factory=dict, repr=False, compare=False)

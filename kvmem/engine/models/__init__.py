@@ -19,10 +19,12 @@ from kvmem.spec import text_config
 
 # architecture -> decoder: the Llama family's (models/llama.py, differing by LlamaVariant)
 # or Gemma 3's text decoder (models/gemma3.py; of a multimodal checkpoint, its language model)
+# or Qwen3-Next's Gated DeltaNet hybrid (models/qwen3_next.py)
 DECODERS = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 SUPPORTED_ARCHITECTURES = tuple(DECODERS)
 
@@ -33,6 +35,7 @@ def model_architecture(config: dict[str, Any]) -> str:
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+        "qwen3_next": "Qwen3NextForCausalLM",
     }.get(str(config.get("model_type")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"model architecture {arch or config.get('model_type')!r} is not "
@@ -49,13 +52,15 @@ def build_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32,
     """
     from kvmem.engine.models.gemma3 import Gemma3ForCausalLM
     from kvmem.engine.models.llama import LlamaForCausalLM
+    from kvmem.engine.models.qwen3_next import Qwen3NextForCausalLM
 
     arch = model_architecture(config)
     n = int(text_config(config).get("num_hidden_layers", 0))
     if layers is not None and (layers.step != 1 or not 0 <= layers.start < layers.stop <= n):
         raise ConfigError(f"layer range {layers} is not a contiguous part of {n} layers")
     backend = get_attention_backend(attention_backend, device)
-    decoder = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}[DECODERS[arch]]
+    decoder = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM,
+               "qwen3_next": Qwen3NextForCausalLM}[DECODERS[arch]]
     with torch.device(device):
         model = decoder(config, backend, architecture=arch, tp_rank=tp_rank, tp_size=tp_size,
                         layers=layers)
