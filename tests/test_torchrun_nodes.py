@@ -1,12 +1,13 @@
 """``kvmem serve`` across two nodes under torchrun: the command docs/parallel.md gives
 ("Multi-node with torchrun"), run as two node agents on this machine (``--nnodes 2``, c10d
-rendezvous hosted by node 0's agent, gloo), each agent starting one rank.
+rendezvous, gloo), each agent starting one rank.
 
 Per layout (tp 2, pp 2): greedy tokens over HTTP equal a one-process engine's on the same
 tiny model; then a node is killed (its agent and its rank, SIGKILL) and the survivor must
 stop within its stated bound with one line naming the lost rank: rank 0, idle, finds a
 silent heartbeat within ``SILENCE_S``; rank 0, asked for a step, names the dead rank at
-once; a worker whose rank 0 is gone finds its connection closed.
+once; a worker whose rank 0 is gone finds its connection closed; rank 0, stopped by its
+agent because the rendezvous lived on the dead node, names the dead rank too.
 """
 
 from __future__ import annotations
@@ -78,12 +79,12 @@ class Node:
     """One torchrun agent (its own session) and the kvmem rank it starts."""
 
     def __init__(self, index: int, model_dir: Path, log: Path, rdzv_port: int,
-                 layout: list[str]) -> None:
+                 layout: list[str], rdzv_host: bool) -> None:
         self.index, self.log = index, log
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", f"kvmem-{rdzv_port}",
-               "--rdzv-conf", f"is_host={int(index == 0)}",  # node 0 hosts the rendezvous
+               "--rdzv-conf", f"is_host={int(rdzv_host)}",
                "-m", "kvmem", "serve", str(model_dir), *layout, *SERVE]
         with log.open("w") as out:
             self.agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -114,11 +115,14 @@ class Node:
 class TwoNodes:
     """Two agents of one job; ``serving`` is the node whose rank 0 serves HTTP."""
 
-    def __init__(self, model_dir: Path, tmp_path: Path, layout: list[str]) -> None:
+    def __init__(self, model_dir: Path, tmp_path: Path, layout: list[str],
+                 rdzv_host: int = 0) -> None:
         rdzv = free_port()
-        self.nodes = [Node(0, model_dir, tmp_path / "node0.log", rdzv, layout)]
-        time.sleep(0.5)  # node 0 first, as an operator would: it hosts the rendezvous
-        self.nodes.append(Node(1, model_dir, tmp_path / "node1.log", rdzv, layout))
+        self.nodes = []
+        for index in (0, 1):  # node 0 first: the older agent, it gets rank 0
+            self.nodes.append(Node(index, model_dir, tmp_path / f"node{index}.log", rdzv,
+                                   layout, rdzv_host=index == rdzv_host))
+            time.sleep(0.5)
         deadline = time.monotonic() + START_S
         self.serving, self.base = self._listening(deadline)
         self.other = self.nodes[1 - self.serving.index]
@@ -191,8 +195,8 @@ def errors(node: Node) -> list[str]:
 def two_nodes(model_dir, tmp_path):
     started: list[TwoNodes] = []
 
-    def start(*layout: str) -> TwoNodes:
-        started.append(TwoNodes(model_dir, tmp_path, list(layout)))
+    def start(*layout: str, rdzv_host: int = 0) -> TwoNodes:
+        started.append(TwoNodes(model_dir, tmp_path, list(layout), rdzv_host))
         return started[-1]
 
     yield start
@@ -241,3 +245,17 @@ def test_tp2_a_request_after_a_node_dies_is_refused_at_once(two_nodes):
     ended_within(job.rank0, 15)
     gone = errors(job.serving)
     assert len(gone) == 1 and " is gone: no heartbeat for " in gone[0], job.logs()
+
+
+def test_pp2_rank0_stopped_by_its_agent_names_the_lost_node(two_nodes):
+    """The rendezvous lives on node 1, rank 0 on node 0: node 1 dies, node 0's agent loses
+    the rendezvous and stops rank 0 (SIGTERM) within a second; rank 0 must not read that
+    as a clean stop but name the rank whose heartbeat stopped."""
+    job = two_nodes("-pp", "2", rdzv_host=1)
+    assert job.serving is job.nodes[0], job.logs()  # the older agent got rank 0
+    job.other.kill()
+    ended_within(job.rank0, 15)
+    gone = errors(job.serving)
+    assert len(gone) == 1, job.logs()
+    assert gone[0].startswith("kvmem: error: rank 1 (pp stage 1, tp rank 0) on "), gone
+    assert " is gone: no heartbeat for " in gone[0], gone

@@ -132,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.parallel is not None:  # a failed rank stops the server, which then exits 2
         engine.parallel.on_failure(lambda _: setattr(server, "should_exit", True))
     server.run(sockets=[sock])
+    if engine.parallel is not None:  # a stop under torchrun may follow a node's death
+        engine.parallel.check_peers()
     engine.shutdown()
     if engine.parallel is not None and engine.parallel.error is not None:
         raise engine.parallel.error

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from kvmem.engine.distributed.channel import broadcast_step
 from kvmem.engine.distributed.config import ParallelConfig
 from kvmem.engine.distributed.errors import ParallelError, StartupError, WorkerDiedError
-from kvmem.engine.distributed.heartbeat import HEARTBEAT_S, PeerWatch, first_line
+from kvmem.engine.distributed.heartbeat import PeerWatch, first_line
 from kvmem.engine.distributed.page_ops import PageOpsFeed
 from kvmem.engine.distributed.rank_setup import GroupPeers, local_copier
 from kvmem.engine.distributed.remote_copy import RemoteBlockCopier
@@ -43,6 +43,7 @@ logger = logging.getLogger("kvmem.engine.distributed")
 
 DEATH_NOTICE_S = 3.0  # how long a failed step waits for the watchdog to name a dead worker
 WATCH_S = 0.2  # how often the watchdog looks at the workers
+PEER_NOTICE_S = 2.5  # after a failed step or a stop, this much silence names a torchrun rank
 
 
 def hold_rendezvous(parallel: ParallelConfig) -> dist.TCPStore:
@@ -255,13 +256,21 @@ class ParallelDriver:
                 return self._fail(self._death_error(*dead))
             time.sleep(0.05)
         if self.peers is not None:  # a closed connection: is a rank's heartbeat gone too?
-            found = self.peers.wait_silent(DEATH_NOTICE_S - HEARTBEAT_S / 2,
-                                           within_s=DEATH_NOTICE_S + HEARTBEAT_S)
+            found = self.peers.wait_silent(PEER_NOTICE_S)
             if found is not None:
                 return self._fail(self._gone_error(*found))
         return self._fail(ParallelError(f"a distributed step failed (a rank stopped answering "
                                         f"within {self.parallel.timeout_s:.0f} s or its "
                                         f"connection closed): {first_line(exc)}"))
+
+    def check_peers(self) -> ParallelError | None:
+        """Before a requested stop of ranks torchrun started: the error of a rank whose
+        heartbeat has stopped, if one has. torchrun's agent stops rank 0 (SIGTERM) when it
+        loses the rendezvous of a node that died, which should not read as a clean stop."""
+        if self.peers is None or self.error is not None:
+            return self.error
+        found = self.peers.wait_silent(PEER_NOTICE_S)
+        return None if found is None else self._fail(self._gone_error(*found))
 
     # -- stop ----------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:

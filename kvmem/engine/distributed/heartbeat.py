@@ -107,13 +107,19 @@ class PeerWatch:
                     return rank, now - moved
         return None
 
-    def wait_silent(self, for_s: float, within_s: float) -> tuple[int, float] | None:
-        """Poll until a rank has been silent ``for_s``, for at most ``within_s``."""
-        deadline = time.monotonic() + within_s
+    def wait_silent(self, for_s: float) -> tuple[int, float] | None:
+        """The first rank silent for ``for_s``; None as soon as every rank's heartbeat has
+        moved since the call (about ``HEARTBEAT_S`` when all are alive)."""
+        start = time.monotonic()
         while True:
             with contextlib.suppress(Exception):  # the store's own failure is reported later
                 self.poll()
             found = self.silent(for_s)
-            if found is not None or time.monotonic() >= deadline:
+            if found is not None:
                 return found
+            with self._lock:
+                if all(moved > start for _, moved in self._seen.values()):
+                    return None
+            if time.monotonic() - start > for_s + HEARTBEAT_S:
+                return None
             time.sleep(0.1)
