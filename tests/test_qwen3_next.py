@@ -19,7 +19,9 @@ from kvmem.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 6
 SHARED = [(i * 13) % 250 for i in range(40)]
-PROMPTS = [SHARED + [1, 2, 3], [7, 3, 9], [(i * 7) % 250 for i in range(53)], SHARED + [4, 5]]
+LONG = [(i * 11 + 3) % 250 for i in range(100)]
+PROMPTS = [SHARED + [1, 2, 3], [7, 3, 9], [(i * 7) % 250 for i in range(53)], LONG,
+           SHARED + [4, 5], LONG[:96] + [9, 8]]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -56,17 +58,21 @@ def check(llm: LLM, expected: dict, prompts: list[list[int]] = PROMPTS) -> None:
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_engine_greedy_tokens_match_transformers(qwen3_next, prefix_caching):
-    """A batch of mixed lengths in 40-token steps (prefills cross a block boundary, with
-    prefix caching in chunks cut at 32), then a prompt that shares 40 tokens: with prefix
-    caching it starts from the state checkpoint after the first block."""
+    """A batch of mixed lengths in 40-token steps (prefills cross block boundaries; with
+    prefix caching, chunks that do not finish a prompt end on one), then prompts that
+    share 40 and 96 tokens with earlier ones: with prefix caching they start from the
+    state checkpoints after one and two blocks, where the earlier prompts' chunks ended
+    (a chunk ending inside a block would leave a later state in a block cached as its
+    boundary's)."""
     path, expected = qwen3_next
     llm = LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, block_size=4,
               max_num_batched_tokens=40, max_num_seqs=8, enable_prefix_caching=prefix_caching)
     assert llm.engine.config.block_size == 32  # a page holds a Gated DeltaNet state
-    check(llm, expected, PROMPTS[:3])
+    check(llm, expected, PROMPTS[:4])
     hits = llm.engine.scheduler.stats.prefix_hit_tokens
-    check(llm, expected, PROMPTS[3:])
-    assert llm.engine.scheduler.stats.prefix_hit_tokens - hits == (32 if prefix_caching else 0)
+    check(llm, expected, PROMPTS[4:])
+    assert llm.engine.scheduler.stats.prefix_hit_tokens - hits == (
+        32 + 64 if prefix_caching else 0)
     assert llm.engine.kv_usage().used == 0
 
 
