@@ -28,9 +28,10 @@ if __name__ == "__main__":
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
-    cluster.add_node(num_cpus=1, resources={"node1": 1})
+    small = {"num_cpus": 1, "object_store_memory": 80 << 20}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **small, "resources": {"node0": 1}, "include_dashboard": False})
+    cluster.add_node(**small, resources={"node1": 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     import vllm
