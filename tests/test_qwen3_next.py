@@ -16,6 +16,7 @@ from tiny_models import _randomize_norms, _write_tokenizer, tiny_qwen3_next
 
 from kvmem.engine.llm import LLM
 from kvmem.engine.sampling_params import SamplingParams
+from kvmem.errors import ConfigError
 
 NEW_TOKENS = 6
 SHARED = [(i * 13) % 250 for i in range(40)]
@@ -100,3 +101,11 @@ def test_tensor_and_pipeline_parallel_engine_matches_transformers(qwen3_next):
             [0, 1], [0, 1], [2, 3], [2, 3]]
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("option", [{"kv_memory": "elastic"}, {"cpu_offload_gib": 0.01}],
+                         ids=["elastic", "offload"])
+def test_what_keeps_no_states_is_refused_at_start(qwen3_next, option):
+    path, _ = qwen3_next
+    with pytest.raises(ConfigError, match="do not keep linear-attention states"):
+        LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, **option)
