@@ -202,7 +202,9 @@ def _log_rank(vllm_config: Any, kv_cache_config: Any) -> None:
 
     tp = vllm_config.parallel_config.tensor_parallel_size
     rank = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
-    kv_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+    # every KVCacheTensor places its layers in the worker's one allocation of ``size``
+    # bytes (a hybrid's state and attention groups overlay it): count it once
+    kv_bytes = max(t.size for t in kv_cache_config.kv_cache_tensors)
     tokens, _ = get_kv_cache_capacity(vllm_config, kv_cache_config)
     _logger().info("kvmem: %s: KV budget %d bytes, %d blocks, %d tokens", rank_label(rank, tp),
                    kv_bytes, kv_cache_config.num_blocks, tokens)
