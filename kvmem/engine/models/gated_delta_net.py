@@ -157,8 +157,10 @@ class GatedDeltaNet(nn.Module):
         """Core outputs ``[B, L, vh, vd]`` of ``B`` sequences of ``L`` tokens each; the
         conv state comes back, ``ssm`` (fp32) is updated in place."""
         bsz, length = mixed.shape[:2]
-        mixed, conv_state = causal_conv(mixed, conv_state, self.conv1d.weight.to(mixed.dtype))
-        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # in fp32, as the conv kernels accumulate; the state keeps the inputs' values
+        mixed, conv_state = causal_conv(mixed.float(), conv_state.float(),
+                                        self.conv1d.weight.float())
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(bsz, length, self.kh, self.kd)) * self.kd ** -0.5
         k = l2norm(k.reshape(bsz, length, self.kh, self.kd))
         if self.per_key_head > 1:
