@@ -118,16 +118,20 @@ class TwoNodes:
     def __init__(self, model_dir: Path, tmp_path: Path, layout: list[str],
                  rdzv_host: int = 0) -> None:
         rdzv = free_port()
-        self.nodes = []
-        for index in (0, 1):  # node 0 first: the older agent, it gets rank 0
-            self.nodes.append(Node(index, model_dir, tmp_path / f"node{index}.log", rdzv,
-                                   layout, rdzv_host=index == rdzv_host))
-            time.sleep(0.5)
-        deadline = time.monotonic() + START_S
-        self.serving, self.base = self._listening(deadline)
-        self.other = self.nodes[1 - self.serving.index]
-        self.rank0, self.rank1 = self.serving.rank(), self.other.rank()
-        self._healthy(deadline)
+        self.nodes: list[Node] = []
+        try:
+            for index in (0, 1):  # node 0 first: the older agent, it gets rank 0
+                self.nodes.append(Node(index, model_dir, tmp_path / f"node{index}.log", rdzv,
+                                       layout, rdzv_host=index == rdzv_host))
+                time.sleep(0.5)
+            deadline = time.monotonic() + START_S
+            self.serving, self.base = self._listening(deadline)
+            self.other = self.nodes[1 - self.serving.index]
+            self.rank0, self.rank1 = self.serving.rank(), self.other.rank()
+            self._healthy(deadline)
+        except BaseException:  # a job that never came up leaves nothing running
+            self.close()
+            raise
 
     def _healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline and self.serving.agent.poll() is None:
@@ -167,7 +171,8 @@ class TwoNodes:
         return texts
 
     def close(self) -> None:
-        procs = [p for n in self.nodes for p in n.processes()]
+        ranks = [getattr(self, name, None) for name in ("rank0", "rank1")]  # outlive agents
+        procs = [p for n in self.nodes for p in n.processes()] + [r for r in ranks if r]
         for node in self.nodes:
             node.kill()
         for p in procs:
