@@ -321,14 +321,7 @@ TWO_ENGINES = r"""
 import json, os, subprocess, sys, time
 from pathlib import Path
 
-def barrier(name):
-    Path(cfg["sync"], f"{role}.{name}").touch()
-    deadline = time.monotonic() + 300
-    while not Path(cfg["sync"], f"{other}.{name}").exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{role}: timed out waiting for {other} at {name}")
-        time.sleep(0.1)
-
+""" + vllm_cpu.BARRIER + r"""
 def kvmem(*args):
     done = subprocess.run([sys.executable, "-m", "kvmem", *args, "--ledger-dir",
                            os.environ["KVMEM_LEDGER_DIR"]], capture_output=True, text=True)
@@ -503,14 +496,7 @@ IDLE_DONOR = r"""
 import json, os, subprocess, sys, threading, time
 from pathlib import Path
 
-def barrier(name):
-    Path(cfg["sync"], f"{role}.{name}").touch()
-    deadline = time.monotonic() + 600
-    while not Path(cfg["sync"], f"{other}.{name}").exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{role}: timed out waiting for {other} at {name}")
-        time.sleep(0.05)
-
+""" + vllm_cpu.BARRIER.replace("timeout=300, poll=0.1", "timeout=600, poll=0.05") + r"""
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
     role, other = cfg["role"], cfg["other"]

@@ -226,3 +226,18 @@ def run_llm(engine: dict, prompts: list, *, max_tokens: int = 16,
     assert len(lines) == 1, run.output[-6000:]
     result = json.loads(lines[0].removeprefix("KVMEM_RESULT "))
     return LLMRun(run, result["tokens"], result["num_cached_tokens"])
+
+
+# Source for scripts that run side by side (``cfg["sync"]`` a shared directory, ``role`` and
+# ``other`` their names): ``barrier(name)`` returns once both have reached ``name``.
+BARRIER = """
+def barrier(name, timeout=300, poll=0.1):
+    import time
+    from pathlib import Path
+    Path(cfg["sync"], f"{role}.{name}").touch()
+    deadline = time.monotonic() + timeout
+    while not Path(cfg["sync"], f"{other}.{name}").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{role}: timed out waiting for {other} at {name}")
+        time.sleep(poll)
+"""
