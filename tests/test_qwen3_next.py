@@ -1,7 +1,8 @@
-"""Qwen3-Next (Gated DeltaNet layers, gated full attention, MoE) in kvmem's engine against
-transformers' on the same random weights (fp32).
+"""Qwen3-Next (Gated DeltaNet layers, gated full attention, MoE) and Qwen3.5 (the same
+with unfused projections and a dense MLP) in kvmem's engine against transformers' on the
+same random weights (fp32).
 
-A 4-layer model (three Gated DeltaNet layers, one full-attention layer; the state groups
+4-layer models (three Gated DeltaNet layers, one full-attention layer; the state groups
 raise the block size to 32 tokens): greedy tokens equal transformers' with prefix
 caching off and on (chunked prefill whose chunks end on block boundaries, a hit on a
 state checkpoint), under preemption, and across tensor parallel 2 and pipeline
@@ -26,21 +27,38 @@ PROMPTS = [SHARED + [1, 2, 3], [7, 3, 9], [(i * 7) % 250 for i in range(53)], LO
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    """(checkpoint directory, {prompt: transformers' greedy tokens})."""
+MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+       "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
+
+
+def make_checkpoint(tmp_path_factory, family: str):
+    """(checkpoint directory, {prompt: transformers' greedy tokens}) of a tiny Qwen3-Next
+    (MoE) or Qwen3.5 (``Qwen3_5ForCausalLM``: dense MLP, unfused projections)."""
     import transformers
 
-    config = {k: v for k, v in tiny_qwen3_next(4, "float32").items()
-              if k not in ("architectures", "model_type", "torch_dtype")}
+    drop = ("architectures", "model_type", "torch_dtype", *(MOE if family == "qwen3_5" else ()))
+    config = {k: v for k, v in tiny_qwen3_next(4, "float32").items() if k not in drop}
+    config_cls, model_cls = {
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+    }[family]
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(
-        transformers.Qwen3NextConfig(**config, initializer_range=0.1)).float().eval()
+    model = model_cls(config_cls(**config, initializer_range=0.1)).float().eval()
     _randomize_norms(model, 1)
-    path = tmp_path_factory.mktemp("qwen3-next") / "tiny-qwen3-next"
+    path = tmp_path_factory.mktemp(family) / f"tiny-{family}"
     model.save_pretrained(path)
     _write_tokenizer(path)
     return path, {tuple(p): hf_greedy(model, p) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def checkpoint(request, tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, "qwen3_next")
 
 
 @torch.no_grad()
@@ -58,14 +76,14 @@ def check(llm: LLM, expected: dict, prompts: list[list[int]] = PROMPTS) -> None:
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
-def test_engine_greedy_tokens_match_transformers(qwen3_next, prefix_caching):
+def test_engine_greedy_tokens_match_transformers(checkpoint, prefix_caching):
     """A batch of mixed lengths in 40-token steps (prefills cross block boundaries; with
     prefix caching, chunks that do not finish a prompt end on one), then prompts that
     share 40 and 96 tokens with earlier ones: with prefix caching they start from the
     state checkpoints after one and two blocks, where the earlier prompts' chunks ended
     (a chunk ending inside a block would leave a later state in a block cached as its
     boundary's)."""
-    path, expected = qwen3_next
+    path, expected = checkpoint
     llm = LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, block_size=4,
               max_num_batched_tokens=40, max_num_seqs=8, enable_prefix_caching=prefix_caching)
     assert llm.engine.config.block_size == 32  # a page holds a Gated DeltaNet state
@@ -88,10 +106,10 @@ def test_preemption_keeps_tokens_exact(qwen3_next):
     assert llm.engine.num_preemptions > 0
 
 
-def test_tensor_and_pipeline_parallel_engine_matches_transformers(qwen3_next):
+def test_tensor_and_pipeline_parallel_engine_matches_transformers(checkpoint):
     """tp 2 x pp 2 (gloo): each rank holds half the key-head groups of its stage's Gated
     DeltaNet layers (their conv channels and recurrent heads) and of its attention."""
-    path, expected = qwen3_next
+    path, expected = checkpoint
     llm = LLM(str(path), kv_cache_memory_bytes="4MiB", max_model_len=128, block_size=4,
               max_num_batched_tokens=40, max_num_seqs=8, tensor_parallel_size=2,
               pipeline_parallel_size=2)

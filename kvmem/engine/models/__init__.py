@@ -19,12 +19,12 @@ from kvmem.spec import text_config
 
 # architecture -> decoder: the Llama family's (models/llama.py, differing by LlamaVariant)
 # or Gemma 3's text decoder (models/gemma3.py; of a multimodal checkpoint, its language model)
-# or Qwen3-Next's Gated DeltaNet hybrid (models/qwen3_next.py)
+# or the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5 (models/qwen3_next.py)
 DECODERS = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_next",
 }
 SUPPORTED_ARCHITECTURES = tuple(DECODERS)
 
@@ -35,7 +35,7 @@ def model_architecture(config: dict[str, Any]) -> str:
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
-        "qwen3_next": "Qwen3NextForCausalLM",
+        "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
     }.get(str(config.get("model_type")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"model architecture {arch or config.get('model_type')!r} is not "

@@ -87,8 +87,11 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer of a tensor-parallel rank."""
 
-    def __init__(self, config: dict[str, Any], state_group: int, parallel: ParallelConfig
-                 ) -> None:
+    def __init__(self, config: dict[str, Any], state_group: int, parallel: ParallelConfig,
+                 *, fused: bool = True) -> None:
+        """``fused``: Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` (laid out per key
+        head); else Qwen3.5's ``in_proj_qkv`` (q, k, v one after another), ``in_proj_z``,
+        ``in_proj_b`` and ``in_proj_a``."""
         super().__init__()
         tp, rank = parallel.tp_size, parallel.tp_rank
         hidden = config["hidden_size"]
@@ -103,19 +106,29 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.state_group = state_group
         self.tp_rank = rank
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * kh * self.kd + 2 * vh * self.vd,
-                                                 False, **parallel.kw)
-        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * vh, False, **parallel.kw)
+        self.fused = fused
+        if fused:
+            self.in_proj_qkvz = ColumnParallelLinear(
+                hidden, 2 * kh * self.kd + 2 * vh * self.vd, False, **parallel.kw)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * vh, False, **parallel.kw)
+        else:
+            self.in_proj_qkv = ColumnParallelLinear(hidden, (2 * kh * self.kd + vh * self.vd),
+                                                    False, **parallel.kw)
+            self.in_proj_qkv.weight.weight_loader = self._load_qkv_rows
+            self.in_proj_z = ColumnParallelLinear(hidden, vh * self.vd, False, **parallel.kw)
+            self.in_proj_b = ColumnParallelLinear(hidden, vh, False, **parallel.kw)
+            self.in_proj_a = ColumnParallelLinear(hidden, vh, False, **parallel.kw)
         self.conv1d = nn.Module()  # the checkpoint's name: linear_attn.conv1d.weight
-        self.conv1d.weight = _param((self.conv_dim, self.kernel), self._load_conv)
+        self.conv1d.weight = _param((self.conv_dim, self.kernel), self._load_qkv_rows)
         self.A_log = _param((self.vh,), self._load_heads)
         self.dt_bias = _param((self.vh,), self._load_heads)
         self.norm = GatedRMSNorm(self.vd, config.get("rms_norm_eps", 1e-6))
         self.out_proj = RowParallelLinear(vh * self.vd, hidden, False, **parallel.kw)
 
     # -- weights ---------------------------------------------------------------------
-    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """The rank's q, k and v channels of the checkpoint's ``[conv_dim, 1, kernel]``."""
+    def _load_qkv_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """The rank's q, k and v rows of a tensor whose rows are all q, all k, then all v
+        channels: the conv weight ``[conv_dim, 1, kernel]``, Qwen3.5's ``in_proj_qkv``."""
         loaded = loaded.reshape(loaded.shape[0], -1)
         tp = loaded.shape[0] // self.conv_dim
         parts = [self.key_dim, self.key_dim, self.value_dim]
@@ -146,6 +159,9 @@ class GatedDeltaNet(nn.Module):
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q/k/v (as one conv input ``[T, conv_dim]``), z ``[T, vh, vd]``, b, a ``[T, vh]``."""
         t, kd, vd, n = x.shape[0], self.kd, self.vd, self.per_key_head
+        if not self.fused:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, self.vh, vd),
+                    self.in_proj_b(x), self.in_proj_a(x))
         qkvz = self.in_proj_qkvz(x).view(t, self.kh, 2 * kd + 2 * n * vd)
         q, k, v, z = qkvz.split([kd, kd, n * vd, n * vd], dim=-1)
         b, a = self.in_proj_ba(x).view(t, self.kh, 2 * n).split([n, n], dim=-1)

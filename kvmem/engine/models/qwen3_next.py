@@ -1,5 +1,6 @@
-"""Qwen3-Next: Gated DeltaNet linear-attention layers and, every ``full_attention_interval``
-layers, gated full attention; a sparse MoE MLP with a gated shared expert.
+"""Qwen3-Next and Qwen3.5: Gated DeltaNet linear-attention layers and, every
+``full_attention_interval`` layers, gated full attention; a sparse MoE MLP with a gated
+shared expert, or a dense MLP.
 
 Against the Llama decoder: RMSNorms scale by ``1 + weight``; full attention projects a
 sigmoid output gate with each query head (``q_proj`` holds ``[q, gate]`` per head), has
@@ -157,7 +158,9 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextForCausalLM(DecoderForCausalLM):
-    """Qwen3-Next's decoder for one pipeline stage (``DecoderForCausalLM``)."""
+    """Qwen3-Next's decoder for one pipeline stage (``DecoderForCausalLM``), and Qwen3.5's
+    text decoder (``Qwen3_5ForCausalLM``: unfused Gated DeltaNet projections, its text-only
+    multimodal RoPE the plain one)."""
 
     def __init__(self, config: dict[str, Any], backend: AttentionBackend, *,
                  architecture: str = "Qwen3NextForCausalLM", tp_rank: int = 0,
@@ -184,7 +187,8 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         def mixer(i: int) -> nn.Module:
             kind = spec.layers[i].kind
             if kind is AttentionKind.LINEAR:
-                return GatedDeltaNet(config, group_of[i] - num_attention_groups, parallel)
+                return GatedDeltaNet(config, group_of[i] - num_attention_groups, parallel,
+                                     fused=architecture == "Qwen3NextForCausalLM")
             if kind is not AttentionKind.FULL:
                 raise ConfigError(f"Qwen3-Next layer {i}: {kind.value} is not supported")
             return GatedAttention(config, head_dim, rotary_dim, backend, group_of[i], parallel)
