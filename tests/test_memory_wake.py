@@ -167,3 +167,27 @@ def test_an_idle_storage_answers_an_ask_without_waiting_for_its_heartbeat(tmp_pa
         assert ledger.read().engines["a"].answered_s < 5
     finally:
         storage.close()
+
+
+def test_vllms_ledger_watch_wakes_the_engine_core_when_its_engine_is_asked(tmp_path,
+                                                                          monkeypatch):
+    """An idle vLLM engine takes no step: the watch in its engine core process is woken
+    by the engine that asks it for memory and wakes the core loop at once (its own look
+    at the ledger, for a ceiling lowered by hand, is pushed an hour away here)."""
+    from kvmem.integrations.vllm.elastic import watch as watch_module
+
+    monkeypatch.setattr(watch_module, "LIMIT_INTERVAL_S", 3600.0)
+    ledger = Ledger.for_device("cpu", tmp_path)
+    ledger.set_total_limit(10 * MiB)
+    a = ledger.register("a")
+    core = threading.Event()
+    watch = watch_module.LedgerWatch(a, lambda: a.held_bytes, wake=lambda: core.set() or True)
+    try:
+        assert watch.interval == 3600.0  # it listens
+        assert a.try_acquire(8 * MiB)
+        assert not ledger.register("b").try_acquire(6 * MiB)
+        assert core.wait(5)
+        assert watch.wakes >= 1
+    finally:
+        watch.stop()
+        a.close()
