@@ -17,7 +17,9 @@ from tiny_models import _randomize_norms, _write_tokenizer, tiny_qwen3_next
 
 from kvmem.engine.llm import LLM
 from kvmem.engine.sampling_params import SamplingParams
+from kvmem.engine.state_groups import engine_kv_groups, engine_layer_slots, state_block_size
 from kvmem.errors import ConfigError
+from kvmem.spec import AttentionKind, spec_from_config
 
 NEW_TOKENS = 6
 SHARED = [(i * 13) % 250 for i in range(40)]
@@ -127,3 +129,27 @@ def test_what_keeps_no_states_is_refused_at_start(qwen3_next, option):
     path, _ = qwen3_next
     with pytest.raises(ConfigError, match="do not keep linear-attention states"):
         LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, **option)
+
+
+def test_state_groups_follow_vllms_grouping_and_pages_hold_a_state():
+    """8 layers, 3 : 1: the full-attention pair, then three pairs of linear layers sharing
+    its two slot tensors; the block size rises to the first multiple of 16 whose page
+    holds a state (2,624 values against 128 per token: 32), also per rank at tp 2."""
+    spec = spec_from_config(tiny_qwen3_next(8, "float32"), "tiny")
+    groups = engine_kv_groups(spec)
+    assert [(g.kind, g.layers) for g in groups] == [
+        (AttentionKind.FULL, (3, 7)), (AttentionKind.LINEAR, (0, 1)),
+        (AttentionKind.LINEAR, (2, 4)), (AttentionKind.LINEAR, (5, 6))]
+    assert engine_layer_slots(spec) == {3: 0, 7: 1, 0: 0, 1: 1, 2: 0, 4: 1, 5: 0, 6: 1}
+    assert state_block_size(spec, 4, 1) == state_block_size(spec, 4, 2) == 32
+    assert state_block_size(spec, 48, 1) == 48
+    wider = spec_from_config({**tiny_qwen3_next(8, "float32"), "linear_value_head_dim": 64},
+                             "wider")  # 5,056 values: 40 tokens, 48 in multiples of 16
+    assert state_block_size(wider, 16, 1) == 48
+
+
+def test_more_attention_than_linear_layers_is_refused():
+    config = {**tiny_qwen3_next(4, "float32"),
+              "layer_types": ["linear_attention"] + ["full_attention"] * 3}
+    with pytest.raises(ConfigError, match="fewer linear-attention layers"):
+        engine_kv_groups(spec_from_config(config, "tiny"))
