@@ -152,3 +152,25 @@ def test_disk_blocks_of_an_earlier_process_are_reported_at_start(tmp_path) -> No
     again: list = []
     _manager(tmp_path, again, cpu_blocks=0, disk_blocks=4).shutdown()
     assert sorted(again) == sorted(first)
+
+
+def test_a_read_only_disk_directory_is_accepted_and_one_it_cannot_create_is_not(tmp_path):
+    """A volume mounted read-only (filled by other instances) is a disk tier that loads
+    and stores nothing (it used to be refused as not writable); a directory that would
+    have to be created there is still refused in one line."""
+    import subprocess
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,ro", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        config, _ = parse_extra_config({"disk_offload_dir": str(mount),
+                                        "disk_offload_gib": 0.0005})
+        assert config.disk_dir == str(mount)
+        with pytest.raises(ConfigError, match="cannot be created: .* is not writable"):
+            parse_extra_config({"disk_offload_dir": str(mount / "new"),
+                                "disk_offload_gib": 0.0005})
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -77,18 +77,23 @@ def _faults(value: Any) -> Faults:
 
 
 def _check_dir(path: str) -> None:
-    """``path`` is a directory this process may write in, or one it may create."""
+    """``path`` is a directory, or one this process may create. A directory it may not
+    write in is accepted: the tier loads what is there and skips its stores, saying so in
+    one line (a read-only volume that other instances filled)."""
     key = setting("disk_offload_dir")
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{key} {path!r} is not a directory")
+    if target.is_dir():
+        return
     while not target.exists():  # it will be created: its nearest existing parent decides
         target = target.parent
     if not target.is_dir():
         raise ConfigError(f"{key} {path!r} cannot be created: {str(target)!r} is not a "
                           "directory")
     if not os.access(target, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} {path!r}: {str(target)!r} is not writable by this process")
+        raise ConfigError(f"{key} {path!r} cannot be created: {str(target)!r} is not "
+                          "writable by this process")
 
 
 def _check_keys(extra: Mapping[str, Any]) -> None:
