@@ -153,3 +153,11 @@ def test_more_attention_than_linear_layers_is_refused():
               "layer_types": ["linear_attention"] + ["full_attention"] * 3}
     with pytest.raises(ConfigError, match="fewer linear-attention layers"):
         engine_kv_groups(spec_from_config(config, "tiny"))
+
+
+def test_a_step_budget_below_the_block_size_is_refused_under_prefix_caching(qwen3_next):
+    """Chunks must end on a block boundary: a 16-token budget never reaches one."""
+    path, _ = qwen3_next
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(16\) must be at least"):
+        LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_seqs=8,
+            max_num_batched_tokens=16)

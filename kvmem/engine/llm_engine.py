@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -123,8 +124,11 @@ class LLMEngine:
         self.model, self.kv_plan = state.model, state.kv_plan
         self.elastic = state.elastic  # rank 0's; every rank has mapped the same pages
         # Held around everything that changes request or block state: elastic memory gives
-        # pages back to other engines between steps, from its own thread.
-        self._lock = self.elastic.lock if self.elastic is not None else threading.RLock()
+        # pages back to other engines between steps (the engine loop's, or, without one,
+        # its memory thread's, under this lock).
+        self._lock = threading.RLock()
+        if self.elastic is not None:
+            self.elastic.attach(self._lock)
         self.memory_profile = state.memory_profile
         self.kv_storage = state.kv.storage
         self.num_blocks = state.kv.num_blocks
@@ -141,15 +145,16 @@ class LLMEngine:
         try:
             self.offload = self._build_offload(offload or config.offload_config(),
                                                offload_faults)
+            self.scheduler = Scheduler(
+                self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching, offload=self.offload,
+                kv_memory=self.elastic,
+                page_ops=self.parallel.page_feed if self.parallel is not None else None)
         except BaseException:
             self.shutdown()  # the worker ranks of a parallel engine
             raise
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
-            offload=self.offload, kv_memory=self.elastic,
-            page_ops=self.parallel.page_feed if self.parallel is not None else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.stats = self.output_processor.stats
         self.request_metrics = RequestMetrics(self.max_model_len)
@@ -334,6 +339,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def wake_for_memory(self, wake: Callable[[], None] | None) -> None:
+        """An engine loop that calls ``apply_memory`` between steps: ``wake()`` wakes it
+        when elastic memory has something to give back (None: the loop has stopped)."""
+        if self.elastic is not None:
+            self.elastic.attach(self._lock, wake)
+
+    def apply_memory(self) -> None:
+        """Give back, between steps, what other engines asked elastic memory for."""
+        if self.elastic is not None:
+            with self._lock:
+                self.elastic.apply_due()
+
     def has_work(self) -> bool:
         """Whether a step would do anything: unfinished requests, or tier stores whose
         blocks a step releases once copied."""
@@ -351,6 +368,8 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if self.elastic is not None:
+            self.elastic.apply_due()  # a step boundary
         scheduled = self.scheduler.schedule()
         start = time.monotonic()
         for rid in scheduled.num_scheduled_tokens:
