@@ -97,6 +97,21 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, prefix_caching):
     assert llm.engine.kv_usage().used == 0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_matches_transformers(checkpoint):
+    """On a GPU: fp32, the Triton attention backend, prefix caching; the states and their
+    recurrence are the same torch code as on the CPU."""
+    path, expected = checkpoint
+    llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton",
+              kv_cache_memory_bytes=64 << 20, max_model_len=128, max_num_batched_tokens=40,
+              max_num_seqs=8)
+    check(llm, expected, PROMPTS[:4])
+    hits = llm.engine.scheduler.stats.prefix_hit_tokens
+    check(llm, expected, PROMPTS[4:])
+    assert llm.engine.scheduler.stats.prefix_hit_tokens - hits == 32 + 64
+
+
 def test_preemption_keeps_tokens_exact(qwen3_next):
     """A pool too small for four requests at once: the newest is preempted, its state
     blocks freed, and it is computed again from its tokens later."""
