@@ -559,3 +559,46 @@ def test_an_idle_engine_gives_its_cache_to_a_busy_one_and_reloads_it_from_its_ti
     finally:
         a.engine.shutdown()
         b.engine.shutdown()
+
+
+def test_a_serving_engine_gives_back_on_its_loop_between_steps(tiny):
+    """While an engine loop runs (``kvmem serve``'s), memory another engine asks for goes
+    back on the loop's thread, at a step boundary: the memory thread only wakes it. Once
+    the loop has stopped, the memory thread gives back itself, under the step lock."""
+    from kvmem.engine.async_engine import AsyncLLMEngine
+
+    prompts = [[(i * 31 + j) % 250 + 1 for j in range(100)] for i in range(4)]
+    a = LLM(str(tiny), kv_memory="elastic", engine_name="looped", **OPTIONS)
+    ledger = Ledger.for_device("cpu")
+    looped = AsyncLLMEngine(a.engine)
+    threads: list[str] = []
+    answered = threading.Event()
+    storage = a.engine.kv_storage
+    give_back = storage.give_back
+
+    def recorded(nbytes, evict=None):
+        threads.append(threading.current_thread().name)
+        answered.set()
+        return give_back(nbytes, evict=evict)
+
+    storage.give_back = recorded
+    try:
+        a.generate(prompts, GREEDY)  # cached prefixes: memory a can give
+        storage.settle()
+        held = storage.stats().held_bytes
+        ledger.set_total_limit(held + storage.geometry.page_bytes)
+        asker = ledger.register("asker")
+        looped.start()
+        assert not asker.try_acquire(held // 2)
+        assert answered.wait(10)
+        assert threads == ["kvmem-engine"]  # the loop's thread
+        looped.shutdown()
+        answered.clear()
+        asker.release(asker.held_bytes)
+        assert not asker.try_acquire(held)
+        assert answered.wait(10)
+        assert threads[1] == "kvmem-premap"  # no loop: the memory thread
+        asker.close()
+    finally:
+        looped.shutdown()
+        a.engine.shutdown()

@@ -5,6 +5,8 @@ starts), then handed to the engine thread through a queue of typed commands
 (``AddRequest``, ``AbortRequest``, ``AbortAll``). Outputs come back to
 each request's ``asyncio.Queue`` on the event loop that asked for them. The model's
 forward pass releases the GIL, so the event loop keeps serving while the engine steps.
+Elastic KV memory gives back what other engines ask for on this thread too, between
+steps: its memory thread only wakes the loop (``LLMEngine.wake_for_memory``).
 """
 
 from __future__ import annotations
@@ -140,8 +142,17 @@ class AsyncLLMEngine:
 
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
+        # elastic memory gives back here, between steps; its thread only wakes the loop
+        self.engine.wake_for_memory(self._wakeup.set)
+        try:
+            self._loop()
+        finally:
+            self.engine.wake_for_memory(None)  # no loop: its memory thread gives back
+
+    def _loop(self) -> None:
         self._ready.set()
         while not self._stopping.is_set():
+            self.engine.apply_memory()
             self._apply_commands()
             if not self.engine.has_work():
                 self._wakeup.wait(self._idle_poll_s)

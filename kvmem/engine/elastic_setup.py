@@ -16,9 +16,11 @@ arguments from the engine's ParallelConfig; only rank 0 takes bytes from the led
 
 Sharing the device: the engine registers its floor (``--kv-memory-min``), ceiling
 (``--kv-memory-limit``) and one request's bytes. When other engines ask it to give memory
-back, or its ceiling is lowered, its pre-mapping thread calls ``reclaim``: under ``lock``
-(which the engine holds around each step, so an idle engine answers at once and a busy one
-after its step) free pages go back, then pages holding only cached blocks, least
+back (they wake its pre-mapping thread), or its ceiling is lowered, the memory goes back
+at a step boundary: the engine's loop, woken by that thread, runs ``apply_due`` before
+its next step (an idle engine at once, a busy one after its step); an engine without a
+loop (an idle ``LLM``) has the thread give back itself, under the engine's step lock
+(``attach``). Free pages go back first, then pages holding only cached blocks, least
 recently used first, evicted from the pool (demoted to a tier first, when the engine has
 one). If it is still over a lowered ceiling, the scheduler preempts running requests
 (``excess_blocks``) until it is under.
@@ -40,7 +42,7 @@ import torch
 from kvmem.engine.config import EngineConfig
 from kvmem.errors import ConfigError
 from kvmem.memory import ElasticKVStorage, Ledger, PageMapCoordinator, reclaim
-from kvmem.memory.budget import MemoryWait
+from kvmem.memory.budget import BudgetState, MemoryWait
 from kvmem.memory.sizing import CUDA_GRANULARITY, ElasticSizing, plan_elastic, useful_blocks
 from kvmem.memory.storage import SlotShape
 from kvmem.spec import ModelSpec
@@ -81,9 +83,12 @@ class ElasticSetup:
     floor_bytes: int = 0
     storage: ElasticKVStorage | None = None
     pool: Any = None  # the block pool make_pool built (its cached blocks can be evicted)
-    # held by the engine around each step: reclaim runs between steps
+    # the engine's step lock, once the engine gives it (``attach``): giving back runs
+    # between steps
     lock: threading.RLock = field(default_factory=threading.RLock)
     _memory_wait: MemoryWait = field(default_factory=MemoryWait, init=False, repr=False)
+    _wake_loop: Callable[[], None] | None = field(default=None, init=False, repr=False)
+    _due: BudgetState | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan: Plan, *,
@@ -162,26 +167,51 @@ class ElasticSetup:
         """Start background pre-mapping; with ranks, first bring them to one page map."""
         storage = self._storage()
         if self.world_size == 1:
-            storage.start(reclaim=self.reclaim)
+            storage.start(reclaim=self.reclaim, on_due=self._memory_due)
             return
         coordinator = PageMapCoordinator(store, rank=self.rank, world_size=self.world_size,
                                          timeout=timeout or self.wait_timeout)
-        coordinator.startup(storage, reclaim=self.reclaim)
+        coordinator.startup(storage, reclaim=self.reclaim, on_due=self._memory_due)
 
     # -- giving memory back ----------------------------------------------------------------
-    def reclaim(self, nbytes: int) -> int:
-        """Give about ``nbytes`` back (other engines asked, or the ceiling was lowered):
-        between steps, free pages and then pages of cached blocks only, least recently
-        used first; returns the bytes given."""
-        asked = time.monotonic()
+    def attach(self, lock: threading.RLock, wake_loop: Callable[[], None] | None = None
+               ) -> None:
+        """The engine's step lock, and, while an engine loop runs, how to wake it
+        (``wake_loop``; None: no loop). With a loop, the loop gives memory back at a step
+        boundary (``apply_due``) and the memory thread only wakes it; without one (an
+        idle ``LLM``), the memory thread gives back itself, between steps, under the
+        lock. Before the engine builds its pool (nothing to evict yet) or between calls."""
+        self.lock, self._wake_loop = lock, wake_loop
+
+    def _memory_due(self, state: BudgetState) -> None:
+        """The memory thread found memory to give back (other engines asked, or the
+        ceiling was lowered): wake the engine loop, or give it back now between steps."""
+        wake = self._wake_loop
+        if wake is not None:
+            self._due = state
+            wake()
+            return
         with self.lock:
-            start = time.monotonic()
-            given = self._storage().give_back(nbytes, evict=self._evict)
+            self._answer(state)
+
+    def apply_due(self) -> None:
+        """Give back what the memory thread found due (the engine loop, between steps)."""
+        state, self._due = self._due, None
+        if state is not None:
+            self._answer(state)
+
+    def _answer(self, state: BudgetState) -> None:
+        start = time.monotonic()
+        given = self._storage().answer(state)
         if given:
-            logger.info("elastic KV memory: gave back %s in %.0f ms (%.0f ms waiting for the "
-                        "step lock)", format_bytes(given), (time.monotonic() - asked) * 1e3,
-                        (start - asked) * 1e3)
-        return given
+            logger.info("elastic KV memory: gave back %s in %.0f ms", format_bytes(given),
+                        (time.monotonic() - start) * 1e3)
+
+    def reclaim(self, nbytes: int) -> int:
+        """Give about ``nbytes`` back: free pages and then pages of cached blocks only,
+        least recently used first, evicted from the pool; the bytes given. Between
+        steps only (see ``attach``)."""
+        return self._storage().give_back(nbytes, evict=self._evict)
 
     def _evict(self, block_ids: list[int]) -> None:
         if self.pool is None:

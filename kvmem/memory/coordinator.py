@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmem.errors import ConfigError, KvmemError
+from kvmem.memory.budget import BudgetState
 from kvmem.memory.elastic import ElasticKVStorage
 from kvmem.memory.page_table import PageOp
 from kvmem.memory.rank_files import RankFile
@@ -57,7 +58,8 @@ class PageMapCoordinator:
         return self.store.get(key)
 
     def startup(self, storage: ElasticKVStorage,
-                reclaim: Callable[[int], int] | None = None) -> None:
+                reclaim: Callable[[int], int] | None = None,
+                on_due: Callable[[BudgetState], None] | None = None) -> None:
         """Bring every rank to the same page map, then start rank 0's pre-mapping thread."""
         if (storage.rank, storage.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"storage is rank {storage.rank}/{storage.world_size}, coordinator "
@@ -91,7 +93,7 @@ class PageMapCoordinator:
             file = storage.rank_file()
             self.store.set(self._key("ready", self.rank),
                            json.dumps({"file": file and file.to_json()}))
-        storage.start(reclaim=reclaim)
+        storage.start(reclaim=reclaim, on_due=on_due)
 
     def publish(self, step: int, ops: list[PageOp]) -> None:
         self.store.set(self._key("step", step), json.dumps(_encode(ops)))

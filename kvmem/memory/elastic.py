@@ -32,7 +32,7 @@ from kvmem.cache.results import NULL_BLOCK_ID as NULL_BLOCK
 from kvmem.errors import ConfigError
 from kvmem.memory import reclaim
 from kvmem.memory.backends import PageBackend, make_backend
-from kvmem.memory.budget import EngineBudget
+from kvmem.memory.budget import BudgetState, EngineBudget
 from kvmem.memory.faults import with_injected_faults
 from kvmem.memory.free_queue import PageAwareFreeQueue
 from kvmem.memory.page_table import PageOp, PageTable
@@ -106,6 +106,7 @@ class ElasticKVStorage:
         self.ranks = RankFiles()  # rank 0: the other ranks' memory files, once connected
         self._premap: PremapThread | None = None
         self._reclaim: Callable[[int], int] = self.give_back
+        self._on_due: Callable[[BudgetState], None] = self.answer
         if start and world_size == 1:
             self.start()
 
@@ -142,13 +143,17 @@ class ElasticKVStorage:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def start(self, reclaim: Callable[[int], int] | None = None) -> None:
+    def start(self, reclaim: Callable[[int], int] | None = None,
+              on_due: Callable[[BudgetState], None] | None = None) -> None:
         """Start the pre-mapping thread (rank 0 only; other ranks replay rank 0's ops).
         ``reclaim(nbytes) -> bytes given``: how the engine gives memory back (default
-        ``give_back`` without evicting anything)."""
+        ``give_back`` without evicting anything). ``on_due(state)``: called by the
+        thread when a heartbeat finds memory to give back; the engine then ``answer``s
+        at a step boundary (default: the thread answers at once)."""
         if self.rank != 0 or self._premap is not None:
             return
         self._reclaim = reclaim or self.give_back
+        self._on_due = on_due or self.answer
         self._premap = premap = PremapThread(self.table, heartbeat=self._heartbeat)
         # woken by the engines that ask it for memory; where none can wake it, it polls
         if self.budget is not None and not self.budget.listen(premap.wake):
@@ -173,7 +178,15 @@ class ElasticKVStorage:
                                    len(t.cached) * t.block_bytes)
         with t.cond:
             t.cond.notify_all()  # the caps it read (the budget keeps them) may free work
-        reclaim.answer(t, self.budget, state, self._reclaim)
+        if reclaim.due(t, state) > 0:
+            self._on_due(state)
+
+    def answer(self, state: BudgetState) -> int:
+        """Give back what the heartbeat that read ``state`` found due, and answer the
+        ledger (``reclaim.answer``); the bytes given."""
+        if self.budget is None:
+            return 0
+        return reclaim.answer(self.table, self.budget, state, self._reclaim)
 
     def _watch(self) -> bool:
         """Whether an ask to give back, or a lowered limit, waits in the ledger."""

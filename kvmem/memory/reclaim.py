@@ -48,13 +48,18 @@ def give_back(table: PageTable, nbytes: int, floor_bytes: int,
     return max(0, before - table.held_bytes)
 
 
+def due(table: PageTable, state: BudgetState) -> int:
+    """The bytes to give back after a look at the ledger: what other engines asked for,
+    or what ``table`` holds over the limit."""
+    over = 0 if state.allowed_bytes is None else table.held_bytes - state.allowed_bytes
+    return max(over, state.reclaim_bytes)
+
+
 def answer(table: PageTable, budget: EngineBudget, state: BudgetState,
            reclaim: Callable[[int], int]) -> int:
-    """Give back what ``state`` asks for, or what ``table`` holds over the limit, with
-    ``reclaim(nbytes) -> bytes given``; an ask is answered in the ledger. Returns the
-    bytes given."""
-    over = 0 if state.allowed_bytes is None else table.held_bytes - state.allowed_bytes
-    want = max(over, state.reclaim_bytes)
+    """Give back what is ``due`` with ``reclaim(nbytes) -> bytes given``; an ask is
+    answered in the ledger. Returns the bytes given."""
+    want = due(table, state)
     given = reclaim(want) if want > 0 else 0
     if state.reclaim_bytes:
         budget.gave_back(given)
