@@ -112,13 +112,15 @@ def test_cuda_engine_matches_transformers(checkpoint):
     assert llm.engine.scheduler.stats.prefix_hit_tokens - hits == 32 + 64
 
 
-def test_preemption_keeps_tokens_exact(qwen3_next):
-    """A pool too small for four requests at once: the newest is preempted, its state
-    blocks freed, and it is computed again from its tokens later."""
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_preemption_keeps_tokens_exact(qwen3_next, prefix_caching):
+    """A pool too small for four requests at once (10 blocks of 32 tokens; 14 where each
+    state group holds two blocks a request under prefix caching): the newest is
+    preempted, its state blocks freed, and it is computed again later."""
     path, expected = qwen3_next
-    llm = LLM(str(path), kv_cache_memory_bytes=(160 << 10) + 4 * 32 * 1024, max_model_len=128,
-              block_size=32, max_num_batched_tokens=64, max_num_seqs=4,
-              enable_prefix_caching=False)
+    llm = LLM(str(path), kv_cache_memory_bytes=(352 if prefix_caching else 288) << 10,
+              max_model_len=128, block_size=32, max_num_batched_tokens=64, max_num_seqs=4,
+              enable_prefix_caching=prefix_caching)
     check(llm, expected)
     assert llm.engine.num_preemptions > 0
 
