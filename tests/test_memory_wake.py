@@ -4,6 +4,7 @@ limit of theirs changes), rather than each polling the ledger."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -188,6 +189,76 @@ def test_vllms_ledger_watch_wakes_the_engine_core_when_its_engine_is_asked(tmp_p
         assert not ledger.register("b").try_acquire(6 * MiB)
         assert core.wait(5)
         assert watch.wakes >= 1
+    finally:
+        watch.stop()
+        a.close()
+
+
+def _flood(address: str, seconds: float) -> int:
+    """Send empty datagrams to ``address`` for ``seconds``; how many were delivered."""
+    delivered, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        delivered += wake.wake([address] * 100)
+    return delivered
+
+
+def test_a_flood_of_wake_ups_is_coalesced(tmp_path):
+    """Any local process can send to the socket: the engine looks at the ledger at most
+    once per MIN_GAP_S however many datagrams (of any size) arrive."""
+    calls = []
+    listener = wake.WakeListener(wake.address(tmp_path / "l.json", "a", 1, 1),
+                                 lambda: calls.append(time.monotonic()))
+    try:
+        seconds = 0.5
+        delivered = _flood(listener.address, seconds)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as big:
+            big.sendto(b"x" * 60000, listener.address)  # read one byte of it, all dropped
+        time.sleep(0.1)
+        assert delivered > 4 * seconds / wake.MIN_GAP_S  # the flood was delivered
+        assert 1 <= len(calls) <= seconds / wake.MIN_GAP_S + 5
+        assert listener._thread.is_alive()
+    finally:
+        listener.close()
+    assert not listener._thread.is_alive()
+
+
+def _send_as_nobody(address: str, count: int) -> None:
+    """Send ``count`` wake-ups to ``address`` from a child process of another user."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            for _ in range(count):
+                wake.wake([address])
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def test_wake_ups_from_anyone_wake_vllms_engine_core_only_when_the_ledger_asks(tmp_path):
+    """A wake-up is a hint: datagrams from another local user (any process can send to an
+    abstract socket) put nothing on vLLM's input queue while the ledger asks nothing."""
+    from kvmem.integrations.vllm.elastic import watch as watch_module
+
+    ledger = Ledger.for_device("cpu", tmp_path)
+    ledger.set_total_limit(10 * MiB)
+    a = ledger.register("a")
+    core = []
+    watch = watch_module.LedgerWatch(a, lambda: a.held_bytes,
+                                     wake=lambda: core.append(1) or True)
+    try:
+        assert a.try_acquire(8 * MiB)
+        if os.geteuid() == 0:
+            _send_as_nobody(a.address(), 300)
+        _flood(a.address(), 0.2)
+        time.sleep(0.1)
+        assert core == []
+        assert not ledger.register("b").try_acquire(6 * MiB)  # a real ask still wakes it
+        deadline = time.monotonic() + 5
+        while not core and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core
     finally:
         watch.stop()
         a.close()

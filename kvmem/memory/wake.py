@@ -6,7 +6,11 @@ process (``address``: no field of the file names it, so no content of the file c
 a send anywhere but to another engine's wake-up socket). An engine short of memory
 writes its ask into the ledger, then sends one empty datagram to each engine it asked
 (``wake``); the listener's thread calls the engine back at once, and the engine reads
-its ask from the ledger as it always does. A datagram carries nothing else.
+its ask from the ledger as it always does. A datagram carries nothing else, and any
+local process can send one (abstract sockets have no permissions): a wake-up is only a
+hint to look at the ledger. The listener drains every datagram queued by the time it
+calls back, and calls back at most once per ``MIN_GAP_S``, so a flood costs the engine
+no more than that many looks at the ledger (and the kernel's bounded queue).
 
 A send never waits: a full queue already holds a wake-up, and a peer that is gone (no
 socket bound: ``ECONNREFUSED``) is left to the ledger, which reaps dead engines on every
@@ -22,11 +26,13 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("kvmem.memory")
+MIN_GAP_S = 0.005  # the least time between two call-backs of one listener
 
 
 def enabled() -> bool:
@@ -63,7 +69,8 @@ def wake_engines(ledger: str | Path, entries: Iterable[Any]) -> int:
 
 
 class WakeListener:
-    """Calls ``on_wake()`` on its own thread for every datagram sent to ``address``."""
+    """Calls ``on_wake()`` on its own thread when datagrams arrive at ``address``: once
+    for all those queued by then, and at most once per ``MIN_GAP_S``."""
 
     def __init__(self, address: str, on_wake: Callable[[], None]) -> None:
         self.address = address
@@ -92,18 +99,30 @@ class WakeListener:
             return None
 
     def _run(self) -> None:
+        called = -MIN_GAP_S
         while True:
             try:
                 self._sock.recv(1)
             except OSError:
                 return
+            time.sleep(max(0.0, called + MIN_GAP_S - time.monotonic()))
+            self._drain()
             if self._stopping:
                 return
             self.wakes += 1
+            called = time.monotonic()
             try:
                 self.on_wake()
             except Exception:  # never end the listener; the engine's poll remains
                 log.exception("KV memory wake-up")
+
+    def _drain(self) -> None:
+        """Discard the datagrams queued now: one call-back answers them all."""
+        try:
+            while True:
+                self._sock.recv(1, socket.MSG_DONTWAIT)
+        except OSError:  # empty (or closed: the next receive ends the thread)
+            pass
 
     def close(self) -> None:
         if self._stopping:

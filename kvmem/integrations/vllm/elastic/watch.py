@@ -85,7 +85,8 @@ class LedgerWatch:
                                            and self.held() > state.allowed_bytes)
 
     def _woken(self) -> None:
-        if self.wake():
+        # any local process can send a wake-up: wake the core only when the ledger asks
+        if self.due() and self.wake():
             self.wakes += 1
 
     def _run(self) -> None:
