@@ -25,7 +25,7 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
     """Parse a byte size such as ``5GiB``, ``512MiB``, ``1.5GB`` or ``123456``; must be > 0
     and at most ``MAX_BYTES`` (inf, nan and overflowing figures are errors)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
+        value = float(text) if abs(text) <= MAX_BYTES else math.inf  # 10**400: no float
     else:
         match = _SIZE.match(str(text))
         unit = match.group(2).lower() if match else None

@@ -9,8 +9,11 @@ engine keeps serving.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
@@ -20,7 +23,8 @@ from kvmem.engine.async_engine import AsyncLLMEngine
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.memory import Ledger
-from kvmem.memory.http_control import parse_request_size
+from kvmem.memory import http_control
+from kvmem.memory.http_control import KVCacheControl, parse_request_size
 from kvmem.serve import create_app
 
 KEY = {"Authorization": "Bearer s3cret"}
@@ -119,6 +123,7 @@ def test_the_routes_steer_an_elastic_engine(tiny, ledger_dir):
     ("post", "/kvcache/limit", {"size": True}, 400, "size"),
     ("post", "/kvcache/limit", {"size": "-3G"}, 400, "size"),
     ("post", "/kvcache/limit", {"size_bytes": 1e300}, 400, "size_bytes"),
+    ("post", "/kvcache/limit", {"size_bytes": 10**400}, 400, "size_bytes"),
     ("post", "/kvcache/limit", {}, 400, "size"),
     ("post", "/kvcache/limit", {"size": "1G", "size_bytes": 5}, 400, "size_bytes"),
     ("post", "/kvcache/limit", {"size": "1G", "force": "yes"}, 400, "force"),
@@ -176,3 +181,58 @@ def test_an_engine_without_elastic_memory_says_so(tiny, ledger_dir):
     with TestClient(app_for(tiny, kv_cache_memory_bytes="4MiB")) as http:
         reply = http.get("/kvcache/status", headers=KEY)
         assert reply.status_code == 409 and "--kv-memory elastic" in reply.json()["error"]
+
+
+@pytest.fixture()
+def ledger_control(tmp_path):
+    """The routes for engine ``a`` of a ledger (no engine behind it: the ledger alone)."""
+    budget = Ledger.for_device("cpu", tmp_path).register("a")
+    yield KVCacheControl("a", ledger_dir=tmp_path)
+    budget.close()
+
+
+def test_a_field_given_twice_is_refused(ledger_control, tmp_path):
+    """Python's JSON keeps the last of two equal keys; which size was meant is unknown."""
+    status, doc = ledger_control.handle("POST", "/kvcache/limit",
+                                        b'{"size": "1G", "size": "2G"}')
+    assert status == 400 and "size" in doc["error"]
+    assert entry(tmp_path, "a").ceiling_bytes is None
+
+
+def test_a_body_that_never_ends_is_answered_408(ledger_control, monkeypatch):
+    """A chunked body whose end never comes gets 408 after BODY_TIMEOUT_S, not a wait
+    for ever."""
+    monkeypatch.setattr(http_control, "BODY_TIMEOUT_S", 0.3)
+
+    async def app(scope, receive, send):
+        raise AssertionError("the routes never reach the app")
+
+    async def receive():
+        await asyncio.sleep(0.01)
+        return {"type": "http.request", "body": b" ", "more_body": True}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/kvcache/limit", "method": "POST", "headers": []}
+    middleware = http_control.KVCacheControlMiddleware(app, ledger_control)
+    asyncio.run(asyncio.wait_for(middleware(scope, receive, send), 5))
+    assert sent[0]["status"] == 408 and b"0.3 s" in sent[1]["body"]
+
+
+def test_limits_from_many_clients_at_once_leave_one_of_them(ledger_control, tmp_path):
+    """Concurrent limit and trim requests each take the ledger's lock: all succeed, and the
+    ceiling left is one of those asked for."""
+    sizes = [(i + 1) * MIB for i in range(8)]
+
+    def client(size: int) -> list[int]:
+        return [ledger_control.handle("POST", "/kvcache/" + route,
+                                      json.dumps({key: size}).encode())[0]
+                for route, key in [("limit", "size_bytes"), ("trim", "target_bytes")] * 5]
+
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        statuses = [s for done in pool.map(client, sizes) for s in done]
+    assert statuses == [200] * len(statuses)
+    assert entry(tmp_path, "a").ceiling_bytes in sizes

@@ -38,6 +38,7 @@ from kvmem.units import MAX_BYTES, format_bytes, parse_size
 
 PREFIX = "/kvcache/"
 MAX_BODY = 4096  # the largest request these routes take is well under 200 bytes
+BODY_TIMEOUT_S = 10.0  # a body still not whole by then (a chunked one never ended): 408
 _BINARY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt])\s*$", re.IGNORECASE)
 
 
@@ -78,6 +79,16 @@ def parse_request_size(value: object, field: str) -> int | None:
         return parse_size(value, field)
     except ConfigError as e:
         raise ControlError(400, str(e)) from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once (which of two sizes was meant?)."""
+    body: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in body:
+            raise ControlError(400, f"{key}: given twice")
+        body[key] = value
+    return body
 
 
 def _bool(body: dict[str, Any], field: str) -> bool:
@@ -145,7 +156,9 @@ class KVCacheControl:
         if len(raw) > MAX_BODY:
             raise ControlError(413, f"the body is over {MAX_BODY} bytes")
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, object_pairs_hook=_unique_keys)
+        except ControlError:
+            raise
         except (ValueError, RecursionError):
             raise ControlError(400, "the body is not JSON") from None
         if not isinstance(body, dict):
@@ -284,7 +297,8 @@ class KVCacheControlMiddleware:
     """Answers ``/kvcache/*`` with ``control`` and passes everything else to ``app``.
 
     ``api_keys``: bearer tokens of which a request must carry one (None or empty: open;
-    a callable is asked at the first request). Bodies over ``MAX_BODY`` get 413 unread."""
+    a callable is asked at the first request). Bodies over ``MAX_BODY`` get 413 unread,
+    and bodies not whole within ``BODY_TIMEOUT_S`` get 408."""
 
     def __init__(self, app: ASGIApp, control: KVCacheControl,
                  api_keys: Iterable[str] | Callable[[Scope], Iterable[str]] | None = None
@@ -301,13 +315,18 @@ class KVCacheControlMiddleware:
             await _reply(send, 401, {"error": "invalid or missing API key (send "
                                               "'Authorization: Bearer KEY')"}, scope)
             return
-        body = await _read_body(receive)
+        import asyncio
+
+        try:
+            body = await asyncio.wait_for(_read_body(receive), BODY_TIMEOUT_S)
+        except TimeoutError:
+            await _reply(send, 408, {"error": f"the body did not arrive whole within "
+                                              f"{BODY_TIMEOUT_S:g} s"}, scope)
+            return
         if body is None:
             await _reply(send, 413, {"error": f"the body is over {MAX_BODY} bytes"}, scope)
             return
         # the ledger is a small local file under a bounded lock: off the event loop anyway
-        import asyncio
-
         status, doc = await asyncio.to_thread(self.control.handle, scope["method"],
                                               scope["path"], body)
         await _reply(send, status, doc, scope)
