@@ -22,8 +22,7 @@ from tiny_models import make_tiny_checkpoint
 from kvmem.engine.async_engine import AsyncLLMEngine
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
-from kvmem.memory import Ledger
-from kvmem.memory import http_control
+from kvmem.memory import Ledger, http_control
 from kvmem.memory.http_control import KVCacheControl, parse_request_size
 from kvmem.serve import create_app
 
