@@ -13,6 +13,7 @@ import xxhash
 from kvmem.cache import (
     NULL_BLOCK_ID,
     BlockPool,
+    FreeBlockQueue,
     KVCacheManager,
     NoCapacity,
     PrefixHit,
@@ -221,6 +222,50 @@ def test_hold_on_cached_free_block_removes_it_from_the_lru():
     assert pool.take_new_blocks(1, 0) == [b]
     assert not pool.can_take(1)
     assert pool.get_cached_block(0, b"a" * 16) == a  # still findable while held
+
+
+def test_free_queue_lru_matches_a_plain_list_model():
+    """The LRU's linked lists stay consistent under pushes, removals from anywhere and
+    pops of one or many blocks across both parts of the queue."""
+    import random
+
+    rng = random.Random(0)
+    queue = FreeBlockQueue(range(1, 65))
+    free, lru = list(range(1, 65)), []  # the model: free stack (lowest first), LRU order
+    used: list[int] = []
+    for _ in range(3000):
+        op = rng.randrange(4)
+        if op == 0 and len(free) + len(lru):  # pop one or many
+            n = rng.choice([1, 1, rng.randint(1, len(free) + len(lru))])
+            expected = free[:n] + lru[:max(0, n - len(free))]
+            del lru[:max(0, n - len(free))]
+            del free[:n]
+            assert queue.pop_n(n) == expected
+            used += expected
+        elif op == 1 and used:  # some used blocks become cached-free, in order
+            run = rng.sample(used, rng.randint(1, len(used)))
+            used = [b for b in used if b not in run]
+            queue.push_cached(run)
+            lru += run
+        elif op == 2 and lru:  # a prefix hit revives cached-free blocks
+            hit = rng.sample(lru, rng.randint(1, min(3, len(lru))))
+            queue.remove_cached(hit)
+            lru = [b for b in lru if b not in hit]
+            used += hit
+        elif op == 3 and used:  # uncached blocks go to the front
+            run = used[-rng.randint(1, len(used)):]
+            del used[-len(run):]
+            queue.push_free(run)
+            free = run + free
+        assert queue.cached_ids() == lru and queue.free_ids()[::-1] == free
+        assert (queue.num_cached, queue.num_free, len(queue)) == (len(lru), len(free),
+                                                                  len(lru) + len(free))
+        assert all(queue.is_cached(b) for b in lru) and not any(map(queue.is_cached, used))
+    with pytest.raises(ValueError, match="only"):
+        queue.pop_n(len(queue) + 1)
+    if used:
+        with pytest.raises(KeyError):
+            queue.remove_cached([used[0]])  # not in the LRU
 
 
 def test_listeners_guard_and_evict_listener():

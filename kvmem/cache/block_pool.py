@@ -68,6 +68,7 @@ class BlockPool:
         self.free_queue = free_queue if free_queue is not None else FreeBlockQueue(
             range(1, num_blocks))
         self.held_idle: set[int] = set()  # ref count 0 and held
+        self.num_holds = 0  # sum of hold_cnt: lets frees skip the hold check when 0
         self.listeners: list[PoolListener] = list(listeners)
         self.capacity_guard = capacity_guard
         # set by the offload connector, which needs the pool first (it holds the pool's
@@ -213,30 +214,35 @@ class BlockPool:
     def free_runs(self, runs: Iterable[Iterable[int]]) -> None:
         """``free_blocks`` for each run in turn, in one pass: each run's blocks without
         cached data are reused in the order given, the later runs' first."""
-        ref_cnt, hold_cnt, block_hash = self.ref_cnt, self.hold_cnt, self.block_hash
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
         cached: list[int] = []
         for run in runs:
             uncached: list[int] = []
             for block_id in run:
-                if not block_id:  # the null block
-                    continue
                 ref = ref_cnt[block_id]
-                if ref > 1:
-                    ref_cnt[block_id] = ref - 1
-                elif ref == 1:
+                if ref == 1:
                     ref_cnt[block_id] = 0
-                    if hold_cnt[block_id]:
-                        self.held_idle.add(block_id)
-                    elif block_hash[block_id] is None:
+                    if block_hash[block_id] is None:
                         uncached.append(block_id)
                     else:
                         cached.append(block_id)
-                else:
+                elif ref > 1:
+                    ref_cnt[block_id] = ref - 1
+                elif block_id:  # the null block (ref count 0) is skipped
                     raise ValueError(f"block {block_id} freed more often than it was taken")
             if uncached:
-                self._return_free(uncached, [])
+                self._return_free(self._keep_held(uncached), [])
         if cached:
-            self.free_queue.push_cached(cached)
+            self.free_queue.push_cached(self._keep_held(cached))
+
+    def _keep_held(self, block_ids: list[int]) -> list[int]:
+        """``block_ids`` (unused now) without the held ones, which become held-idle."""
+        if not self.num_holds:  # the common case: no transfer holds any block
+            return block_ids
+        hold_cnt = self.hold_cnt
+        held = [b for b in block_ids if hold_cnt[b]]
+        self.held_idle.update(held)
+        return [b for b in block_ids if not hold_cnt[b]] if held else block_ids
 
     # -- prefix cache ----------------------------------------------------------------------
 
@@ -376,6 +382,7 @@ class BlockPool:
                 revived.append(block_id)  # cached-free -> held
                 self.held_idle.add(block_id)
             self.hold_cnt[block_id] += 1
+        self.num_holds += len(block_ids)
         if revived:
             self.free_queue.remove_cached(revived)
 
@@ -387,6 +394,7 @@ class BlockPool:
             if self.hold_cnt[block_id] < count:
                 raise ValueError(f"block {block_id} is released more often than it is held")
         uncached, cached = [], []
+        self.num_holds -= len(block_ids)
         for block_id in block_ids:
             self.hold_cnt[block_id] -= 1
             if self.hold_cnt[block_id] == 0 and self.ref_cnt[block_id] == 0:
