@@ -25,6 +25,7 @@ from test_tiers import (
 )
 
 from kvmem.tiers import TierIdentity
+from kvmem.tiers import disk_store as disk_store_module
 from kvmem.tiers.blocks import key_name
 from kvmem.tiers.disk_store import DiskStore
 from kvmem.tiers.policy import make_policy
@@ -268,3 +269,68 @@ def test_a_shared_disk_tier_reports_its_namespace_capacity(manager_factory, tmp_
         assert disk.used_blocks == 5 and disk.used_bytes == files_bytes(mgr.disk)
         assert disk.capacity_blocks == disk.capacity_bytes // mgr.disk.entry_nbytes >= 8
         assert cpu.capacity_blocks == 2 and cpu.used_blocks == 2
+
+
+IDENTITY = TierIdentity("tiny", "tp1", "uint8", 4, (BLOCK_NBYTES,), 1)
+
+
+def disk_store(root, blocks: int = 8) -> DiskStore:
+    """A disk store whose budget holds ``blocks`` blocks (and half of another)."""
+    entry_bytes = disk_store_module._HEADER.size + 32 + BLOCK_NBYTES  # a 32-character name
+    return DiskStore(root, blocks * entry_bytes + entry_bytes // 2, BLOCK_NBYTES, IDENTITY,
+                     make_policy("lru", 64))
+
+
+def test_a_temporary_file_named_with_an_impossible_pid_is_kept_at_start_up(tmp_path):
+    """``<name>.kvb.<pid>.tmp`` with a pid no C long holds: the start-up scan goes on (it
+    raised OverflowError) and keeps the file until it is old."""
+    root = disk_store(tmp_path).root
+    (root / "ab").mkdir()
+    forged = root / "ab" / f"ab{'0' * 30}.kvb.{10 ** 30}.tmp"
+    forged.write_bytes(b"x")
+    disk = disk_store(tmp_path)
+    assert disk._enabled and forged.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "link"])
+def test_something_else_in_place_of_the_ledger_is_left_alone_with_one_line(tmp_path, caplog,
+                                                                             kind):
+    """A FIFO (whose read raised ESPIPE at start-up), a folder or a link where
+    ``usage.lock`` should be: the tier starts, says so once, follows nothing, and keeps to
+    the budget by its own blocks."""
+    root = disk_store(tmp_path).root
+    ledger = root / LEDGER
+    ledger.unlink()
+    target = tmp_path / "target"
+    target.write_bytes(b"left alone")
+    {"fifo": os.mkfifo, "folder": os.mkdir, "link": lambda p: p.symlink_to(target)}[kind](ledger)
+    caplog.set_level(logging.WARNING, "kvmem.tiers")
+    disk = disk_store(tmp_path, blocks=2)
+    assert not disk.shared.shared
+    assert _warnings(caplog, "usage.lock is not a ledger") == 1
+    row = torch.zeros(BLOCK_NBYTES, dtype=torch.uint8)
+    for k in keys(*range(1, 6)):
+        disk.put(key_name(k), row)
+    assert len(list(root.glob("*/*.kvb"))) == 2
+    assert target.read_bytes() == b"left alone" and os.path.lexists(ledger)
+
+
+def test_a_block_folder_swapped_for_a_link_never_removes_a_file_outside(tmp_path):
+    """Evicting a block whose folder was replaced by a link to another directory holding a
+    file of the block's name: that file stays (the removal followed the link)."""
+    disk = disk_store(tmp_path / "tier", blocks=1)
+    row = torch.zeros(BLOCK_NBYTES, dtype=torch.uint8)
+    first, second = (key_name(k) for k in keys(1, 2))
+    assert first[:2] != second[:2]
+    disk.put(first, row)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / f"{first}.kvb").write_bytes(b"precious")
+    folder = disk.root / first[:2]
+    for f in folder.iterdir():
+        f.unlink()
+    folder.rmdir()
+    folder.symlink_to(outside)
+    disk.put(second, row)  # the budget holds one block: the first is evicted
+    assert first not in disk._entries
+    assert (outside / f"{first}.kvb").read_bytes() == b"precious"

@@ -58,7 +58,7 @@ from kvmem.tiers.config import (
 )
 from kvmem.tiers.faults import NO_FAULTS, Faults
 from kvmem.tiers.policy import LRUPolicy
-from kvmem.tiers.shared_dir import SharedUsage
+from kvmem.tiers.shared_dir import SharedUsage, unlink_in_namespace
 from kvmem.tiers.stats import CHECKSUM, NAMESPACE, TierStats
 from kvmem.tiers.store import BlockStore, Entry, IndexListener, LoadError
 from kvmem.units import GiB, format_bytes
@@ -381,7 +381,7 @@ def _stale_temporary(entry: os.DirEntry) -> bool:
         os.kill(int(entry.name.rsplit(".", 2)[-2]), 0)
     except ProcessLookupError:
         return True
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, OverflowError):  # not a pid: kept until old
         return False
     return False
 
@@ -394,7 +394,7 @@ def _is_real_dir(path: Path) -> bool:
 def _remove(path: str | Path) -> None:
     """Remove a file of the tier; something else under its name stays (``_scan`` counts it)."""
     with contextlib.suppress(OSError):
-        os.unlink(path)
+        unlink_in_namespace(path)
 
 
 def _write_replacing(path: Path, data: bytes) -> None:

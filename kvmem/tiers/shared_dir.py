@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 import struct
@@ -39,6 +40,7 @@ LEDGER = "usage.lock"
 TIER_ID = "tier.id"
 _COUNT = struct.Struct("<Q")
 LOW_WATER_FRACTION = 1 / 16  # an eviction scan frees this much of the budget beyond the need
+log = logging.getLogger("kvmem.tiers")
 
 
 def block_files(root: Path, suffix: str) -> Iterator[tuple[str, os.DirEntry]]:
@@ -52,6 +54,17 @@ def block_files(root: Path, suffix: str) -> Iterator[tuple[str, os.DirEntry]]:
                 for entry in files:
                     if entry.name.endswith(suffix) and entry.is_file(follow_symlinks=False):
                         yield entry.name[:-len(suffix)], entry
+
+
+def unlink_in_namespace(path: str | Path) -> None:
+    """Remove the file ``path`` of the namespace, following no link to its folder (a folder
+    swapped for a link would lead outside the namespace: ELOOP or ENOTDIR, raised)."""
+    path = Path(path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.unlink(path.name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def tier_id(root: Path) -> str:
@@ -83,12 +96,28 @@ class SharedUsage:
         self._fd: int | None = None  # until ``open``
 
     def open(self) -> None:
-        """Open (or create) the ledger of the namespace, which exists now."""
+        """Open (or create) the ledger of the namespace, which exists now. Something else
+        under its name (a link, a FIFO, a folder) is left alone, with one logged line:
+        this process then keeps to the budget on its own."""
+        path = self.root / LEDGER
         try:
-            self._fd = os.open(self.root / LEDGER,
-                               os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError:  # a read-only namespace: no writes to count
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # a read-only namespace: no writes to count
             self._fd = None
+            if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+                self._not_a_ledger(exc.strerror or str(exc))
+            return
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            self._fd = None
+            self._not_a_ledger("not a regular file")
+            return
+        self._fd = fd
+
+    def _not_a_ledger(self, why: str) -> None:
+        log.warning("disk offload tier %s: %s is not a ledger (%s); it is left alone and this "
+                    "process keeps to the budget by its own blocks only", self.root, LEDGER, why)
 
     @property
     def shared(self) -> bool:
@@ -137,7 +166,7 @@ class SharedUsage:
         with self._locked():
             with contextlib.suppress(OSError):
                 if stat.S_ISREG(os.lstat(path).st_mode):
-                    os.unlink(tmp)
+                    unlink_in_namespace(tmp)
                     return False, []
             removed = []
             if self.used_bytes + nbytes > self.budget_bytes:
@@ -151,10 +180,10 @@ class SharedUsage:
         """Remove a block file of ``nbytes`` and uncount it (nothing when it is gone)."""
         if self._fd is None:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                unlink_in_namespace(path)
             return
         with self._locked(), contextlib.suppress(OSError):
-            os.unlink(path)
+            unlink_in_namespace(path)
             self.used_bytes -= nbytes
 
     def _evict(self, target: int, keep: Callable[[str], bool]) -> list[str]:
@@ -173,7 +202,7 @@ class SharedUsage:
             if keep(name):
                 continue
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                unlink_in_namespace(path)
                 self.used_bytes -= size
                 removed.append(name)
         return removed
