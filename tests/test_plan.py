@@ -1,8 +1,10 @@
 """kvmem.plan: the acceptance figures of MISSION.md and public vLLM logs, policies, fit check."""
 
 from dataclasses import replace
+from math import ceil
 
 import pytest
+from tiny_models import tiny_qwen3_next
 
 from kvmem.errors import ConfigError, KvmemError
 from kvmem.plan import EngineSettings, FitError, Layout, RankProfile, plan
@@ -190,16 +192,43 @@ def test_hybrid_model_blocks_and_tokens_follow_slot_layout():
     assert p.engine.max_concurrency == pytest.approx(r.num_blocks / per_request)
 
 
-def test_linear_attention_states_are_reserved_per_running_request():
+def test_linear_attention_states_live_in_state_group_blocks_under_kvmems_rules():
+    """Qwen3-Coder-Next's 36 Gated DeltaNet layers form 3 state groups of 12 beside the 12
+    full-attention layers, sharing their 12 slot tensors; the block size rises to 544
+    tokens (a state is 548,864 values, a token's page 1,024: 536, in multiples of 16).
+    Nothing is reserved apart: max_num_seqs changes no block count; a request holds 2
+    blocks of each state group with prefix caching, 1 without."""
     spec = load_spec("Qwen/Qwen3-Coder-Next")
-    few = plan(spec, Layout(), EngineSettings(kv_cache_memory_bytes=8 * GiB, max_num_seqs=1))
-    many = plan(spec, Layout(), EngineSettings(kv_cache_memory_bytes=8 * GiB, max_num_seqs=64))
-    state = sum(lay.state_bytes(1, 2) for lay in spec.layers)
-    assert state > 0
-    assert many.ranks[0].state_bytes_reserved == 64 * state
-    per_block = many.ranks[0].bytes_per_block
-    assert many.ranks[0].num_blocks == (8 * GiB - 64 * state) // per_block
-    assert few.ranks[0].num_blocks > many.ranks[0].num_blocks
+
+    def planned(**kw):
+        return plan(spec, Layout(), EngineSettings(kv_cache_memory_bytes=8 * GiB,
+                                                   max_model_len=32768, **kw))
+
+    few, many = planned(max_num_seqs=1), planned(max_num_seqs=64)
+    off = planned(max_num_seqs=64, enable_prefix_caching=False)
+    r = many.ranks[0]
+    assert many.engine.block_size == 544 and many.engine.num_kv_groups == 4
+    assert many.engine.num_state_groups == 3
+    assert (r.num_slots, r.slot_page_bytes) == (12, 544 * 2 * 2 * 256 * 2)
+    assert r.num_blocks == few.ranks[0].num_blocks == 8 * GiB // (12 * 544 * 2048) == 642
+    assert many.engine.max_concurrency == r.num_blocks / (ceil(32768 / 544) + 3 * 2)
+    assert off.engine.max_concurrency == r.num_blocks / (ceil(32768 / 544) + 3)
+    assert r.need_bytes_at_max_model_len == (ceil(32768 / 544) + 6 + 1) * r.bytes_per_block
+
+
+@pytest.mark.parametrize("layers", [[0, 1], [0, 1, 2]])
+def test_a_stage_of_linear_layers_holds_state_pages(layers):
+    """A pipeline stage whose layers are all (or mostly) Gated DeltaNet layers: its slot
+    tensors are the state groups' (pages as wide as the attention's), not none."""
+    from kvmem.plan.planner import engine_geometry
+
+    spec = spec_from_config(tiny_qwen3_next(8, "float32"), "tiny")  # full: layers 3, 7
+    geometry = engine_geometry(spec, 1, 2, EngineSettings(max_num_batched_tokens=64),
+                               "float32")
+    kv = geometry.stage(layers)
+    assert (kv.num_slots, kv.kv_heads_on_rank) == (2, 2)
+    assert kv.bytes_per_block == 2 * 32 * 2 * 2 * 32 * 4
+    assert [stage for _, stage in geometry.grow(0, 2)][-1].bytes_per_block == kv.bytes_per_block
 
 
 # ---------------------------------------------------------------- memory budget

@@ -1,5 +1,6 @@
 """Linear-attention hybrids (Gated DeltaNet, Mamba2) read from their configs and planned
-under vLLM's rules (kvmem.plan.vllm_mamba), without vLLM.
+under vLLM's rules (kvmem.plan.vllm_mamba), without vLLM, and under kvmem's own engine's
+(state groups, kvmem.plan.geometry.KVGeometry).
 
 The expected figures are worked out by hand from vLLM 0.32's and 0.33's source (see
 docs/plan.md, "Linear-attention states"); tests/test_plan_vllm_hybrid.py checks the same
@@ -78,7 +79,7 @@ def test_qwen3_coder_next_in_8_gib_is_planned_as_vllm_plans_it(version, align, c
     assert p.engine.num_blocks == blocks
     assert p.engine.max_concurrency == blocks / per_request
     assert p.engine.kv_cache_size_tokens == int(blocks / per_request * 32768)
-    assert p.engine.fits and p.ranks[0].state_bytes_reserved == 0
+    assert p.engine.fits
     assert p.ranks[0].need_bytes_at_max_model_len == (per_request + 1) * bytes_per_block
 
 
@@ -99,6 +100,28 @@ def test_kvmem_plan_command_plans_qwen3_coder_next(tmp_path):
     engine = json.loads(run.stdout)["engine"]
     assert engine["fits"] and engine["block_size"] == 576
     assert engine["max_concurrency"] > 9
+
+
+def test_kvmem_plan_for_kvmems_engine_keeps_states_in_raised_blocks(tmp_path):
+    """``--engine kvmem``: the block size rises until a page holds a state (in elements,
+    the engine's cache dtype: 544 tokens), the 36 GDN layers are 3 state groups of 12,
+    and nothing is reserved apart from the blocks: every byte of the 8 GiB is blocks."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_CODER_NEXT))
+    run = subprocess.run([sys.executable, "-m", "kvmem", "plan", str(config),
+                          "--max-model-len", "32768", "--kv-cache-memory-bytes", "8GiB",
+                          "--max-num-seqs", "256", "--engine", "kvmem", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    engine, rank = out["engine"], out["ranks"][0]
+    block = 16 * ceil(STATE / (16 * TOKEN))
+    assert engine["rules"] == "kvmem" and engine["block_size"] == block == 544
+    assert (engine["num_kv_groups"], engine["num_state_groups"]) == (4, 3)
+    assert "state_bytes_reserved" not in rank
+    assert rank["bytes_per_block"] == 12 * block * TOKEN
+    assert rank["num_blocks"] == engine["num_blocks"] == 8 * GiB // (12 * block * TOKEN)
+    assert engine["max_concurrency"] == engine["num_blocks"] / (ceil(32768 / block) + 3 * 2)
 
 
 def test_gated_delta_net_state_is_split_across_tensor_parallel_ranks():

@@ -63,9 +63,8 @@ def test_no_rank_holds_more_than_its_memory_allows(deployment, policy):
         assert r.kv_budget_bytes <= max(0, r.kv_capacity_bytes)
         assert r.non_kv_bytes + r.kv_budget_bytes <= max(r.budget_bytes, r.non_kv_bytes)
         if r.bytes_per_block:
-            assert r.num_blocks * r.bytes_per_block + r.state_bytes_reserved \
-                <= max(r.kv_budget_bytes, r.state_bytes_reserved)
-        assert r.tokens <= max(r.num_blocks, 0) * engine.block_size
+            assert r.num_blocks * r.bytes_per_block <= r.kv_budget_bytes
+        assert r.tokens <= max(r.num_blocks, 0) * p.engine.block_size  # the raised one
     assert p.engine.num_blocks <= min(r.num_blocks for r in p.ranks)
 
 

@@ -118,7 +118,7 @@ def test_preemption_keeps_tokens_exact(qwen3_next, prefix_caching):
     state group holds two blocks a request under prefix caching): the newest is
     preempted, its state blocks freed, and it is computed again later."""
     path, expected = qwen3_next
-    llm = LLM(str(path), kv_cache_memory_bytes=(352 if prefix_caching else 288) << 10,
+    llm = LLM(str(path), kv_cache_memory_bytes=(224 if prefix_caching else 160) << 10,
               max_model_len=128, block_size=32, max_num_batched_tokens=64, max_num_seqs=4,
               enable_prefix_caching=prefix_caching)
     check(llm, expected)
@@ -136,6 +136,38 @@ def test_tensor_and_pipeline_parallel_engine_matches_transformers(checkpoint):
         check(llm, expected)
         assert [a.layers for a in llm.engine.parallel.state.allocations] == [
             [0, 1], [0, 1], [2, 3], [2, 3]]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_each_rank_allocates_what_the_plan_says(qwen3_next, pp):
+    """The plan (kvmem's rules) is the engine's allocation: a 32-token block of one slot
+    tensor (the attention layer's and every state group's page), so 4 MiB holds 256
+    blocks, no state reserved apart; at pp 2 the first stage holds only linear layers
+    (one slot tensor of state pages) and allocates what its plan names."""
+    from kvmem.plan import EngineSettings, Layout, plan
+
+    path, _ = qwen3_next
+    budget = 4 << 20
+    llm = LLM(str(path), kv_cache_memory_bytes=budget, max_model_len=128, block_size=4,
+              max_num_batched_tokens=40, max_num_seqs=8, pipeline_parallel_size=pp)
+    try:
+        spec = llm.engine.spec
+        page = 32 * 2 * 2 * 32 * 4  # tokens x K,V x heads x head_dim x fp32
+        settings = EngineSettings(kv_cache_memory_bytes=budget, block_size=4,
+                                  max_model_len=128, max_num_seqs=8,
+                                  max_num_batched_tokens=40, vllm_version=None)
+        planned = plan(spec, Layout(pipeline_parallel_size=pp), settings, suggest=False)
+        assert planned.engine.block_size == llm.engine.config.block_size == 32
+        assert planned.engine.num_kv_groups == 4  # full attention, three state groups
+        allocations = llm.engine.rank_state.allocations
+        assert llm.engine.num_blocks == planned.engine.num_blocks == budget // page
+        assert [a.layers for a in allocations] == [r.layers for r in planned.ranks]
+        for a, r in zip(allocations, planned.ranks, strict=True):
+            assert r.bytes_per_block == page
+            assert a.num_blocks == r.num_blocks
+            assert a.allocated_bytes == r.num_blocks * r.bytes_per_block <= budget
     finally:
         llm.engine.shutdown()
 

@@ -55,7 +55,8 @@ def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device
         gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
         block_size=config.block_size, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        cuda_graphs=False, cpu_offload_bytes=0, kv_cache_dtype=kv_dtype)
+        cuda_graphs=False, cpu_offload_bytes=0, kv_cache_dtype=kv_dtype,
+        enable_prefix_caching=config.enable_prefix_caching)
     profiles = profile if isinstance(profile, list) else [profile] if profile else None
     return plan(spec, layout, settings, policy=config.kv_budget, profile=profiles,
                 suggest=False)
@@ -64,7 +65,8 @@ def plan_kv_cache(spec: ModelSpec, config: EngineConfig, *, device: torch.device
 def allocate_kv_cache(spec: ModelSpec, kv_plan, *, block_size: int, dtype: torch.dtype,
                       device: torch.device, rank: int = 0, elastic=None,
                       views: bool = True) -> KVCacheSetup:
-    """``rank``'s KV storage: its RankPlan's slots and heads, the engine's block count.
+    """``rank``'s KV storage: its RankPlan's slots and heads (a stage of linear-attention
+    layers only has the attention's), the engine's block count.
 
     ``kv_caches`` lists the slot tensor of each layer the rank holds (its pipeline stage).
     With ``elastic`` (a ``kvmem.engine.elastic_setup.ElasticSetup``) the slot tensors are
@@ -75,15 +77,9 @@ def allocate_kv_cache(spec: ModelSpec, kv_plan, *, block_size: int, dtype: torch
     rank_plan = kv_plan.ranks[rank]
     num_blocks = kv_plan.engine.num_blocks
     head_dim = next((layer.head_dim for layer in spec.layers if layer.kind.uses_blocks), 0)
-    heads = rank_plan.kv_heads_on_rank
-    if not heads and engine_layer_slots(spec):  # a stage of linear-attention layers only
-        tp = sum(1 for r in kv_plan.ranks if r.pp_stage == rank_plan.pp_stage)
-        heads = next(layer.kv_heads_on_rank(tp) for layer in spec.layers
-                     if layer.kind.uses_blocks)
-    shape = SlotShape(2, block_size, heads, head_dim)
+    shape = SlotShape(2, block_size, rank_plan.kv_heads_on_rank, head_dim)
     if elastic is None:
-        storage = TensorKVStorage(num_blocks, num_stage_slots(spec, rank_plan), shape, dtype,
-                                  device)
+        storage = TensorKVStorage(num_blocks, rank_plan.num_slots, shape, dtype, device)
     else:
         storage = elastic.build_storage(rank_plan.num_slots, shape, dtype, device)
         num_blocks = storage.num_blocks
@@ -98,11 +94,3 @@ def layer_views(spec: ModelSpec, rank_plan, storage: KVStorage) -> list[torch.Te
     local = {slot: i for i, slot in enumerate(sorted({slots[i] for i in layers if i in slots}))}
     return [storage.slot_tensor(local[slots[i]]) for i in layers]
 
-
-def num_stage_slots(spec: ModelSpec, rank_plan) -> int:
-    """Slot tensors of the rank's stage: its planned ones, or more where the stage's
-    linear-attention layers use slots its attention layers do not (a pipeline stage of
-    mostly linear layers)."""
-    slots = engine_layer_slots(spec)
-    layers = rank_plan.layers if rank_plan.layers else range(spec.num_layers)
-    return max(rank_plan.num_slots, len({slots[i] for i in layers if i in slots}))

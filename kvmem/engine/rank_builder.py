@@ -244,7 +244,7 @@ def check_rank_fit(kv_plan: Plan, rank: int, *, estimated: bool = False) -> None
     own = replace(kv_plan, ranks=[kv_plan.ranks[rank]])
     r = own.ranks[0]
     if estimated and r.over_committed and r.memory_bytes is not None:
-        certain = r.weights_bytes + r.kv_budget_bytes + r.state_bytes_reserved
+        certain = r.weights_bytes + r.kv_budget_bytes
         if certain <= r.memory_bytes and r.need_bytes_at_max_model_len <= r.kv_budget_bytes:
             left = r.memory_bytes - certain
             logger.warning(

@@ -3,21 +3,25 @@
 ``Geometry`` is what the planner asks of an engine: the bytes one block costs on a stage,
 the blocks one request holds, what the engine's start-up check needs, and the KV cache
 size and concurrency it reports. ``KVGeometry`` is kvmem's own engine: layers are grouped
-by ``spec.kv_groups()``; the layer in slot j of every group shares one slot tensor
-``[num_blocks, 2, block_size, kv_heads_on_rank, head_dim]`` (see ``kvmem.memory.storage``).
-One block id therefore costs a page in every slot tensor of the rank, and block ids are
-shared by all groups (the scheduler's one block pool). vLLM's rules, per release, are
-``kvmem.plan.vllm_rules.VllmGeometry``.
+by ``kvmem.engine.state_groups.engine_kv_groups`` (the attention groups of
+``spec.kv_groups()``, then a linear-attention hybrid's state groups); the layer in slot j
+of every group shares one slot tensor ``[num_blocks, 2, block_size, kv_heads_on_rank,
+head_dim]`` (see ``kvmem.memory.storage``). One block id therefore costs a page in every
+slot tensor of the rank, and block ids are shared by all groups (the scheduler's one block
+pool). A linear layer's state is one page of its slot tensor: the block size is raised
+until a page holds one, and nothing is kept apart from the blocks. vLLM's rules, per
+release, are ``kvmem.plan.vllm_rules.VllmGeometry``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
-from kvmem.spec import KVGroup, LayerKV, ModelSpec
+from kvmem.engine.state_groups import engine_kv_groups, engine_layer_slots, state_block_size
+from kvmem.spec import AttentionKind, KVGroup, LayerKV, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,6 @@ class StageKV:
     num_slots: int
     slot_page_bytes: int
     kv_bytes_per_token: int
-    state_bytes_per_request: int  # linear-attention layers
     kv_heads_on_rank: int
     block_bytes: int | None = None  # when a block is not num_slots equal pages
 
@@ -70,17 +73,12 @@ class Geometry(ABC):
     def layer_bytes_per_token(self) -> list[int]:
         return [lay.bytes_per_token(self.tp, self.kv_dtype_bytes) for lay in self.layers]
 
-    @cached_property
-    def layer_state_bytes(self) -> list[int]:
-        return [lay.state_bytes(self.tp, self.state_dtype_bytes) for lay in self.layers]
-
     def _stage_kv(self, layers: Sequence[int], num_slots: int, page: int,
                   block_bytes: int | None = None) -> StageKV:
         paged = [i for i in layers if self.layers[i].has_own_cache]
         return StageKV(
             num_slots=num_slots, slot_page_bytes=page,
             kv_bytes_per_token=sum(self.layer_bytes_per_token[i] for i in layers),
-            state_bytes_per_request=sum(self.layer_state_bytes[i] for i in layers),
             kv_heads_on_rank=max((self.layers[i].kv_heads_on_rank(self.tp)
                                   for i in paged), default=0),
             block_bytes=block_bytes)
@@ -134,9 +132,15 @@ class Geometry(ABC):
                 hi = mid
         return lo
 
+    @property
+    def num_state_groups(self) -> int:
+        """Groups whose blocks hold linear-attention states, not tokens (kvmem's engine)."""
+        return 0
+
     def tokens(self, num_blocks: int) -> int:
-        """Token capacity of num_blocks blocks (hybrid models split blocks across groups)."""
-        return num_blocks * self.block_size // max(1, self.num_groups)
+        """Token capacity of num_blocks blocks (hybrid models split blocks across groups;
+        a state group holds one or two blocks a request, whatever its length)."""
+        return num_blocks * self.block_size // max(1, self.num_groups - self.num_state_groups)
 
     def kv_cache_size(self, num_blocks: int, seq_len: int,
                       layers: Sequence[int] | None = None) -> tuple[int, float]:
@@ -146,40 +150,83 @@ class Geometry(ABC):
 
 
 class KVGeometry(Geometry):
-    """kvmem's engine: per-stage block sizes and per-request demand (module doc)."""
+    """kvmem's engine: per-stage block sizes and per-request demand (module doc).
+
+    ``prefix_caching``: whether state groups keep checkpoints (``kvmem.cache``'s
+    ``StateManager``): a running request then holds at most two blocks of each state group
+    (its state and the block it is carried into), else one."""
 
     name = "kvmem"
 
+    def __init__(self, spec: ModelSpec, tp: int, kv_dtype_bytes: int, state_dtype_bytes: int,
+                 block_size: int, max_num_batched_tokens: int, *,
+                 prefix_caching: bool = True) -> None:
+        super().__init__(spec, tp, kv_dtype_bytes, state_dtype_bytes, block_size,
+                         max_num_batched_tokens)
+        self.prefix_caching = prefix_caching
+        self.block_size = state_block_size(spec, block_size, tp)
+        if self.block_size != block_size:
+            self.notes.append(f"kvmem's engine raises the block size to {self.block_size} "
+                              "tokens so that a page holds one linear-attention state")
+
     @cached_property
     def groups(self) -> list[KVGroup]:
-        return self.spec.kv_groups()
+        return engine_kv_groups(self.spec)
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
 
+    @property
+    def num_state_groups(self) -> int:
+        return sum(g.kind is AttentionKind.LINEAR for g in self.groups)
+
     @cached_property
     def slots(self) -> dict[int, int]:
-        return self.spec.layer_slots()
+        return engine_layer_slots(self.spec)
+
+    @cached_property
+    def attention_layer(self) -> LayerKV | None:
+        """The attention layer whose page shape every slot tensor has (a state-group page
+        is the same page)."""
+        return next((lay for lay in self.spec.layers if lay.kind.uses_blocks), None)
+
+    @cached_property
+    def page_bytes_per_token(self) -> list[int]:
+        """Each layer's slot-tensor bytes per block token (0: no slot tensor)."""
+        state_page = (self.attention_layer.bytes_per_token(self.tp, self.kv_dtype_bytes)
+                      if self.attention_layer is not None else 0)
+        return [(state_page if lay.kind is AttentionKind.LINEAR else per_token)
+                if i in self.slots else 0
+                for i, (lay, per_token) in enumerate(zip(self.layers, self.layer_bytes_per_token,
+                                                         strict=True))]
 
     def stage(self, layers: Sequence[int]) -> StageKV:
         paged = [i for i in layers if i in self.slots]
-        page = self.block_size * max((self.layer_bytes_per_token[i] for i in paged), default=0)
-        return self._stage_kv(layers, len({self.slots[i] for i in paged}), page)
+        page = self.block_size * max((self.page_bytes_per_token[i] for i in paged), default=0)
+        kv = self._stage_kv(layers, len({self.slots[i] for i in paged}), page)
+        if paged and not kv.kv_heads_on_rank:  # linear layers only: the attention's pages
+            kv = replace(kv, kv_heads_on_rank=self.attention_layer.kv_heads_on_rank(self.tp))
+        return kv
 
     def grow(self, start: int, limit: int) -> Iterator[tuple[int, StageKV]]:
         # one layer at a time, updating the block geometry incrementally
         slots: set[int] = set()
-        page = states = 0
+        page = 0
         for i in range(start, limit):
             if i in self.slots:
                 slots.add(self.slots[i])
-                page = max(page, self.block_size * self.layer_bytes_per_token[i])
-            states += self.layer_state_bytes[i]
-            yield i + 1, StageKV(len(slots), page, 0, states, 0)
+                page = max(page, self.block_size * self.page_bytes_per_token[i])
+            yield i + 1, StageKV(len(slots), page, 0, 0)
+
+    def state_blocks_per_request(self, seq_len: int) -> int:
+        """Blocks one request holds in a state group (``KVCacheManager.can_fit``)."""
+        return 2 if self.prefix_caching and seq_len > self.block_size else 1
 
     def blocks_per_request(self, seq_len: int, layers: Sequence[int] | None = None) -> int:
-        return sum(g.blocks_per_request(seq_len, self.block_size, self.max_num_batched_tokens)
+        return sum(self.state_blocks_per_request(seq_len) if g.kind is AttentionKind.LINEAR
+                   else g.blocks_per_request(seq_len, self.block_size,
+                                             self.max_num_batched_tokens)
                    for g in self.groups)
 
     def check_need(self, layers: Sequence[int], kv: StageKV, seq_len: int) -> int:

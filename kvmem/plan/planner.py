@@ -77,7 +77,7 @@ def engine_geometry(spec: ModelSpec, tp: int, pp: int, settings: EngineSettings,
     args = (spec, tp, dtype_bytes(kv_dtype), dtype_bytes(spec.dtype), settings.block_size,
             settings.max_num_batched_tokens)
     if settings.vllm_version is None:
-        return KVGeometry(*args)
+        return KVGeometry(*args, prefix_caching=settings.enable_prefix_caching)
     return VllmGeometry(*args, release=VllmRelease.parse(settings.vllm_version), pp=pp,
                         device=settings.device, hybrid=settings.hybrid_kv_cache_manager,
                         max_concurrent_batches=settings.max_concurrent_batches,
@@ -189,9 +189,6 @@ class _Planner:
     def ranks_of(self, stage: int) -> range:
         return range(stage * self.tp, (stage + 1) * self.tp)
 
-    def reserve(self, kv: StageKV) -> int:
-        return self.settings.max_num_seqs * kv.state_bytes_per_request
-
     def kv_limit(self, rank: int, non_kv: _NonKV) -> int:
         """Most KV bytes the rank may get: its capacity, and no more than a stated
         kv_cache_memory_bytes (a per-GPU figure: what the user knows fits)."""
@@ -200,7 +197,7 @@ class _Planner:
 
     # ------------------------------------------------------------------ optimal partition
     def _stage_holds(self, blocks: int, stage: int, start: int, end: int, kv: StageKV) -> bool:
-        need = self.reserve(kv) + blocks * kv.bytes_per_block
+        need = blocks * kv.bytes_per_block
         return all(need <= self.kv_limit(rank, self.non_kv(rank, stage, start, end))
                    for rank in self.ranks_of(stage))
 
@@ -285,38 +282,32 @@ class _Planner:
                 sum(max(0, c or 0) for c in caps) // self.tp
             shares = [self._proportional_share(column, kvs, s) for s in stage_of]
         else:  # optimal: the most blocks every rank can hold within its limit
-            most = [(lim - self.reserve(kvs[s])) // kvs[s].bytes_per_block
+            most = [lim // kvs[s].bytes_per_block
                     for lim, s in zip(limits, stage_of, strict=True) if kvs[s].bytes_per_block]
             blocks = max(0, min(most)) if most else 0
-            shares = [self.reserve(kvs[s]) + blocks * kvs[s].bytes_per_block for s in stage_of]
+            shares = [blocks * kvs[s].bytes_per_block for s in stage_of]
         return [min(share, lim) for share, lim in zip(shares, limits, strict=True)]
 
-    def _proportional_share(self, column: int, kvs: list[StageKV], stage: int) -> int:
-        """Stage's part of one pipeline column's KV bytes: its linear-attention states, then
-        the rest by bytes per block, so that every stage holds the same number of blocks."""
-        reserves = [self.reserve(kv) for kv in kvs]
-        if column < sum(reserves):  # not even the states fit: share what there is
-            return column * reserves[stage] // sum(reserves)
+    @staticmethod
+    def _proportional_share(column: int, kvs: list[StageKV], stage: int) -> int:
+        """Stage's part of one pipeline column's KV bytes, by bytes per block, so that
+        every stage holds the same number of blocks."""
         weights = [kv.bytes_per_block for kv in kvs]
-        return reserves[stage] + (column - sum(reserves)) * weights[stage] // (sum(weights) or 1)
+        return column * weights[stage] // (sum(weights) or 1)
 
     def _rank_plan(self, rank: int, stages: list[range], kvs: list[StageKV], nk: _NonKV,
                    cap: int | None, kv_budget: int) -> RankPlan:
         stage = rank // self.tp
         kv = kvs[stage]
-        reserve = self.reserve(kv)
         per_block = kv.bytes_per_block
-        states_fit = kv_budget >= reserve
         layers = stages[stage]
         # Block 0 is the null block (it pads block tables), counted in the blocks.
         if per_block:
-            blocks = (kv_budget - reserve) // per_block if states_fit else 0
-            longest = self.geometry.longest_fitting(layers, kv, kv_budget - reserve,
-                                                    self.limit) if states_fit else 0
+            blocks = kv_budget // per_block
+            longest = self.geometry.longest_fitting(layers, kv, kv_budget, self.limit)
         else:  # no paged layers here: this rank never limits the blocks (set by _engine)
-            blocks, longest = 0, self.limit if states_fit else 0
-        need = self.geometry.need_bytes(layers, kv, self.max_model_len) + reserve \
-            if per_block else reserve
+            blocks, longest = 0, self.limit
+        need = self.geometry.need_bytes(layers, kv, self.max_model_len) if per_block else 0
         over = cap is not None and kv_budget > max(0, cap)
         return RankPlan(
             rank=rank, pp_stage=stage, tp_rank=rank % self.tp, layers=list(stages[stage]),
@@ -324,7 +315,7 @@ class _Planner:
             weights_bytes=nk.weights, activation_bytes=nk.activation,
             cuda_graph_bytes=nk.cuda_graphs, non_torch_bytes=nk.non_torch,
             kv_capacity_bytes=cap, kv_budget_bytes=kv_budget,
-            kv_bytes_per_token=kv.kv_bytes_per_token, state_bytes_reserved=reserve,
+            kv_bytes_per_token=kv.kv_bytes_per_token,
             num_slots=kv.num_slots, slot_page_bytes=kv.slot_page_bytes,
             bytes_per_block=per_block, num_blocks=blocks, tokens=self.geometry.tokens(blocks),
             kv_heads_on_rank=kv.kv_heads_on_rank, need_bytes_at_max_model_len=need,
@@ -349,4 +340,5 @@ class _Planner:
             layer_partition=list(partition), policy=self.policy,
             block_size=self.geometry.block_size, kv_dtype=self.kv_dtype,
             num_kv_groups=self.geometry.num_groups,
+            num_state_groups=self.geometry.num_state_groups,
         )

@@ -45,8 +45,7 @@ def summary_lines(plan: Plan) -> list[str]:
     verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
     return [
         f"engine blocks      {e.num_blocks:,} (minimum over ranks)",
-        f"engine tokens      {e.tokens:,} (the blocks' tokens, shared over {e.num_kv_groups} "
-        f"KV group{'s' if e.num_kv_groups != 1 else ''})",
+        f"engine tokens      {e.tokens:,} (the blocks' tokens, {_token_groups(plan)})",
         f"KV cache size      {e.kv_cache_size_tokens:,} tokens (as {e.rules} reports it)",
         f"concurrency        {e.max_concurrency:.2f}x requests of {e.max_model_len:,} tokens",
         f"max_model_len      {e.max_model_len:,}: {verdict}",
@@ -81,3 +80,14 @@ def print_plan(plan: Plan, command: EngineCommand | None = None,
             console.print(command.plugin.shell(), markup=False, soft_wrap=True)
     if plot:
         console.print(f"plot saved to {plot}")
+
+
+def _token_groups(plan: Plan) -> str:
+    """Which groups share the blocks' tokens (state groups hold states, not tokens)."""
+    e = plan.engine
+    shared = e.num_kv_groups - e.num_state_groups
+    text = f"shared over {shared} KV group{'s' if shared != 1 else ''}"
+    if e.num_state_groups:
+        held = "up to two blocks" if plan.settings.enable_prefix_caching else "one block"
+        text += f"; {e.num_state_groups} state groups hold {held} a request each"
+    return text

@@ -88,7 +88,6 @@ class RankPlan:
     kv_capacity_bytes: int | None  # most KV this rank can hold: budget minus everything else
     kv_budget_bytes: int
     kv_bytes_per_token: int
-    state_bytes_reserved: int  # linear-attention states for max_num_seqs requests
     num_slots: int
     slot_page_bytes: int  # one block of one slot tensor
     bytes_per_block: int
@@ -126,6 +125,7 @@ class EnginePlan:
     block_size: int
     kv_dtype: str
     num_kv_groups: int
+    num_state_groups: int = 0  # of them, groups holding linear-attention states (kvmem)
     # The KV cache size the engine reports, in tokens: vLLM logs it as "KV cache size"
     # (from 0.20.1 the concurrency times max_model_len, before the blocks shared over the
     # groups), which for a hybrid model is not ``tokens``: a sliding-window group needs only
@@ -205,10 +205,10 @@ def _where(r: RankPlan) -> str:
 
 def _no_room_for_kv(r: RankPlan) -> bool:
     """Weights and the other non-KV memory leave the rank less than the null block and one
-    block of KV (and its linear-attention states)."""
+    block of KV."""
     if r.kv_capacity_bytes is None:
         return False
-    return r.kv_capacity_bytes < r.state_bytes_reserved + 2 * r.bytes_per_block
+    return r.kv_capacity_bytes < 2 * r.bytes_per_block
 
 
 def _crowded_message(r: RankPlan) -> str:
