@@ -117,9 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM: charge sliding-window and chunked layers as full attention, "
                         "as vLLM's flag of that name does")
     e.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="vLLM: prefix caching off; a Mamba or Gated DeltaNet layer then holds "
-                        "one state page per request, not two or three (mamba_cache_mode "
-                        "none, not align)")
+                   help="prefix caching off; a Mamba or Gated DeltaNet layer then holds "
+                        "one state page per request, not two or three (vLLM's "
+                        "mamba_cache_mode none, not align; kvmem's engine: one, not two)")
     for name, what in (("--mamba-cache-dtype", "linear-attention conv state"),
                        ("--mamba-ssm-cache-dtype", "linear-attention temporal (SSM) state")):
         e.add_argument(name, choices=("auto", "float32", "bfloat16", "float16"),

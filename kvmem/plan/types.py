@@ -55,7 +55,8 @@ class EngineSettings:
     device: str = "gpu"  # "cpu": vLLM's CPU platform
     max_concurrent_batches: int | None = None  # None: vLLM's default for the release
     hybrid_kv_cache_manager: bool | None = None  # None: vLLM's default for the release
-    # vLLM's prefix caching (on by default): linear-attention states in "align" mode
+    # prefix caching (on by default): linear-attention states in vLLM's "align" mode; in
+    # kvmem's engine, two state blocks per request and state group (checkpoints), not one
     enable_prefix_caching: bool = True
     mamba_cache_dtype: str = "auto"  # linear-attention conv state ("auto": the model's)
     mamba_ssm_cache_dtype: str = "auto"  # temporal state ("auto": the model family's)
