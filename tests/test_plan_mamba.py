@@ -221,3 +221,95 @@ def test_lfm2_short_convolutions_keep_a_conv_state_only():
     p = plan(spec, Layout(), settings())
     geometry = engine_geometry(spec, 1, 1, p.settings, "bfloat16")
     assert geometry.mamba.state_bytes == 2 * 2048 * 2 and geometry.mamba.charge == 2
+
+
+# Kimi-Linear-48B-A3B's shape: KDA layers with MLA at 1-based layers 4, 8, ..., 24, 27
+KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+    "hidden_size": 2304, "num_hidden_layers": 27, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "intermediate_size": 9216, "vocab_size": 163840,
+    "max_position_embeddings": 131072, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "torch_dtype": "bfloat16", "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+        "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+}
+MLA_TOKEN = (512 + 64) * 2  # one MLA layer's latent per token, bf16, on every rank
+
+
+def kda_state(tp: int, ssm_bytes: int = 4) -> int:
+    """conv (4 - 1) rows of q, k, v channels in bf16 and the recurrent state
+    (heads, 128, 128) in float32, split across tp (MambaStateShapeCalculator.kda_state_shape)."""
+    return 3 * 3 * 32 * 128 // tp * 2 + 32 // tp * 128 * 128 * ssm_bytes
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kimi_linear_is_planned_as_vllm_plans_it(version, tp):
+    """MLA hybrids align the block size to 128 tokens; 20 KDA layers make 3 groups of 7
+    beside the 7 MLA ones, and a request holds 2 state pages in each (no FlashKDA
+    checkpoint: the released config's gate is unbounded)."""
+    p = plan(spec_from_config(KIMI_LINEAR, "Kimi-Linear"), Layout(tensor_parallel_size=tp),
+             settings(version))
+    block = 128 * ceil(kda_state(tp) / (128 * MLA_TOKEN))
+    assert p.engine.block_size == block == (1920 if tp == 1 else 1024)
+    assert p.engine.num_kv_groups == 4
+    blocks = 8 * GiB // (7 * block * MLA_TOKEN)
+    assert p.engine.num_blocks == blocks
+    assert p.engine.max_concurrency == blocks / (ceil(32768 / block) + 3 * 2)
+
+
+def test_kimi_linear_without_prefix_caching_holds_one_state_page_per_group():
+    p = plan(spec_from_config(KIMI_LINEAR, "Kimi-Linear"), Layout(),
+             settings(enable_prefix_caching=False))
+    block = 128 * ceil(kda_state(1) / (128 * MLA_TOKEN))
+    assert p.engine.block_size == block
+    assert p.engine.max_concurrency == p.engine.num_blocks / (ceil(32768 / block) + 3)
+
+
+def test_kda_recurrent_state_dtype_follows_mamba_ssm_cache_dtype():
+    """float32 unless --mamba-ssm-cache-dtype bfloat16; vLLM refuses float16."""
+    from kvmem.plan.vllm_mamba import state_dtype_bytes
+
+    state = spec_from_config(KIMI_LINEAR).layers[0].state
+    assert state.kind is StateKind.KDA
+    assert state_dtype_bytes(state, "bfloat16", "auto", "auto", "gpu") == (2, 4)
+    assert state_dtype_bytes(state, "bfloat16", "auto", "bfloat16", "gpu") == (2, 2)
+    with pytest.raises(ConfigError, match="not --mamba-ssm-cache-dtype float16"):
+        state_dtype_bytes(state, "bfloat16", "auto", "float16", "gpu")
+
+
+def test_a_bounded_kda_gate_adds_flashkdas_checkpoint_block_on_gpus():
+    from kvmem.plan.vllm_mamba import checkpoint_blocks
+    from kvmem.plan.vllm_release import VllmRelease
+
+    bounded = {**KIMI_LINEAR, "linear_attn_config": {
+        **KIMI_LINEAR["linear_attn_config"], "gate_lower_bound": -5.0}}
+    for cfg, gpu in ((KIMI_LINEAR, 0), (bounded, 1)):
+        state = spec_from_config(cfg).layers[0].state
+        assert checkpoint_blocks(state, VllmRelease.parse("0.33"), "gpu") == gpu
+        assert checkpoint_blocks(state, VllmRelease.parse("0.32"), "cpu") == 0
+
+
+def test_kimi_linear_needs_its_kda_fields_and_mla_latent():
+    cfg = {**KIMI_LINEAR, "linear_attn_config": {"kda_layers": [1, 2], "num_heads": 32}}
+    with pytest.raises(ConfigError, match="needs head_dim, short_conv_kernel_size"):
+        spec_from_config(cfg)
+    with pytest.raises(ConfigError, match="need kv_lora_rank"):
+        spec_from_config({**KIMI_LINEAR, "kv_lora_rank": None})
+
+
+def test_kvmem_engine_plan_sizes_kda_state_blocks_by_the_mla_latent(tmp_path):
+    """``--engine kvmem``: a page of the MLA latent (576 elements a token) holds one KDA
+    state at tp 2 (3 x 6144 conv + 16 x 128 x 128 recurrent elements): 496 tokens."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(KIMI_LINEAR))
+    run = subprocess.run([sys.executable, "-m", "kvmem", "plan", str(config), "--tp", "2",
+                          "--gpu", "H100", "--engine", "kvmem", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    engine = json.loads(run.stdout)["engine"]
+    block = 16 * ceil((3 * 3 * 32 * 128 // 2 + 16 * 128 * 128) / (16 * (512 + 64)))
+    assert engine["block_size"] == block == 496
+    assert (engine["num_kv_groups"], engine["num_state_groups"]) == (4, 3)

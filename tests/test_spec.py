@@ -1,5 +1,6 @@
 """kvmem.spec: config parsing, layer kinds, sharding rules and the catalog."""
 
+import importlib
 import json
 import re
 
@@ -8,6 +9,7 @@ import pytest
 from kvmem.errors import ConfigError, UnknownModelError
 from kvmem.spec import AttentionKind, catalog, load_spec, spec_from_config, text_config
 from kvmem.spec.dtypes import dtype_bytes, resolve_kv_dtype
+from kvmem.spec.layout import StateKind
 
 
 def test_catalog_has_25_models_and_all_parse():
@@ -172,14 +174,36 @@ def test_this_seasons_catalog_models_have_their_layer_mix(name, kinds, kv_bf16):
 
 
 
-def test_a_known_model_kvmem_cannot_plan_yet_says_so_in_one_line(capsys):
+@pytest.fixture
+def waiting_entry(monkeypatch):
+    """The catalog with one entry of an attention kind kvmem does not plan (MiniMax's
+    lightning attention, a Llama-shaped config marked ``unplanned``)."""
+    catalog_module = importlib.import_module("kvmem.spec.catalog")
+    entry = catalog_module.CatalogEntry(
+        "example/Lightning-1B", "Lightning-1B", ("lightning-1b",),
+        {"model_type": "minimax", "num_hidden_layers": 4, "hidden_size": 256,
+         "num_attention_heads": 4, "vocab_size": 1000}, None, "synthetic", None,
+        "lightning attention layers")
+    real = catalog_module._entries()
+    caches = (catalog_module.catalog, catalog_module.unplanned, catalog_module._index)
+    monkeypatch.setattr(catalog_module, "_entries", lambda: (*real, entry))
+    for cached in caches:
+        cached.cache_clear()
+    yield entry
+    monkeypatch.undo()
+    for cached in caches:
+        cached.cache_clear()
+
+
+def test_a_known_model_kvmem_cannot_plan_yet_says_so_in_one_line(capsys, waiting_entry):
     """Catalog entries whose attention kind is not planned are named, never planned as
     the wrong layers: the CLI exits 2 with the kind, `kvmem models` lists them apart."""
     from kvmem.cli import main
     from kvmem.spec.catalog import unplanned
 
     waiting = unplanned()
-    assert waiting and not {e.hf_id for e in waiting} & {e.hf_id for e in catalog()}
+    assert waiting_entry in waiting
+    assert not {e.hf_id for e in waiting} & {e.hf_id for e in catalog()}
     for entry in waiting:
         with pytest.raises(ConfigError, match=f"cannot plan {re.escape(entry.unplanned)} yet"):
             load_spec(entry.aliases[0])
@@ -190,6 +214,22 @@ def test_a_known_model_kvmem_cannot_plan_yet_says_so_in_one_line(capsys):
     assert len(rows) == len(catalog()) + len(waiting)
     assert all(rows[e.hf_id]["kv_bytes_per_token_bf16"] is None
                and rows[e.hf_id]["unplanned"] == e.unplanned for e in waiting)
+
+
+def test_kimi_linear_is_planned_with_its_kda_and_mla_layers():
+    """Kimi-Linear-48B's catalog config: 20 KDA layers and MLA at layers 4, 8, ..., 24, 27
+    (1-based), its latent kv_lora_rank + qk_rope_head_dim."""
+    from kvmem.spec.catalog import unplanned
+
+    assert "moonshotai/Kimi-Linear-48B-A3B-Instruct" not in {e.hf_id for e in unplanned()}
+    spec = load_spec("kimi-linear")
+    mla = [lay.index + 1 for lay in spec.layers if lay.kind is AttentionKind.MLA]
+    assert mla == [4, 8, 12, 16, 20, 24, 27]
+    assert spec.kv_bytes_per_token(dtype_bytes=2) == 7 * (512 + 64) * 2
+    state = spec.layers[0].state
+    assert state is not None and state.kind is StateKind.KDA
+    # conv: q, k, v channels over kernel-1 rows; recurrent (heads, head_dim, head_dim)
+    assert state.shapes(2) == [((3, 3 * 32 * 128 // 2), False), ((16, 128, 128), True)]
 
 
 def test_bad_configs_give_one_line_errors(tmp_path):

@@ -61,6 +61,6 @@ def state_block_size(spec: ModelSpec, block_size: int, tp: int) -> int:
     if not states or attention is None:
         return block_size
     state = max(sum(prod(shape) for shape, _ in s.shapes(tp)) for s in states)
-    per_token = 2 * attention.kv_heads_on_rank(tp) * attention.head_dim
+    per_token = attention.elements_per_token(tp)  # MLA: the latent, on every rank
     needed = BLOCK_MULTIPLE * ceil(state / (per_token * BLOCK_MULTIPLE))
     return max(block_size, needed)

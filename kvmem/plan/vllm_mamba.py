@@ -23,7 +23,13 @@ Read in vLLM 0.32's and 0.33's source; ``kvmem.plan.vllm_rules`` applies them:
   block where the layer exports prefill checkpoints (``num_prefill_checkpoint_blocks``):
   Mamba2 layers always (0.32 and 0.33), Gated DeltaNet layers from 0.33 when their
   prefill runs on FlashInfer (CUDA; not vLLM's CPU platform), which also aligns the block
-  size to 64 tokens. Plus one page per speculative token.
+  size to 64 tokens. Kimi Delta Attention layers export one where their prefill runs on
+  FlashKDA (0.32 and 0.33: CUDA SM90/SM10x/SM12x, a bounded gate, head_dim 128; kvmem
+  takes a bounded gate on a GPU as FlashKDA), else none. Plus one page per speculative
+  token.
+- **MLA hybrids** (Kimi Linear): the attention block size is a multiple of 128 tokens
+  (``model_config.use_mla`` in ``_align_hybrid_block_size``, 0.32 and 0.33), for the
+  MLA decode kernels.
 - The groups (``_get_kv_cache_groups_uniform_page_size``) treat the state layers as one
   more kind: every kind is split into groups of the smallest kind's layer count.
 """
@@ -40,6 +46,8 @@ from kvmem.spec.layout import LinearState, StateKind
 
 MAMBA = "mamba"
 KERNEL_BLOCK = {"gpu": 16, "cpu": 32}  # FlashAttention MultipleOf(16); CPU MultipleOf(32)
+MLA_HYBRID_BLOCK_ALIGNMENT = 128  # vllm/platforms/interface.py, model_config.use_mla
+KDA_SSM_DTYPES = ("auto", "float32", "bfloat16")  # MambaStateDtypeCalculator.kda_state_dtype
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64  # vllm/v1/attention/backends/gdn_attn.py (0.33)
 
 
@@ -64,6 +72,10 @@ def state_dtype_bytes(state: LinearState, model_dtype: str, mamba_cache_dtype: s
     """(conv, ssm) bytes per element (``MambaStateDtypeCalculator``). On vLLM's CPU
     platform (a CPU with AVX512-BF16) an SSM state not float32 becomes float32, except a
     Gated DeltaNet state in float16 or bfloat16 (``CpuPlatform.check_and_update_config``)."""
+    if state.kind is StateKind.KDA and mamba_ssm_cache_dtype not in KDA_SSM_DTYPES:
+        raise ConfigError("Kimi Delta Attention's recurrent state is auto, float32 or "
+                          f"bfloat16 in vLLM, not --mamba-ssm-cache-dtype "
+                          f"{mamba_ssm_cache_dtype}")
     conv_dtype = model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype
     ssm_dtype = (mamba_ssm_cache_dtype if mamba_ssm_cache_dtype != "auto"
                  else state.ssm_dtype or "auto")
@@ -80,6 +92,8 @@ def checkpoint_blocks(state: LinearState, release: VllmRelease, device: str) -> 
         return 1
     if state.kind is StateKind.GATED_DELTA_NET and release.gdn_prefill_checkpoints:
         return int(device == "gpu")
+    if state.kind is StateKind.KDA and state.temporal is not None:
+        return int(device == "gpu" and state.bounded_gate and state.temporal[1] == 128)
     return 0
 
 
@@ -111,6 +125,8 @@ def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_byte
         return MambaRules(mode, raw, block_size, raw, charge)
     kernel = KERNEL_BLOCK.get(device, KERNEL_BLOCK["gpu"])
     align = max(kernel, block_size)
+    if any(lay.kind is AttentionKind.MLA for lay in spec.layers):
+        align = max(align, MLA_HYBRID_BLOCK_ALIGNMENT)
     if mode == "align" and checkpoints and state.kind is StateKind.GATED_DELTA_NET:
         align = lcm(align, FLASHINFER_GDN_CHECKPOINT_ALIGNMENT)
     needed = align * ceil(raw / (align * per_token))

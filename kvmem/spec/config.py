@@ -268,6 +268,15 @@ def _linear_state(cfg: dict[str, Any], where: str) -> LinearState | None:
             "mamba_d_conv", "mamba_expand"), where, "Mamba2")
         return _mamba2(expand * _positive_int(cfg, "hidden_size", where), heads, head_dim,
                        state, groups, kernel, None)
+    if isinstance(cfg.get("linear_attn_config"), dict):  # Kimi Delta Attention
+        kda = cfg["linear_attn_config"]
+        heads, head_dim, kernel = _need(kda, ("num_heads", "head_dim", "short_conv_kernel_size"),
+                                        where, "Kimi Delta Attention (linear_attn_config)")
+        # q, k and v through the short convolution; the recurrent state is float32 unless
+        # mamba_ssm_cache_dtype says bfloat16 (MambaStateDtypeCalculator.kda_state_dtype)
+        return LinearState(StateKind.KDA, 3 * heads * head_dim, kernel - 1,
+                           (heads, head_dim, head_dim), ssm_dtype="float32",
+                           bounded_gate=kda.get("gate_lower_bound") is not None)
     if str(cfg.get("model_type", "")).startswith("lfm2"):  # LFM2's short convolutions
         kernel = _int(cfg, "conv_L_cache", where, 3, low=1)
         channels = _int(cfg, "conv_dim", where, low=1) or _positive_int(cfg, "hidden_size", where)
@@ -333,8 +342,33 @@ def _kv_sources(cfg: dict[str, Any], kinds: list[tuple[AttentionKind, int | None
     return sources
 
 
+def _kda_layers(cfg: dict[str, Any], n: int, mla: MLA | None,
+                where: str) -> list[LayerKV] | None:
+    """Kimi Linear's layers: ``linear_attn_config.kda_layers`` (1-based) keep a Kimi Delta
+    Attention state, the others (``full_attn_layers``) are MLA (vLLM's ``is_kda_layer``)."""
+    kda = cfg.get("linear_attn_config")
+    if not isinstance(kda, dict):
+        return None
+    listed = kda.get("kda_layers")
+    if listed is None:  # the released config lists both; vLLM's config class needs both
+        full = kda.get("full_attn_layers")
+        listed = [i + 1 for i in range(n) if isinstance(full, list) and i + 1 not in full]
+    if not isinstance(listed, list) or not all(isinstance(i, int) for i in listed):
+        raise ConfigError(f"{where}: field 'linear_attn_config.kda_layers' must be a list "
+                          f"of layer numbers, got {listed!r}")
+    if mla is None:
+        raise ConfigError(f"{where}: Kimi Delta Attention's full layers need kv_lora_rank "
+                          "(MLA)")
+    state = _linear_state(cfg, where)
+    latent = mla.kv_lora_rank + mla.qk_rope_head_dim
+    return [LayerKV(i, AttentionKind.LINEAR, state=state) if i + 1 in listed
+            else LayerKV(i, AttentionKind.MLA, 1, 0, latent_dim=latent) for i in range(n)]
+
+
 def _layers(cfg: dict[str, Any], n: int, kv_heads: int, head_dim: int, mla: MLA | None,
             where: str) -> list[LayerKV]:
+    if (kimi := _kda_layers(cfg, n, mla, where)) is not None:
+        return kimi
     if mla is not None:
         latent = mla.kv_lora_rank + mla.qk_rope_head_dim
         if "index_topk" not in cfg:

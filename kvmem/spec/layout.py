@@ -51,6 +51,7 @@ class LinearState:
     n_groups: int = 0  # Mamba2 only
     state_size: int = 0  # Mamba2 only
     ssm_dtype: str | None = None  # the SSM state's dtype when left "auto" (None: the conv's)
+    bounded_gate: bool = False  # KDA only: gate_lower_bound set (FlashKDA's prefill)
 
     def shapes(self, tp: int, num_spec: int = 0) -> list[tuple[tuple[int, ...], bool]]:
         """Each state tensor's shape on one rank, and whether it is the SSM state."""
