@@ -2,13 +2,14 @@
 
 One subprocess per vLLM venv runs ``tests/vllm_hybrid_rules.py`` over a grid of tiny
 Qwen3-Next-shaped (Gated DeltaNet 3 : 1 full attention), Nemotron-H-shaped (Mamba2,
-attention and MLP layers) and LFM2-shaped (short convolutions 2 : 1 full attention)
-configs: vLLM's engine arguments read each as a model, its platform raises the attention
-block size to hold a state page, and its KV cache functions group, size, charge and check
-the layers. Each case is planned here under the same release's rules from the same config;
-the attention block size, the state page, the groups, each group's charge, each stage's
-bytes per block, the engine's blocks, the logged KV cache size and concurrency, the
-start-up check's need and its estimate of the longest length that fits must be vLLM's.
+attention and MLP layers), LFM2-shaped (short convolutions 2 : 1 full attention) and Kimi-
+Linear-shaped (Kimi Delta Attention layers and MLA layers, "gpu" only) configs: vLLM's
+engine arguments read each as a model, its platform raises the attention block size to
+hold a state page, and its KV cache functions group, size, charge and check the layers.
+Each case is planned here under the same release's rules from the same config; the
+attention block size, the state page, the groups, each group's charge, each stage's bytes
+per block, the engine's blocks, the logged KV cache size and concurrency, the start-up
+check's need and its estimate of the longest length that fits must be vLLM's.
 
 The grid: tp 1 and 2, pp 1 and 2, a bfloat16 or float32 model with its own or fp8 KV,
 prefix caching on ("align") and off ("none"), vLLM's CPU attention and FlashAttention's
@@ -34,8 +35,8 @@ from tests.tiny_models import tiny_lfm2, tiny_nemotron_h, tiny_qwen3_next
 pytestmark = [pytest.mark.vllm]
 
 SERIES = ("0.32", "0.33")
-SPEC_CLASSES = {"full": "FullAttentionSpec", MAMBA: "MambaSpec"}
-SHAPES = ("gdn", "mamba2", "short_conv")
+SPEC_CLASSES = {"full": "FullAttentionSpec", "mla": "MLAAttentionSpec", MAMBA: "MambaSpec"}
+SHAPES = ("gdn", "mamba2", "short_conv", "kda")
 
 
 def layer_kinds(config: dict) -> list[str]:
@@ -43,6 +44,9 @@ def layer_kinds(config: dict) -> list[str]:
     if config["model_type"] == "nemotron_h":
         return [{"M": "linear", "*": "full"}.get(c, "none")
                 for c in config["hybrid_override_pattern"]]
+    if config["model_type"] == "kimi_linear":
+        return ["linear" if i + 1 in config["linear_attn_config"]["kda_layers"] else "full"
+                for i in range(config["num_hidden_layers"])]
     if config["model_type"] == "lfm2":
         return ["full" if t == "full_attention" else "linear" for t in config["layer_types"]]
     step = config["full_attention_interval"]
@@ -68,7 +72,23 @@ def planned(case: dict, series: str, memory: list[int]):
                 suggest=False)
 
 
+def tiny_kimi_linear(dtype: str, heads: int) -> dict:
+    """A tiny Kimi Linear: KDA layers (1-based 1-3 and 5) and MLA layers 4 and 6."""
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+            "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 320,
+            "max_position_embeddings": 8192, "kv_lora_rank": 32, "q_lora_rank": None,
+            "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1, "torch_dtype": dtype,
+            "linear_attn_config": {"full_attn_layers": [4, 6], "kda_layers": [1, 2, 3, 5],
+                                   "num_heads": heads, "head_dim": 16,
+                                   "short_conv_kernel_size": 4}}
+
+
 def tiny_config(shape: str, dtype: str, rng: random.Random) -> dict:
+    if shape == "kda":
+        return tiny_kimi_linear(dtype, rng.choice([2, 4]))
     if shape == "gdn":
         return tiny_qwen3_next(rng.choice([8, 12]), dtype)
     if shape == "mamba2":
@@ -89,7 +109,9 @@ def grid() -> list[dict]:
             case = {"id": len(cases), "config": config, "dtype": dtype,
                     "layers": layer_kinds(config), "tp": 1 + k // 2 % 2,
                     "prefix_caching": bool(k // 4 % 2),
-                    "device": ("cpu", "gpu")[k // 8 % 2],
+                    # vLLM's CPU platform serves MLA without prefix caching: Kimi
+                    # Linear's cases are on "gpu" (see vllm_hybrid_rules.py)
+                    "device": "gpu" if shape == "kda" else ("cpu", "gpu")[k // 8 % 2],
                     "kv_dtype": rng.choice(["auto", "fp8"]),
                     "block_size": rng.choice([16, 32, 64, 1024]),
                     "max_model_len": rng.choice([96, 1000, 4096]),
@@ -117,7 +139,9 @@ def vllm_hybrid(request, tmp_path_factory) -> tuple[str, dict]:
 def test_the_grid_covers_what_the_rules_distinguish():
     cases = grid()
     for key in ("tp", "prefix_caching", "device", "kv_dtype", "dtype"):
-        for shape in ("qwen3_next", "nemotron_h", "lfm2"):
+        for shape in ("qwen3_next", "nemotron_h", "lfm2", "kimi_linear"):
+            if (shape, key) == ("kimi_linear", "device"):
+                continue  # on "gpu" only (vllm_hybrid_rules.py says why)
             assert len({c[key] for c in cases if c["config"]["model_type"] == shape}) == 2, key
     assert {len(c["stages"]) for c in cases} == {1, 2}
     assert any(c["config"].get("n_groups") == 1 and c["tp"] == 2 for c in cases)

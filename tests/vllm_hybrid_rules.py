@@ -3,10 +3,10 @@
 Not a test module: ``tests/test_plan_vllm_hybrid.py`` runs it with a vLLM venv's
 interpreter (``python vllm_hybrid_rules.py TESTS_DIR TOKENIZER_DIR CASES.json``) and
 compares kvmem's rules with the JSON it prints last. Each case is a model config
-(Qwen3-Next-, Nemotron-H- or LFM2-shaped), written as a model directory that vLLM's engine
-arguments read as they read any model: the model's own config hooks set the Mamba cache
-mode, its state block size and dtypes, and vLLM's CPU platform its SSM dtype. Then, as a
-start does once the layers exist (none are built here, no engine starts):
+(Qwen3-Next-, Nemotron-H-, LFM2- or Kimi-Linear-shaped), written as a model directory that
+vLLM's engine arguments read as they read any model: the model's own config hooks set the
+Mamba cache mode, its state block size and dtypes, and vLLM's CPU platform its SSM dtype.
+Then, as a start does once the layers exist (none are built here, no engine starts):
 
 - ``Platform._align_hybrid_block_size`` raises the attention block size and pads the state
   page, with vLLM's CPU attention backend (device "cpu") or a backend declaring
@@ -18,6 +18,14 @@ start does once the layers exist (none are built here, no engine starts):
   checkpoint block the layer classes add (``MambaMixer2`` always, 0.33's Gated DeltaNet
   with the FlashInfer prefill), and the attention layers' ``FullAttentionSpec``;
 - ``get_kv_cache_configs`` and the rest, as ``tests/vllm_kv_rules.py`` asks them.
+
+Kimi Linear's full layers are MLA: vLLM's CPU platform turns prefix caching off for MLA
+models (``CpuPlatform.check_and_update_config``), and the engine arguments then fail ("--
+mamba-block-size can only be set with --enable-prefix-caching"). Its cases are on "gpu":
+the config is built with prefix caching off and the case's setting (and ``--block-size``,
+which the CPU platform sets to its MLA kernel's 16) is put back before
+``MambaModelConfig.verify_and_update_config`` sets the Mamba cache mode, as on a GPU; the
+MLA layers are ``MLAAttentionSpec`` layers of the latent.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ class GpuAttention:
 def engine_config(tokenizer: str, case: dict, workdir: Path):
     from vllm.engine.arg_utils import EngineArgs
 
+    mla = "kv_lora_rank" in case["config"]  # CPU platform: no prefix caching with MLA
     model = workdir / f"model-{case['id']}"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(case["config"]))
@@ -68,7 +77,7 @@ def engine_config(tokenizer: str, case: dict, workdir: Path):
                       dtype=case["dtype"], max_model_len=case["max_model_len"],
                       block_size=case["block_size"], kv_cache_memory_bytes=1 << 30,
                       kv_cache_dtype=case["kv_dtype"],
-                      enable_prefix_caching=case["prefix_caching"])
+                      enable_prefix_caching=case["prefix_caching"] and not mla)
     config = args.create_engine_config()
     config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU
     config.parallel_config.tensor_parallel_size = case["tp"]
@@ -82,6 +91,14 @@ def engine_config(tokenizer: str, case: dict, workdir: Path):
         hook = MODELS_CONFIG_MAP.get(config.model_config.architecture)
         if hook is not None:
             hook.verify_and_update_config(config)
+    if mla:
+        from vllm.model_executor.models.config import MambaModelConfig
+
+        config.cache_config.enable_prefix_caching = case["prefix_caching"]
+        config.cache_config.block_size = case["block_size"]  # the CPU MLA kernel's 16, undone
+        config.scheduler_config.enable_chunked_prefill = True
+        config.cache_config.mamba_block_size = None
+        MambaModelConfig.verify_and_update_config(config)
     return config
 
 
@@ -134,7 +151,12 @@ def layer_specs(config, case: dict) -> dict[int, object]:
     """Each layer's spec as its layer class would build it (none for MLP layers)."""
     import torch
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        get_kv_quant_mode,
+    )
 
     cache, model = config.cache_config, config.model_config
     cls = model_class(config)
@@ -155,7 +177,12 @@ def layer_specs(config, case: dict) -> dict[int, object]:
         block_size=cache.block_size, num_kv_heads=model.get_num_kv_heads(config.parallel_config),
         head_size=model.get_head_size(), dtype=kv_dtype,
         kv_quant_mode=get_kv_quant_mode(cache.cache_dtype))
-    if case["device"] == "cpu":
+    if model.use_mla:  # MLAAttention.get_kv_cache_spec: the latent, one head
+        attention = MLAAttentionSpec(
+            block_size=cache.block_size, num_kv_heads=1, head_size=model.get_head_size(),
+            dtype=kv_dtype, cache_dtype_str=cache.cache_dtype,
+            kv_quant_mode=get_kv_quant_mode(cache.cache_dtype))
+    elif case["device"] == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         attention = CPUAttentionBackend.customize_spec(attention)
