@@ -2,8 +2,8 @@
 
 One subprocess per vLLM venv runs ``tests/vllm_hybrid_rules.py`` over a grid of tiny
 Qwen3-Next-shaped (Gated DeltaNet 3 : 1 full attention), Nemotron-H-shaped (Mamba2,
-attention and MLP layers), LFM2-shaped (short convolutions 2 : 1 full attention) and Kimi-
-Linear-shaped (Kimi Delta Attention layers and MLA layers, "gpu" only) configs: vLLM's
+attention and MLP layers), LFM2-shaped (short convolutions 2 : 1 full attention) and
+Kimi-Linear-shaped (Kimi Delta Attention layers and MLA layers, "gpu" only) configs: vLLM's
 engine arguments read each as a model, its platform raises the attention block size to
 hold a state page, and its KV cache functions group, size, charge and check the layers.
 Each case is planned here under the same release's rules from the same config; the
