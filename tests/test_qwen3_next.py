@@ -17,9 +17,9 @@ from tiny_models import _randomize_norms, _write_tokenizer, tiny_qwen3_next
 
 from kvmem.engine.llm import LLM
 from kvmem.engine.sampling_params import SamplingParams
-from kvmem.engine.state_groups import engine_kv_groups, engine_layer_slots, state_block_size
 from kvmem.errors import ConfigError
 from kvmem.spec import AttentionKind, spec_from_config
+from kvmem.spec.state_groups import engine_kv_groups, engine_layer_slots, state_block_size
 
 NEW_TOKENS = 6
 SHARED = [(i * 13) % 250 for i in range(40)]

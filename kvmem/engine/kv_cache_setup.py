@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kvmem.engine.config import EngineConfig, default_cpu_kv_memory_bytes
-from kvmem.engine.state_groups import engine_layer_slots
 from kvmem.memory.storage import KVStorage, SlotShape, TensorKVStorage
 from kvmem.spec import ModelSpec
+from kvmem.spec.state_groups import engine_layer_slots
 
 
 @dataclass

@@ -90,8 +90,8 @@ class LLMEngine:
         settings instead of ``config``'s (``offload_faults``: injected tier faults)."""
         from kvmem.cache import KVCacheManager
         from kvmem.engine.loader import resolve_model
-        from kvmem.engine.state_groups import engine_kv_groups, linear_layers
         from kvmem.spec import spec_from_config
+        from kvmem.spec.state_groups import engine_kv_groups, linear_layers
 
         files = resolve_model(config.model, load_format=config.load_format)
         self.config = config

@@ -35,9 +35,9 @@ from kvmem.engine.distributed.errors import StartupError
 from kvmem.engine.kv_cache_setup import KVCacheSetup, allocate_kv_cache, plan_kv_cache
 from kvmem.engine.model_runner import ModelRunner, PageMapReplay, StageLinks
 from kvmem.engine.sampler import Sampler
-from kvmem.engine.state_groups import engine_kv_groups, state_block_size, state_group_ids
 from kvmem.errors import ConfigError
 from kvmem.plan.types import rank_label
+from kvmem.spec.state_groups import engine_kv_groups, state_block_size, state_group_ids
 from kvmem.units import format_bytes
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 ``Geometry`` is what the planner asks of an engine: the bytes one block costs on a stage,
 the blocks one request holds, what the engine's start-up check needs, and the KV cache
 size and concurrency it reports. ``KVGeometry`` is kvmem's own engine: layers are grouped
-by ``kvmem.engine.state_groups.engine_kv_groups`` (the attention groups of
+by ``kvmem.spec.state_groups.engine_kv_groups`` (the attention groups of
 ``spec.kv_groups()``, then a linear-attention hybrid's state groups); the layer in slot j
 of every group shares one slot tensor ``[num_blocks, 2, block_size, kv_heads_on_rank,
 head_dim]`` (see ``kvmem.memory.storage``). One block id therefore costs a page in every
@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from kvmem.engine.state_groups import engine_kv_groups, engine_layer_slots, state_block_size
 from kvmem.spec import AttentionKind, KVGroup, LayerKV, ModelSpec
+from kvmem.spec.state_groups import engine_kv_groups, engine_layer_slots, state_block_size
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 @dataclass
 class StateMetadata:
     """Where each sequence keeps its linear-attention state, per state group (the
-    ``kvmem.engine.state_groups`` after the attention groups)."""
+    ``kvmem.spec.state_groups`` after the attention groups)."""
 
     read: list[torch.Tensor]  # per state group: int64 [B], the state's block; -1: zeros
     write: list[torch.Tensor]  # per state group: int64 [B], the block the new state goes to

@@ -5,7 +5,7 @@ A layer keeps, per request, a causal-conv state (the last ``kernel - 1`` inputs 
 q/k/v channels) and a recurrent state ``S`` of ``(value heads, v_dim, k_dim)``, vLLM's
 layout (``LinearState.shapes``). Both live in one block of the layer's state group: a
 view of the layer's slot tensor, whose page the engine sizes to hold them
-(``kvmem.engine.state_groups``). A step reads each sequence's state from the block
+(``kvmem.spec.state_groups``). A step reads each sequence's state from the block
 ``StateMetadata.read`` names (or starts from zeros) and writes the state after its new
 tokens into ``StateMetadata.write``; under prefix caching these are different blocks
 once a sequence crosses a block boundary, so the state at every boundary stays behind

@@ -6,7 +6,7 @@ Against the Llama decoder: RMSNorms scale by ``1 + weight``; full attention proj
 sigmoid output gate with each query head (``q_proj`` holds ``[q, gate]`` per head), has
 per-head q/k norms and rotates only ``partial_rotary_factor`` of each head; the linear
 layers are ``gated_delta_net.GatedDeltaNet``, their states in the engine's state groups
-(``kvmem.engine.state_groups``).
+(``kvmem.spec.state_groups``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from kvmem.engine.models.layers import (
     _param,
 )
 from kvmem.engine.models.rope import RotaryEmbedding
-from kvmem.engine.state_groups import engine_kv_groups
 from kvmem.errors import ConfigError
 from kvmem.spec import AttentionKind
+from kvmem.spec.state_groups import engine_kv_groups
 
 
 class GatedAttention(nn.Module):

@@ -1,4 +1,4 @@
-"""The engine's KV groups of a linear-attention hybrid: its attention groups
+"""The KV groups of a linear-attention hybrid in kvmem's engine: its attention groups
 (``ModelSpec.kv_groups``) and, after them, state groups of its linear-attention layers.
 
 vLLM's rule (``_get_kv_cache_groups_uniform_page_size``): every kind of layer is split
