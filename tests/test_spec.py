@@ -163,6 +163,10 @@ def test_unknown_model_suggests_close_names():
      4 * 2 * 8 * 128 * 2),
     ("glm-4.5", {"full_attention": 92}, 376_832),  # a KV calculator's published figure
     ("deepseek-r1", {"mla": 61}, 61 * 576 * 2),
+    ("llama-3.3-70b", {"full_attention": 80}, 80 * 2 * 8 * 128 * 2),
+    ("mistral-small-3.2", {"full_attention": 40}, 40 * 2 * 8 * 128 * 2),
+    ("granite-4.0-h-small", {"full_attention": 4, "linear_attention": 36}, 4 * 2 * 8 * 128 * 2),
+    ("granite-4.0-h-tiny", {"full_attention": 4, "linear_attention": 36}, 4 * 2 * 4 * 128 * 2),
 ])
 def test_this_seasons_catalog_models_have_their_layer_mix(name, kinds, kv_bf16):
     spec = load_spec(name)
@@ -297,6 +301,33 @@ def test_gemma4_published_config_gives_full_layers_their_global_shape(fields, fu
     spec = spec_from_config(_config(model_type="gemma4_text", layer_types=types,
                                     sliding_window=512, **fields))
     assert [(lay.num_kv_heads, lay.head_dim) for lay in spec.layers] == [(2, 16)] * 5 + [full]
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_granite_4_0_h_small_from_the_catalog_is_planned_under_vllms_mamba_rules(version):
+    """Attention at layers 5, 15, 25 and 35, Mamba2 on the other 36 (128 heads of 64, state
+    128, 1 group, conv 4, inner 2 x 4096). The config names no mamba_ssm_cache_dtype, so the
+    state is bfloat16 throughout and raises the block to 528 tokens; the 36 Mamba2 layers
+    make 9 groups of 4 beside the attention group."""
+    from math import ceil
+
+    from kvmem.plan import EngineSettings, Layout, plan
+
+    spec = load_spec("ibm-granite/granite-4.0-h-small")
+    assert [i for i, lay in enumerate(spec.layers)
+            if lay.kind is AttentionKind.FULL] == [5, 15, 25, 35]
+    state = spec.layers[0].state
+    assert state.kind is StateKind.MAMBA2
+    assert state.shapes(1) == [((3, 8192 + 2 * 128), False), ((128, 64, 128), True)]
+    gib = 1 << 30
+    p = plan(spec, Layout(), EngineSettings(vllm_version=version, kv_cache_memory_bytes=8 * gib,
+                                            max_model_len=32768))
+    token = 2 * 8 * 128 * 2
+    block = 16 * ceil((3 * 8448 + 128 * 64 * 128) * 2 / (16 * token))
+    assert p.engine.block_size == block == 528
+    assert p.engine.num_kv_groups == 10
+    assert p.engine.num_blocks == 8 * gib // (4 * block * token)
+    assert p.engine.max_concurrency == p.engine.num_blocks / (ceil(32768 / block) + 9 * 3)
 
 
 def test_gemma4_31b_from_the_catalog_is_planned():
