@@ -55,9 +55,17 @@ T = TypeVar("T")
 
 
 class Budget(Protocol):
-    """What a page table takes the bytes of its pages from: an engine's ledger entry
-    (``EngineBudget``), or vLLM's view of it within a step
-    (``integrations.vllm.elastic.pool.LedgerView``)."""
+    """What a page table takes the bytes of its pages from (``kvmem.memory.credit``): an
+    engine's ledger entry (``EngineBudget``), or vLLM's view of it within a step
+    (``integrations.vllm.elastic.pool.LedgerView``). ``allowed_bytes``: the cap the page
+    table keeps under by itself (None: none); ``attainable_bytes``: the most it could
+    hold once other engines gave back what they only cache (None: no limit)."""
+
+    @property
+    def allowed_bytes(self) -> int | None: ...
+
+    @property
+    def attainable_bytes(self) -> int | None: ...
 
     def try_acquire(self, nbytes: int) -> bool: ...
 

@@ -95,7 +95,8 @@ class ElasticKVStorage:
         self.budget = budget if rank == 0 else None  # rank 0 speaks for the engine
         self.table = PageTable(self.geometry, self.backend, self.budget,
                                reserve_pages=reserve_pages, wait_timeout=wait_timeout,
-                               record_ops=world_size > 1, owner=f"rank {rank} of {world_size}")
+                               record_ops=world_size > 1 and rank == 0,  # others replay
+                               owner=f"rank {rank} of {world_size}")
         self.backend.reserve(self.geometry.reserved_bytes)
         if rank == 0:
             # Before any background work exists: the null block's page, synchronously.
@@ -234,10 +235,10 @@ class ElasticKVStorage:
         with t.cond:
             return ElasticStats(
                 reserved_bytes=geo.reserved_bytes, mapped_bytes=t.mapped_pages * geo.page_bytes,
-                held_bytes=t.held_bytes, used_bytes=t.live_blocks * geo.block_slot_bytes
+                held_bytes=t.held_bytes, used_bytes=t.pages.live_blocks * geo.block_slot_bytes
                 * geo.num_slots, page_bytes=geo.page_bytes, mapped_pages=t.mapped_pages,
-                live_blocks=t.live_blocks, free_blocks=t.num_free, maps=t.maps,
-                unmaps=t.unmaps, limit_bytes=t.allowed_bytes, cached_blocks=len(t.cached),
+                live_blocks=t.pages.live_blocks, free_blocks=t.num_free, maps=t.pages.maps,
+                unmaps=t.pages.unmaps, limit_bytes=t.allowed_bytes, cached_blocks=len(t.cached),
                 cached_bytes=len(t.cached) * t.block_bytes,
                 live_bytes=t.live_kv_blocks * t.block_bytes,
                 floor_bytes=b.floor_bytes if b is not None else 0,

@@ -3,7 +3,7 @@
 vLLM's ``BlockPool`` keeps its free blocks in a ``FreeKVCacheBlockQueue`` and asks it how
 many are free before every allocation (``KVCacheManager.allocate_slots``: too few, and
 the request waits or another is preempted). ``ElasticBlockQueue`` takes that queue's
-place, with the same methods, over ``kvmem.memory.PageTable``:
+place, with the same methods, over ``kvmem.memory.page_table.PageTable``:
 
 - **Placement.** Blocks go to pages already mapped first (the page with the fewest free
   blocks first), then to new pages, then cached-free blocks are evicted (vLLM's own
@@ -101,6 +101,11 @@ class LedgerView:
         self.overdrawn = 0  # bytes taken past the limits since the last read
         self._forced = False
 
+    # The view applies the limit itself (``room``, read once a step): the page table
+    # keeps under no cap of its own, and vLLM's scheduler reads no attainable size.
+    allowed_bytes: int | None = None
+    attainable_bytes: int | None = None
+
     def refresh(self, live_bytes: int, cached_bytes: int = 0) -> BudgetState:
         """Read the room from the ledger, recording the bytes of live and cached blocks."""
         state = self.budget.report(live_bytes, cached_bytes)
@@ -175,8 +180,8 @@ class ElasticPool:
         self.blocks_per_page = k
         self.block_bytes = block_bytes
         self.view = LedgerView(budget)
-        self.table = PageTable(geometry, _MappedElsewhere(), self.view,  # type: ignore[arg-type]
-                               reserve_pages=0, record_ops=True)
+        self.table = PageTable(geometry, _MappedElsewhere(), self.view, reserve_pages=0,
+                               record_ops=True)
         # The null block's page, before anything else runs.
         self.table.map_now(self.table.geo.page_of(NULL_BLOCK))
         self.table.pin(NULL_BLOCK)
@@ -285,10 +290,10 @@ class ElasticPool:
     def stats(self) -> PoolStats:
         t = self.table
         with t.cond:
-            return PoolStats(mapped_pages=t.mapped_pages, live_blocks=t.live_blocks,
+            return PoolStats(mapped_pages=t.mapped_pages, live_blocks=t.pages.live_blocks,
                              free_blocks=t.num_free, cached_blocks=len(t.cached),
                              page_bytes=self.page_bytes, held_bytes=t.held_bytes,
-                             maps=t.maps, unmaps=t.unmaps)
+                             maps=t.pages.maps, unmaps=t.pages.unmaps)
 
     def close(self) -> None:
         self.files.close()
