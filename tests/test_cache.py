@@ -689,9 +689,16 @@ class _Recorder:
         self.log.append(("released", list(ids)))
 
 
-def _wired_manager(flat: bool, log: list, limit: list[int], wired: bool = True
-                   ) -> KVCacheManager:
-    mgr = KVCacheManager([full()], 20, BS, max_num_batched_tokens=16, enable_events=wired)
+class _OtherQueue(FreeBlockQueue):
+    """The pool's queue under another type: the pool's and the manager's loops over the
+    queue's own lists stay unused."""
+
+
+def _wired_manager(flat: bool, log: list, limit: list[int], wired: bool = True,
+                   own_queue: bool = True) -> KVCacheManager:
+    queue = FreeBlockQueue(range(1, 20)) if own_queue else _OtherQueue(range(1, 20))
+    pool = BlockPool(20, 1, enable_events=wired, free_queue=queue)
+    mgr = KVCacheManager([full()], 20, BS, max_num_batched_tokens=16, pool=pool)
     mgr._flat_decode = flat  # the general path when False
     if not wired:  # a bare pool: decode steps take their block inline
         return mgr
@@ -710,19 +717,22 @@ def _outcome(res):
 
 @pytest.mark.parametrize("wired", [True, False], ids=["hooks", "bare"])
 def test_flat_decode_path_matches_the_general_path(wired):
-    """One full-attention group takes the flat path for running requests; the same random
-    walk on a manager forced onto the general path must give identical results, pool state,
-    events, listener calls, guard calls and evictions, running out of blocks often. Bare (no
-    events, listeners or guard), a one-block step takes and evicts its block inline."""
+    """One full-attention group takes the flat path for a request's first allocation and
+    its later ones; the same random walk on a manager forced onto the general path must
+    give identical results, pool state, events, listener calls, guard calls and evictions,
+    running out of blocks often. Bare (no events, listeners or guard), a one-block step
+    takes and evicts its block inline, and the pool takes and frees blocks in single passes
+    over its queue's lists: a third walk runs the general path over another queue type."""
     import random
 
     rng = random.Random(7)
     prefixes = [list(range(12)), [5] * 9]
     walks = []
-    for flat in (True, False):
+    variants = [(True, True), (False, True)] + ([] if wired else [(False, False)])
+    for flat, own_queue in variants:
         log: list = []
         limit = [19]
-        mgr = _wired_manager(flat, log, limit, wired)
+        mgr = _wired_manager(flat, log, limit, wired, own_queue)
         rng.seed(7)
         running: dict[str, Req] = {}
         holds: list[list[int]] = []
@@ -770,9 +780,10 @@ def test_flat_decode_path_matches_the_general_path(wired):
             outcomes.append((pool_snapshot(mgr.pool), {
                 rid: (mgr.get_block_ids(rid), mgr.num_computed_tokens(rid)) for rid in running}))
         walks.append((outcomes, mgr.take_events(), log, mgr.pool.epoch))
-    flat_walk, general_walk = walks
-    assert flat_walk[0] == general_walk[0]
-    assert flat_walk[1:] == general_walk[1:]
+    flat_walk = walks[0]
+    for general_walk in walks[1:]:
+        assert flat_walk[0] == general_walk[0]
+        assert flat_walk[1:] == general_walk[1:]
     kinds = [o[0] for o in flat_walk[0] if isinstance(o[0], str)]
     assert kinds.count("no") > 50 and kinds.count("ok") > 500  # both outcomes exercised
     assert flat_walk[3] > 50  # evictions

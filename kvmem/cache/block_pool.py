@@ -60,7 +60,8 @@ class BlockPool:
         self.ref_cnt: list[int] = [0] * num_blocks
         self.hold_cnt: list[int] = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
-        self.block_group: list[int] = [-1] * num_blocks
+        # a one-group pool never changes a block's group: its plain paths skip the store
+        self.block_group: list[int] = [0] * num_blocks
         # (group_id, hash) -> block id, as one dict per group
         self.cached: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
         # (group_id, hash) -> later blocks with that hash, first cached first
@@ -121,6 +122,8 @@ class BlockPool:
         """
         if n <= 0:
             return []
+        if self._is_plain():
+            return self._take_plain(n)
         block_ids = self.free_queue.pop_n(n)
         self._claim(block_ids, group_id)
         return block_ids
@@ -130,6 +133,8 @@ class BlockPool:
         total = sum(counts)
         if not total:
             return [[] for _ in counts]
+        if len(counts) == 1 and self._is_plain():
+            return [self._take_plain(total)]
         block_ids = self.free_queue.pop_n(total)
         self._claim(block_ids, 0)
         if total == counts[0]:
@@ -145,6 +150,40 @@ class BlockPool:
                     block_group[block_id] = group_id
             out.append(taken)
         return out
+
+    def _is_plain(self) -> bool:
+        """Whether takes may run ``_take_plain``: one group, the pool's own queue, nobody
+        to tell of evictions or allocations, no copies of cached content."""
+        return len(self.cached) == 1 and type(self.free_queue) is FreeBlockQueue \
+            and self.events is None and self.evict_listener is None and not self.listeners \
+            and not self.copies[0]
+
+    def _take_plain(self, n: int) -> list[int]:
+        """``pop_n`` and ``_claim`` in one pass over the queue's own lists: blocks without
+        cached data first, then the oldest cached ones, each dropping its hash as it leaves
+        the LRU (every LRU block has one; free-stack blocks have none)."""
+        queue, ref_cnt = self.free_queue, self.ref_cnt
+        taken = queue.pop_uncached(n)
+        k = len(taken)
+        for block_id in taken:
+            ref_cnt[block_id] = 1
+        if k < n:
+            nxt, prev, end = queue._next, queue._prev, queue._end
+            block_hash, group_map = self.block_hash, self.cached[0]
+            append = taken.append
+            block_id = nxt[end]
+            for _ in range(n - k):
+                append(block_id)
+                prev[block_id] = -1
+                del group_map[block_hash[block_id]]
+                block_hash[block_id] = None
+                ref_cnt[block_id] = 1
+                block_id = nxt[block_id]
+            nxt[end] = block_id
+            prev[block_id] = end
+            queue._num_cached -= n - k
+            self.epoch += 1
+        return taken
 
     def _claim(self, block_ids: list[int], group_id: int) -> None:
         """Blocks just taken from the free queue for ``group_id``: evict their cached data,
@@ -214,26 +253,42 @@ class BlockPool:
     def free_runs(self, runs: Iterable[Iterable[int]]) -> None:
         """``free_blocks`` for each run in turn, in one pass: each run's blocks without
         cached data are reused in the order given, the later runs' first."""
-        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        ref_cnt, block_hash, queue = self.ref_cnt, self.block_hash, self.free_queue
+        # With the pool's own queue and nothing to tell (no holds, no listeners), a block
+        # with cached data joins the LRU's tail as it is met, instead of in a second pass.
+        link = not self.num_holds and not self.listeners and type(queue) is FreeBlockQueue
+        nxt, prev, end = (queue._next, queue._prev, queue._end) if link else ([0], [0], 0)
+        last, num_linked = prev[end], 0
         cached: list[int] = []
-        for run in runs:
-            uncached: list[int] = []
-            for block_id in run:
-                ref = ref_cnt[block_id]
-                if ref == 1:
-                    ref_cnt[block_id] = 0
-                    if block_hash[block_id] is None:
-                        uncached.append(block_id)
-                    else:
-                        cached.append(block_id)
-                elif ref > 1:
-                    ref_cnt[block_id] = ref - 1
-                elif block_id:  # the null block (ref count 0) is skipped
-                    raise ValueError(f"block {block_id} freed more often than it was taken")
-            if uncached:
-                self._return_free(self._keep_held(uncached), [])
+        try:
+            for run in runs:
+                uncached: list[int] = []
+                for block_id in run:
+                    ref = ref_cnt[block_id]
+                    if ref == 1:
+                        ref_cnt[block_id] = 0
+                        if block_hash[block_id] is None:
+                            uncached.append(block_id)
+                        elif link:
+                            prev[block_id] = last
+                            nxt[last] = block_id
+                            last = block_id
+                            num_linked += 1
+                        else:
+                            cached.append(block_id)
+                    elif ref > 1:
+                        ref_cnt[block_id] = ref - 1
+                    elif block_id:  # the null block (ref count 0) is skipped
+                        raise ValueError(f"block {block_id} freed more often than it was taken")
+                if uncached:
+                    self._return_free(self._keep_held(uncached), [])
+        finally:
+            if num_linked:  # close the LRU over the blocks linked so far
+                nxt[last] = end
+                prev[end] = last
+                queue._num_cached += num_linked
         if cached:
-            self.free_queue.push_cached(self._keep_held(cached))
+            queue.push_cached(self._keep_held(cached))
 
     def _keep_held(self, block_ids: list[int]) -> list[int]:
         """``block_ids`` (unused now) without the held ones, which become held-idle."""

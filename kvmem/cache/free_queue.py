@@ -11,9 +11,11 @@ links its block objects the same way): a freed request's run joins it with two l
 stores per block, and taking the oldest blocks walks it once. An ``OrderedDict`` costs a
 hashed insert and a hashed delete per block, about twice as much.
 
-``BlockPool`` talks to its queue only through the methods below, so another queue with
-the same methods (for example one that prefers blocks on already-mapped memory pages)
-can be passed as ``BlockPool(..., free_queue=...)``.
+``BlockPool`` talks to another queue only through the methods below, so one with the
+same methods (for example one that prefers blocks on already-mapped memory pages) can be
+passed as ``BlockPool(..., free_queue=...)``. This class's own lists are also walked by
+the pool's hot loops (taking blocks and evicting their data, freeing a request), which
+then do the queue's part in the same pass; they check the queue's type first.
 """
 
 from __future__ import annotations
@@ -101,12 +103,8 @@ class FreeBlockQueue:
                 prev[oldest] = -1
                 self._num_cached -= 1
                 return [oldest]
-        if n > len(free) + self._num_cached:
-            raise ValueError(f"asked for {n} blocks, only {len(self)} are free")
-        k = min(n, len(free))
-        taken = free[len(free) - k:]
-        del free[len(free) - k:]
-        taken.reverse()  # the most recently freed block first
+        taken = self.pop_uncached(n)
+        k = len(taken)
         if k < n:
             nxt, prev, end = self._next, self._prev, self._end
             block_id = nxt[end]
@@ -118,6 +116,18 @@ class FreeBlockQueue:
             nxt[end] = block_id
             prev[block_id] = end
             self._num_cached -= n - k
+        return taken
+
+    def pop_uncached(self, n: int) -> list[int]:
+        """The first step of ``pop_n``: up to ``n`` blocks with no cached data, most
+        recently freed first (raises, taking nothing, if fewer than ``n`` are free)."""
+        free = self._free
+        if n > len(free) + self._num_cached:
+            raise ValueError(f"asked for {n} blocks, only {len(self)} are free")
+        k = min(n, len(free))
+        taken = free[len(free) - k:]
+        del free[len(free) - k:]
+        taken.reverse()
         return taken
 
     def is_cached(self, block_id: int) -> bool:

@@ -104,7 +104,7 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(groups, pool, block_size,
                                               state_checkpoints=enable_prefix_caching)
         self._requests: dict[str, _RequestState] = {}
-        # one group of per-token KV that never releases blocks early: decode steps take a
+        # one group of per-token KV that never releases blocks early: allocations take a
         # flat path
         self._flat_decode = len(groups) == 1 and not self.coordinator.managers[0].releases_blocks \
             and not self.coordinator.state_managers
@@ -178,6 +178,9 @@ class KVCacheManager:
         loading = prefix_hit is not None and any(LOAD_BLOCK in b for b in prefix_hit.blocks)
         if loading and num_new_tokens:
             raise ValueError("a prefix hit with blocks still to load schedules no new tokens")
+        if state is None and self._flat_decode and not loading:
+            return self._start_single_full(request, num_new_tokens, num_lookahead_tokens,
+                                           prefix_hit)
         if state is None:
             num_computed = 0
             if prefix_hit is not None and prefix_hit.num_tokens:
@@ -239,6 +242,47 @@ class KVCacheManager:
                         tuple(list(table[:num_blocks]) for table in state.tables),
                         list(state.hashes[:num_blocks]), self.pool.epoch)
         return self.allocate_slots(child, 0, prefix_hit=hit)
+
+    def _start_single_full(self, request: CacheRequest, num_new_tokens: int,
+                           num_lookahead_tokens: int, prefix_hit: PrefixHit | None
+                           ) -> Allocation | NoCapacity:
+        """A request's first ``allocate_slots`` for a model with one full-attention group
+        (its prompt): the general path's outcome without the coordinator's per-group lists."""
+        hit: list[int] = []
+        num_computed = 0
+        if prefix_hit is not None and prefix_hit.num_tokens:
+            if not self._hit_is_current(prefix_hit):
+                return NoCapacity("prefix hit is stale (its blocks were evicted); "
+                                  "look it up again")
+            hit = prefix_hit.blocks[0]
+            num_computed = prefix_hit.num_tokens
+        pool = self.pool
+        num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens)
+                         // self.block_size)
+        need = num_required - len(hit) if num_required > len(hit) else 0
+        taken = need
+        ref_cnt, hold_cnt = pool.ref_cnt, pool.hold_cnt
+        for block_id in hit:
+            if block_id > 0 and ref_cnt[block_id] == 0 and not hold_cnt[block_id]:
+                taken += 1  # a cached-free block leaves the free queue
+        guard = pool.capacity_guard
+        if taken > len(pool.free_queue) or (taken and guard is not None and not guard(taken)):
+            return self.coordinator.no_capacity(taken, 0, num_computed, num_required,
+                                                [len(hit)], [[]])
+        if hit:
+            pool.touch(hit)
+        new_ids = pool.take_new_blocks(need, 0)
+        hashes = getattr(request, "block_hashes", None)
+        if hashes is None:
+            hashes = prefix_hit.block_hashes if prefix_hit is not None else []
+        state = _RequestState(1, hashes, request_extra_keys(request))
+        state.tables[0] = hit + new_ids
+        state.num_cached[0] = len(hit)
+        self._requests[request.request_id] = state
+        state.num_computed = num_tokens = num_computed + num_new_tokens
+        if self.enable_prefix_caching and num_tokens // self.block_size > len(hit):
+            self._cache_full_blocks(state, request, min(num_tokens, request.num_tokens))
+        return Allocation((new_ids,), num_computed, (0,))
 
     def _extend_single_full(self, state: _RequestState, request: CacheRequest,
                             num_new_tokens: int, num_lookahead_tokens: int
