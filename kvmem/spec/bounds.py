@@ -24,7 +24,7 @@ BOUNDS: dict[str, int] = {
     "num_hidden_layers": MAX_LAYERS, "num_nextn_predict_layers": 64,
     "hidden_size": 1 << 17, "vocab_size": 1 << 22,
     "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20,
-    "shared_expert_intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20, "shared_intermediate_size": 1 << 20,
     "num_attention_heads": _HEADS, "num_key_value_heads": _HEADS, "head_dim": _DIM,
     "max_position_embeddings": _TOKENS, "sliding_window": _TOKENS,
     "attention_chunk_size": _TOKENS, "index_topk": _TOKENS,

@@ -183,7 +183,8 @@ def _moe(cfg: dict[str, Any], where: str) -> MoE | None:
     if not experts:
         return None
     shared = _first_int(cfg, ("n_shared_experts", "num_shared_experts"), where)
-    if not shared and _int(cfg, "shared_expert_intermediate_size", where):
+    if not shared and _first_int(cfg, ("shared_expert_intermediate_size",
+                                       "shared_intermediate_size"), where):
         shared = 1
     return MoE(
         num_experts=experts,

@@ -256,8 +256,10 @@ def layer_params(spec: ModelSpec, i: int) -> LayerParams:
         mlp = 2 * h * spec.intermediate_size  # squared-ReLU MLP, no gate
     elif moe is not None and _is_moe_layer(spec, i):
         expert_i = moe.moe_intermediate_size
-        shared_i = int(cfg.get("shared_expert_intermediate_size") or 0) or \
-            expert_i * moe.num_shared_experts
+        # Granite MoE calls its shared MLP's size shared_intermediate_size
+        shared_i = int(cfg.get("shared_expert_intermediate_size")
+                       or cfg.get("shared_intermediate_size") or 0) \
+            or expert_i * moe.num_shared_experts
         experts = moe.num_experts * 3 * h * expert_i
         mlp = 3 * h * shared_i + h * moe.num_experts
     else:
