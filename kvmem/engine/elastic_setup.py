@@ -2,7 +2,9 @@
 
 One process::
 
-    elastic = ElasticSetup.for_rank(config, spec, kv_plan, device=..., max_model_len=...)
+    steps = StepGate()                             # the engine's step lock, its loop's wake
+    elastic = ElasticSetup.for_rank(config, spec, kv_plan, device=..., max_model_len=...,
+                                    steps=steps)
     kv = allocate_kv_cache(..., elastic=elastic)   # an ElasticKVStorage; null page mapped
     pool = elastic.make_pool(num_groups)           # page-aware queue, hooks, capacity guard
     manager = KVCacheManager(..., pool=pool)
@@ -19,10 +21,11 @@ Sharing the device: the engine registers its floor (``--kv-memory-min``), ceilin
 back (they wake its pre-mapping thread), or its ceiling is lowered, the memory goes back
 at a step boundary: the engine's loop, woken by that thread, runs ``apply_due`` before
 its next step (an idle engine at once, a busy one after its step); an engine without a
-loop (an idle ``LLM``) has the thread give back itself, under the engine's step lock
-(``attach``). Free pages go back first, then pages holding only cached blocks, least
-recently used first, evicted from the pool (demoted to a tier first, when the engine has
-one). If it is still over a lowered ceiling, the scheduler preempts running requests
+loop (an idle ``LLM``) has the thread give back itself, under the engine's step lock.
+The lock and the loop's wake-up are the engine's, given at construction (``StepGate``).
+Free pages go back first, then pages holding only cached blocks, least recently used
+first, evicted from the pool (demoted to a tier first, when the engine has one). If it
+is still over a lowered ceiling, the scheduler preempts running requests
 (``excess_blocks``) until it is under.
 """
 
@@ -69,6 +72,17 @@ def _granularity(device: torch.device) -> int:
 
 
 @dataclass
+class StepGate:
+    """The engine's step boundary as elastic memory sees it, made by the engine before
+    its ranks and given to their set-up: the lock held around every step (and every
+    change of request or block state), and, while an engine loop runs, how to wake it
+    (``wake_loop``; None: no loop runs)."""
+
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    wake_loop: Callable[[], None] | None = None
+
+
+@dataclass
 class ElasticSetup:
     """One rank's elastic KV cache: its sizing, then its storage once built."""
 
@@ -81,23 +95,24 @@ class ElasticSetup:
     max_model_len: int
     wait_timeout: float = 60.0
     floor_bytes: int = 0
+    # the engine's step lock and loop wake (rank 0; the other ranks never give back)
+    steps: StepGate | None = None
     storage: ElasticKVStorage | None = None
     pool: Any = None  # the block pool make_pool built (its cached blocks can be evicted)
-    # the engine's step lock, once the engine gives it (``attach``): giving back runs
-    # between steps
-    lock: threading.RLock = field(default_factory=threading.RLock)
     _memory_wait: MemoryWait = field(default_factory=MemoryWait, init=False, repr=False)
-    _wake_loop: Callable[[], None] | None = field(default=None, init=False, repr=False)
     _due: BudgetState | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def for_rank(cls, config: EngineConfig, spec: ModelSpec, kv_plan: Plan, *,
                  device: torch.device, max_model_len: int, rank: int = 0,
-                 world_size: int = 1) -> ElasticSetup:
+                 world_size: int = 1, steps: StepGate | None = None) -> ElasticSetup:
         """Rank ``rank``'s reservation, from ``kvmem.memory.sizing.plan_elastic`` over the
         engine's plan: the function ``kvmem plan --kv-memory elastic`` calls, so the
         planner and the engine agree on the blocks by construction (only the page
-        granularity is the device's: 2 MiB on a GPU, the OS page on CPU)."""
+        granularity is the device's: 2 MiB on a GPU, the OS page on CPU). ``steps``:
+        the engine's step boundary, which rank 0 gives memory back at."""
+        if rank == 0 and steps is None:
+            raise ConfigError("rank 0's elastic KV memory needs the engine's step lock")
         groups = spec.kv_groups()
         block_size, batched = config.block_size, config.max_num_batched_tokens
 
@@ -120,7 +135,7 @@ class ElasticSetup:
         name = config.engine_name or default_engine_name(config)
         return cls(sizing, name, rank, world_size, device, need_blocks, max_model_len,
                    wait_timeout=config.distributed_timeout_s,
-                   floor_bytes=config.kv_memory_floor_bytes or 0)
+                   floor_bytes=config.kv_memory_floor_bytes or 0, steps=steps)
 
     @property
     def request_bytes(self) -> int:
@@ -174,24 +189,18 @@ class ElasticSetup:
         coordinator.startup(storage, reclaim=self.reclaim, on_due=self._memory_due)
 
     # -- giving memory back ----------------------------------------------------------------
-    def attach(self, lock: threading.RLock, wake_loop: Callable[[], None] | None = None
-               ) -> None:
-        """The engine's step lock, and, while an engine loop runs, how to wake it
-        (``wake_loop``; None: no loop). With a loop, the loop gives memory back at a step
-        boundary (``apply_due``) and the memory thread only wakes it; without one (an
-        idle ``LLM``), the memory thread gives back itself, between steps, under the
-        lock. Before the engine builds its pool (nothing to evict yet) or between calls."""
-        self.lock, self._wake_loop = lock, wake_loop
-
     def _memory_due(self, state: BudgetState) -> None:
         """The memory thread found memory to give back (other engines asked, or the
-        ceiling was lowered): wake the engine loop, or give it back now between steps."""
-        wake = self._wake_loop
+        ceiling was lowered): wake the engine loop, which gives it back at its next step
+        boundary (``apply_due``); with no loop running (an idle ``LLM``), give it back
+        now, between steps, under the engine's step lock."""
+        steps = self._steps()
+        wake = steps.wake_loop
         if wake is not None:
             self._due = state
             wake()
             return
-        with self.lock:
+        with steps.lock:
             self._answer(state)
 
     def apply_due(self) -> None:
@@ -210,7 +219,7 @@ class ElasticSetup:
     def reclaim(self, nbytes: int) -> int:
         """Give about ``nbytes`` back: free pages and then pages of cached blocks only,
         least recently used first, evicted from the pool; the bytes given. Between
-        steps only (see ``attach``)."""
+        steps only (under the engine's step lock)."""
         return self._storage().give_back(nbytes, evict=self._evict)
 
     def _evict(self, block_ids: list[int]) -> None:
@@ -271,6 +280,12 @@ class ElasticSetup:
         if self.storage is not None:
             self.storage.close()
             self.storage = None
+
+    def _steps(self) -> StepGate:
+        if self.steps is None:
+            raise ConfigError("this rank's elastic KV memory gives nothing back: "
+                              "it has no step lock")
+        return self.steps
 
     def _storage(self) -> ElasticKVStorage:
         if self.storage is None:

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.distributed.config import ParallelConfig
+from kvmem.engine.elastic_setup import StepGate
 from kvmem.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
@@ -110,25 +110,24 @@ class LLMEngine:
                               f"in the model dtype ({ctx.dtype}); use 'auto'")
         self.max_model_len = ctx.max_model_len
 
+        # Held around everything that changes request or block state: elastic memory gives
+        # pages back to other engines between steps (the engine loop's, or, without one,
+        # its memory thread's, under this lock). Made first: the ranks' set-up takes it.
+        self.steps = StepGate()
+        self._lock = self.steps.lock
         # every rank, this one included, is built by kvmem.engine.rank_builder.build_rank
         self.parallel: ParallelDriver | None = None  # rank 0's driver of a tp x pp engine
         self._closed = False
         if ctx.parallel.world_size > 1:
             from kvmem.engine.distributed.driver import start_parallel
 
-            self.parallel = start_parallel(ctx)
+            self.parallel = start_parallel(ctx, self.steps)
             state = self.parallel.state
         else:
-            state = build_rank(ctx, Alone())
+            state = build_rank(ctx, Alone(), self.steps)
         self.rank_state = state
         self.model, self.kv_plan = state.model, state.kv_plan
         self.elastic = state.elastic  # rank 0's; every rank has mapped the same pages
-        # Held around everything that changes request or block state: elastic memory gives
-        # pages back to other engines between steps (the engine loop's, or, without one,
-        # its memory thread's, under this lock).
-        self._lock = threading.RLock()
-        if self.elastic is not None:
-            self.elastic.attach(self._lock)
         self.memory_profile = state.memory_profile
         self.kv_storage = state.kv.storage
         self.num_blocks = state.kv.num_blocks
@@ -342,8 +341,7 @@ class LLMEngine:
     def wake_for_memory(self, wake: Callable[[], None] | None) -> None:
         """An engine loop that calls ``apply_memory`` between steps: ``wake()`` wakes it
         when elastic memory has something to give back (None: the loop has stopped)."""
-        if self.elastic is not None:
-            self.elastic.attach(self._lock, wake)
+        self.steps.wake_loop = wake
 
     def apply_memory(self) -> None:
         """Give back, between steps, what other engines asked elastic memory for."""

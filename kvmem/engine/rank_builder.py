@@ -41,7 +41,7 @@ from kvmem.spec.state_groups import engine_kv_groups, state_block_size, state_gr
 from kvmem.units import format_bytes
 
 if TYPE_CHECKING:
-    from kvmem.engine.elastic_setup import ElasticSetup
+    from kvmem.engine.elastic_setup import ElasticSetup, StepGate
     from kvmem.engine.memory_profile import MemoryProfile
     from kvmem.plan import Plan
     from kvmem.spec import ModelSpec
@@ -327,8 +327,9 @@ def load_rank(ctx: RankContext, peers: Peers) -> LoadedRank:
     return loaded
 
 
-def build_rank(ctx: RankContext, peers: Peers) -> RankState:
-    """Every step: a rank ready to run the steps rank 0 schedules."""
+def build_rank(ctx: RankContext, peers: Peers, steps: StepGate | None = None) -> RankState:
+    """Every step: a rank ready to run the steps rank 0 schedules. ``steps``: rank 0's
+    engine's step lock and loop wake, which elastic KV memory gives back at."""
     config, parallel, device = ctx.config, ctx.parallel, ctx.device
     rank = parallel.rank
     if device.type == "cpu" and not ctx.profile_only:
@@ -349,7 +350,7 @@ def build_rank(ctx: RankContext, peers: Peers) -> RankState:
 
         elastic = peers.agree("sizing its elastic KV memory", lambda: ElasticSetup.for_rank(
             config, spec, kv_plan, device=device, max_model_len=ctx.max_model_len, rank=rank,
-            world_size=parallel.world_size))
+            world_size=parallel.world_size, steps=steps))
     kv = peers.agree("allocating its KV cache", lambda: allocate_kv_cache(
         spec, kv_plan, block_size=config.block_size, dtype=ctx.torch_dtype, device=device,
         rank=rank, elastic=elastic, views=elastic is None))

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from kvmem.engine.rank_builder import RankContext, RankState, build_rank, load_r
 from kvmem.engine.step import SchedulerOutput
 from kvmem.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvmem.engine.elastic_setup import StepGate
+
 logger = logging.getLogger("kvmem.engine.distributed")
 
 DEATH_NOTICE_S = 3.0  # how long a failed step waits for the watchdog to name a dead worker
@@ -56,9 +59,10 @@ def hold_rendezvous(parallel: ParallelConfig) -> dist.TCPStore:
                          wait_for_workers=False, multi_tenant=True)
 
 
-def start_parallel(ctx: RankContext) -> ParallelDriver:
+def start_parallel(ctx: RankContext, steps: StepGate | None = None) -> ParallelDriver:
     """Start every rank of ``ctx``'s tp x pp layout and return the driver (rank 0). With
-    ``ctx.profile_only`` the ranks only measure themselves (``ParallelDriver.profiles``)."""
+    ``ctx.profile_only`` the ranks only measure themselves (``ParallelDriver.profiles``).
+    ``steps``: the engine's step lock and loop wake (``build_rank``)."""
     parallel = ctx.parallel
     if parallel.rank != 0:
         raise ConfigError(f"{parallel.describe()} is a worker; only rank 0 runs the engine")
@@ -66,7 +70,7 @@ def start_parallel(ctx: RankContext) -> ParallelDriver:
     if parallel.launcher == "local" and parallel.master_port == 0:
         rendezvous = hold_rendezvous(parallel)
         ctx = replace(ctx, parallel=replace(parallel, master_port=rendezvous.port))
-    driver = ParallelDriver(ctx, rendezvous)
+    driver = ParallelDriver(ctx, rendezvous, steps)
     try:
         driver.start()
     except BaseException:
@@ -76,8 +80,10 @@ def start_parallel(ctx: RankContext) -> ParallelDriver:
 
 
 class ParallelDriver:
-    def __init__(self, ctx: RankContext, rendezvous: dist.TCPStore | None = None) -> None:
+    def __init__(self, ctx: RankContext, rendezvous: dist.TCPStore | None = None,
+                 steps: StepGate | None = None) -> None:
         self.ctx = ctx
+        self.steps = steps  # rank 0's engine's step lock and loop wake
         self.parallel = ctx.parallel
         self._rendezvous = rendezvous  # holds the port until shutdown (hold_rendezvous)
         self.processes: dict[int, Any] = {}  # rank -> multiprocessing.Process (local launch)
@@ -118,7 +124,8 @@ class ParallelDriver:
                 self.ctx, GroupPeers(self.groups)).profiles)
             return
         self.state = self._bounded("starting",
-                                   lambda: build_rank(self.ctx, GroupPeers(self.groups)))
+                                   lambda: build_rank(self.ctx, GroupPeers(self.groups),
+                                                      self.steps))
         if handoff is not None:
             self.shared_slots = self._collect_shared_slots(handoff)
         if self.state.elastic is not None:
