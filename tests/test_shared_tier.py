@@ -158,14 +158,37 @@ def test_a_live_writers_temporary_file_is_kept_at_start_up(manager_factory, tmp_
     folder = first.disk.root / "ab"
     folder.mkdir()
     gone_pid = 2 ** 22 + 17  # above pid_max's default: no such process
-    live = folder / f"ab{'0' * 30}.kvb.{os.getpid()}.tmp"
-    gone = folder / f"ab{'1' * 30}.kvb.{gone_pid}.tmp"
-    old = folder / f"ab{'2' * 30}.kvb.{os.getpid()}.tmp"
-    for path in (live, gone, old):
+    here = disk_store_module.HOST
+    elsewhere = "0" * 8 if here != "0" * 8 else "1" * 8
+    live = folder / f"ab{'0' * 30}.kvb.{here}.{os.getpid()}.0.tmp"
+    gone = folder / f"ab{'1' * 30}.kvb.{here}.{gone_pid}.0.tmp"
+    old = folder / f"ab{'2' * 30}.kvb.{here}.{os.getpid()}.0.tmp"
+    # another host's writer with a pid that is gone here: only its age says it is stale
+    other_host = folder / f"ab{'3' * 30}.kvb.{elsewhere}.{gone_pid}.0.tmp"
+    other_old = folder / f"ab{'4' * 30}.kvb.{elsewhere}.{gone_pid}.0.tmp"
+    for path in (live, gone, old, other_host, other_old):
         path.write_bytes(b"partial")
-    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    for path in (old, other_old):
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
     manager_factory(cpu_blocks=1, disk_blocks=8, disk_dir=shared)
     assert live.exists() and not gone.exists() and not old.exists()
+    assert other_host.exists() and not other_old.exists()
+
+
+def test_two_writes_of_one_block_never_share_a_temporary_file(tmp_path):
+    """Writers whose pids repeat (containers sharing a volume) or threads of one process
+    each write their own temporary file, created exclusively: a file already at the name
+    is refused, never written through or removed."""
+    path = tmp_path / f"ab{'0' * 30}.kvb"
+    names = {disk_store_module._temporary(path) for _ in range(64)}
+    assert len(names) == 64
+    assert all(n.name.startswith(f"{path.name}.{disk_store_module.HOST}.{os.getpid()}.")
+               for n in names)
+    taken = next(iter(names))
+    taken.write_bytes(b"another writer's")
+    with pytest.raises(FileExistsError):
+        disk_store_module._private_file(taken)
+    assert taken.read_bytes() == b"another writer's"
 
 
 @pytest.fixture
@@ -282,11 +305,11 @@ def disk_store(root, blocks: int = 8) -> DiskStore:
 
 
 def test_a_temporary_file_named_with_an_impossible_pid_is_kept_at_start_up(tmp_path):
-    """``<name>.kvb.<pid>.tmp`` with a pid no C long holds: the start-up scan goes on (it
-    raised OverflowError) and keeps the file until it is old."""
+    """``<name>.kvb.<host>.<pid>.<token>.tmp`` with a pid no C long holds: the start-up
+    scan goes on (it raised OverflowError) and keeps the file until it is old."""
     root = disk_store(tmp_path).root
     (root / "ab").mkdir()
-    forged = root / "ab" / f"ab{'0' * 30}.kvb.{10 ** 30}.tmp"
+    forged = root / "ab" / f"ab{'0' * 30}.kvb.{disk_store_module.HOST}.{10 ** 30}.0.tmp"
     forged.write_bytes(b"x")
     disk = disk_store(tmp_path)
     assert disk._enabled and forged.exists()

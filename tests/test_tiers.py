@@ -14,7 +14,7 @@ import torch
 
 from kvmem.errors import ConfigError
 from kvmem.memory.storage import SlotShape, TensorKVStorage
-from kvmem.tiers import Faults, OffloadConfig, OffloadManager, TierIdentity
+from kvmem.tiers import Faults, OffloadConfig, OffloadManager, TierIdentity, disk_store
 from kvmem.tiers.blocks import key_name
 from kvmem.tiers.cpu_store import CPUStore
 from kvmem.tiers.host_rows import HostRows, runs
@@ -370,13 +370,17 @@ def test_a_fifo_in_place_of_a_block_file_fails_its_load_without_waiting(manager_
     assert roundtrip(mgr, storage, [], keys(1), [14]).ok  # the next load runs as usual
 
 
-def test_a_fifo_at_a_temporary_name_skips_that_store(manager_factory):
+def test_a_fifo_at_a_temporary_name_skips_that_store(manager_factory, monkeypatch):
     """The disk writer does not wait on a FIFO where it writes a block's temporary file:
     that store is skipped and the next one lands."""
     mgr, _, _ = manager_factory(cpu_blocks=1, disk_blocks=8)
     path = mgr.disk.path_of(key_name(keys(5)[0]))
     path.parent.mkdir(mode=0o700)
-    os.mkfifo(path.with_name(f"{path.name}.{os.getpid()}.tmp"))
+    fifo = path.with_name(f"{path.name}.fifo.tmp")
+    os.mkfifo(fifo)
+    temporary = disk_store._temporary
+    monkeypatch.setattr(disk_store, "_temporary",
+                        lambda at: fifo if at == path else temporary(at))
     mgr.offer([5], keys(5))
     mgr.drain(timeout=30)
     mgr.offer([6], keys(6))
@@ -384,6 +388,7 @@ def test_a_fifo_at_a_temporary_name_skips_that_store(manager_factory):
     disk = mgr.stats()["disk"]
     assert disk.skipped_stores == 1 and disk.stored_blocks == 1 and disk.enabled
     assert mgr.disk.contains(key_name(keys(6)[0])) and not path.exists()
+    assert fifo.exists()  # what was at the temporary name is left alone
 
 
 def test_no_file_is_removed_under_the_tier_lock(manager_factory, monkeypatch):

@@ -36,9 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
+import secrets
 import shutil
+import socket
 import stat
 import struct
 import threading
@@ -74,6 +77,9 @@ SUFFIX = ".kvb"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 STALE_TMP_S = 600.0  # a temporary file this old is a crashed write, whoever wrote it
+# Names a host among the hosts or containers that share a directory: pids repeat across
+# them (each container has its own pid namespace), host names do not
+HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 # write errors that leave the tier readable: its stores are skipped, its loads go on
 UNWRITABLE = {errno.ENOSPC: "the file system is full", errno.EDQUOT: "the quota is spent",
               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
@@ -261,10 +267,11 @@ class DiskStore(BlockStore):
         path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
         if not _is_real_dir(path.parent):  # a link would lead out of the tier's folder
             raise OSError(errno.ELOOP, f"{path.parent} is not a directory of the tier")
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp = _temporary(path)
+        self.faults.before_write()
+        f = _private_file(tmp)  # what is already at the name is never removed here
         try:
-            self.faults.before_write()
-            with _private_file(tmp) as f:
+            with f:
                 f.write(header)
                 f.write(name)
                 f.write(memoryview(payload))
@@ -372,13 +379,24 @@ def _entries(path: str | Path) -> list[os.DirEntry]:
         return []
 
 
+def _temporary(path: Path) -> Path:
+    """A new temporary name beside ``path``: ``<name>.<host>.<pid>.<token>.tmp``. The host
+    and pid say whose write it is (``_stale_temporary``); the token keeps two writes of one
+    block apart, in one process or in two whose pids repeat on hosts of the same name."""
+    return path.with_name(f"{path.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def _stale_temporary(entry: os.DirEntry) -> bool:
-    """A temporary file (``<name>.kvb.<pid>.tmp``) whose writer is gone from this host or
-    that is older than ``STALE_TMP_S`` (written on another host sharing the directory)."""
+    """A temporary file (``_temporary``) whose writer is gone from this host, or that is
+    older than ``STALE_TMP_S``: written on another host sharing the directory (its pid
+    says nothing here), or named otherwise."""
     try:
         if time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
             return True
-        os.kill(int(entry.name.rsplit(".", 2)[-2]), 0)
+        host, pid = entry.name.rsplit(".", 4)[-4:-2]
+        if host != HOST:
+            return False
+        os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
     except (OSError, ValueError, IndexError, OverflowError):  # not a pid: kept until old
@@ -400,9 +418,10 @@ def _remove(path: str | Path) -> None:
 def _write_replacing(path: Path, data: bytes) -> None:
     """Write ``path`` (0600) through a temporary file renamed over it: a link at ``path``
     is replaced, never followed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary(path.with_name(f".{path.name}"))
+    f = _private_file(tmp)
     try:
-        with _private_file(tmp) as f:
+        with f:
             f.write(data)
         os.replace(tmp, path)
     except OSError:
@@ -427,12 +446,11 @@ def _open_regular(path: str | Path, flags: int, mode: int = FILE_MODE):
 
 
 def _private_file(path: Path):
-    """``path`` opened for writing, created (or truncated) with mode 0600 whatever the umask;
-    only a regular file is written (``_open_regular``)."""
-    f = _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    """``path`` created for writing with mode 0600 whatever the umask; anything already
+    there (another writer's file, a FIFO, a link) is refused (EEXIST), never written."""
+    f = _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        os.fchmod(f.fileno(), FILE_MODE)  # O_CREAT's mode is narrowed by the umask, never
-        # widened; a file that existed keeps its mode unless changed here
+        os.fchmod(f.fileno(), FILE_MODE)  # O_CREAT's mode is narrowed by the umask
         return f
     except BaseException:
         f.close()
