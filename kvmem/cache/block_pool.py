@@ -153,10 +153,9 @@ class BlockPool:
 
     def _is_plain(self) -> bool:
         """Whether takes may run ``_take_plain``: one group, the pool's own queue, nobody
-        to tell of evictions or allocations, no copies of cached content."""
+        to tell of evictions or allocations."""
         return len(self.cached) == 1 and type(self.free_queue) is FreeBlockQueue \
-            and self.events is None and self.evict_listener is None and not self.listeners \
-            and not self.copies[0]
+            and self.events is None and self.evict_listener is None and not self.listeners
 
     def _take_plain(self, n: int) -> list[int]:
         """``pop_n`` and ``_claim`` in one pass over the queue's own lists: blocks without
@@ -169,14 +168,18 @@ class BlockPool:
             ref_cnt[block_id] = 1
         if k < n:
             nxt, prev, end = queue._next, queue._prev, queue._end
-            block_hash, group_map = self.block_hash, self.cached[0]
+            block_hash, group_map, copies = self.block_hash, self.cached[0], self.copies[0]
             append = taken.append
             block_id = nxt[end]
             for _ in range(n - k):
                 append(block_id)
                 prev[block_id] = -1
-                del group_map[block_hash[block_id]]
-                block_hash[block_id] = None
+                old_hash = block_hash[block_id]
+                if copies and old_hash in copies:  # another block keeps the content cached
+                    self._forget_copy(block_id, old_hash, 0)
+                else:
+                    del group_map[old_hash]
+                    block_hash[block_id] = None
                 ref_cnt[block_id] = 1
                 block_id = nxt[block_id]
             nxt[end] = block_id
@@ -327,7 +330,7 @@ class BlockPool:
         block_hash, events = self.block_hash, self.events
         for i in range(start, end):
             block_id = table[i]
-            if block_id == NULL_BLOCK_ID or block_hash[block_id] is not None:
+            if not block_id or block_hash[block_id] is not None:  # null block or prefix hit
                 continue
             h = hashes[i]
             if h in group_map:  # same content already cached in another block

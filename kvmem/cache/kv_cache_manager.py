@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Protocol
 
 from xxhash import xxh3_128_digest
@@ -52,6 +53,10 @@ from kvmem.cache.results import (
 )
 from kvmem.errors import ConfigError
 from kvmem.spec.layout import KVGroup
+
+# ``Allocation(...)`` goes through the NamedTuple's Python-level ``__new__``; the flat paths,
+# run once per decode step, build the same tuple at C level
+_new_allocation = partial(tuple.__new__, Allocation)
 
 
 class CacheRequest(Protocol):
@@ -282,7 +287,7 @@ class KVCacheManager:
         state.num_computed = num_tokens = num_computed + num_new_tokens
         if self.enable_prefix_caching and num_tokens // self.block_size > len(hit):
             self._cache_full_blocks(state, request, min(num_tokens, request.num_tokens))
-        return Allocation((new_ids,), num_computed, (0,))
+        return _new_allocation(((new_ids,), num_computed, (0,)))
 
     def _extend_single_full(self, state: _RequestState, request: CacheRequest,
                             num_new_tokens: int, num_lookahead_tokens: int
@@ -348,7 +353,7 @@ class KVCacheManager:
                                             block_size, state.extra_keys)
                     self.pool.cache_table_blocks(0, table, hashes, start, end)
                 num_cached[0] = end
-        return Allocation((new_ids,), num_computed)
+        return _new_allocation(((new_ids,), num_computed, ()))
 
     def _cache_one_block(self, block_id: int, index: int, hashes: list[BlockHash],
                          token_ids: Sequence[int], extra_keys: bytes) -> None:
