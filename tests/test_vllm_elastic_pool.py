@@ -41,14 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from vllm.v1.worker.utils import allocate_kv_cache
-from kvmem.integrations.vllm import compat, plugin
+from kvmem.integrations.vllm import compat, entry_point
 from kvmem.integrations.vllm.elastic.connector import KvmemElasticConnector
 from kvmem.memory.ledger import Ledger
 
 os.environ.update(KVMEM_VLLM_KV_MEMORY="elastic", KVMEM_VLLM_ENGINE_NAME="a",
                   KVMEM_LEDGER_DIR=ledger_dir)
-plugin.register()
-plugin.register()  # vLLM may call it more than once: wrapped once
+entry_point.register()
+entry_point.register()  # vLLM may call it more than once: wrapped once
 # max_model_len 16: one request needs 2 pages (its block and the null block's), so the
 # ceilings below may be that low
 cfg = engine_config(model, 1, 256 << 20, 16, 16)

@@ -22,7 +22,8 @@ import vllm_cpu
 
 from kvmem.errors import ConfigError
 from kvmem.integrations.vllm import compat
-from kvmem.integrations.vllm.plugin import ENV, policy_from_env, register
+from kvmem.integrations.vllm.entry_point import register
+from kvmem.integrations.vllm.plugin import ENV, policy_from_env
 
 GIB = 1 << 30
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
@@ -59,7 +60,7 @@ def test_tested_series():
 def test_entry_point_is_declared():
     text = (vllm_cpu.REPO / "pyproject.toml").read_text()
     assert ('[project.entry-points."vllm.general_plugins"]\n'
-            'kvmem_kv_budget = "kvmem.integrations.vllm.plugin:register"') in text
+            'kvmem_kv_budget = "kvmem.integrations.vllm.entry_point:register"') in text
 
 
 # ---------------------------------------------------------------------- vLLM's sizing code

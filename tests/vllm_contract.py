@@ -125,7 +125,7 @@ def three_argument_wrapper(get_kv_cache_configs, policy: str):
 def plugin_checks(model: str) -> dict:
     from vllm.v1.engine import core as engine_core
 
-    from kvmem.integrations.vllm import plugin
+    from kvmem.integrations.vllm import entry_point, plugin
 
     original = engine_core.get_kv_cache_configs
     calls: list[dict] = []
@@ -138,8 +138,8 @@ def plugin_checks(model: str) -> dict:
 
     engine_core.get_kv_cache_configs = recorder
     os.environ[plugin.ENV] = "proportional"
-    plugin.register()
-    plugin.register()  # vLLM may call it more than once: wrapped once
+    entry_point.register()
+    entry_point.register()  # vLLM may call it more than once: wrapped once
     wrapped = engine_core.get_kv_cache_configs
     out: dict = {"wrapped_once": getattr(wrapped, "__wrapped__", None) is recorder}
     for name, pp, partition in (("pp1", 1, None), ("pp2", 2, "20,10")):

@@ -1,11 +1,13 @@
 """kvmem inside an unmodified vLLM, through vLLM's own extension points.
 
-One subpackage per role:
+One module or subpackage per role:
 
-- ``plugin``: the ``vllm.general_plugins`` entry point (``plugin:register``) that sizes
-  every rank's KV cache with :func:`kvmem.plan.plan` when ``KVMEM_VLLM_KV_BUDGET`` is set
-  (``plugin.budget``) and checks ``KvmemConnector``'s settings before an engine starts
-  (``plugin.config_check``);
+- ``entry_point``: the ``vllm.general_plugins`` entry point (``entry_point:register``),
+  which installs the parts of ``plugin``: it sizes every rank's KV cache with
+  :func:`kvmem.plan.plan` when ``KVMEM_VLLM_KV_BUDGET`` is set (``plugin.budget``) and
+  checks ``KvmemConnector``'s settings before an engine starts (``plugin.config_check``);
+- ``deployment``: ``deployment_plan``, kvmem's plan of the deployment a vLLM
+  configuration describes (the budget and elastic KV memory plan with it);
 - ``connector``: ``KvmemConnector``, kvmem's CPU and disk tiers as a vLLM KV connector
   (``kv_connector_module_path`` ``"kvmem.integrations.vllm"``;
   ``kv_transfer_config(cpu_offload_gib=...)`` builds vLLM's setting for it);
@@ -25,7 +27,8 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "register": "kvmem.integrations.vllm.plugin",
+    "register": "kvmem.integrations.vllm.entry_point",
+    "deployment_plan": "kvmem.integrations.vllm.deployment",
     "KvmemConnector": "kvmem.integrations.vllm.connector",
     "kv_transfer_config": "kvmem.integrations.vllm.connector.config",
     "KVCacheRoutes": "kvmem.integrations.vllm.kvcache_http",

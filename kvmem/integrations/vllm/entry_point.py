@@ -1,19 +1,19 @@
-"""kvmem's vLLM plugin: the ``vllm.general_plugins`` entry point, ``register``.
+"""kvmem's vLLM plugin entry point: ``register``, named under ``vllm.general_plugins``.
 
 vLLM calls :func:`register` once in every process it starts. It installs each part that
 its settings turn on:
 
-- ``config_check``: ``KvmemConnector``'s settings checked where vLLM builds its
+- ``plugin.config_check``: ``KvmemConnector``'s settings checked where vLLM builds its
   configuration, whatever else is set (nothing for other connectors);
 - kvmem's connectors named in vLLM's connector factory, where vLLM looks a connector's
   class up by name (``MultiConnector`` rebuilds each child's stats that way: without it,
   ``KvmemConnector``'s figures beside elastic KV memory would end vLLM's output handler);
-- ``budget``: every rank's KV budget and the fit check from :func:`kvmem.plan.plan`
+- ``plugin.budget``: every rank's KV budget and the fit check from :func:`kvmem.plan.plan`
   (``KVMEM_VLLM_KV_BUDGET``);
 - elastic KV memory (``KVMEM_VLLM_KV_MEMORY``; ``kvmem.integrations.vllm.elastic.plugin``).
 
 A bad setting ends vLLM with one line (``SystemExit``, no traceback) before anything
-starts.
+starts. Importing this module imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -21,14 +21,8 @@ from __future__ import annotations
 import contextlib
 
 from kvmem.errors import ConfigError
-from kvmem.integrations.vllm.plugin.budget import (
-    ENV,
-    plan_deployment,
-    policy_from_env,
-    with_kvmem_budgets,
-)
 
-__all__ = ["ENV", "plan_deployment", "policy_from_env", "register", "with_kvmem_budgets"]
+__all__ = ["CONNECTORS", "register"]
 
 
 def register() -> None:

@@ -200,7 +200,7 @@ def check_deployment(vllm_config: Any, settings: ElasticSettings) -> None:
 
 def request_bytes(vllm_config: Any, *, every_rank: bool) -> int:
     """KV bytes one request of ``max_model_len`` needs: on rank 0, or on all ranks."""
-    from kvmem.integrations.vllm.plugin.budget import deployment_plan
+    from kvmem.integrations.vllm.deployment import deployment_plan
 
     plan = deployment_plan(vllm_config)
     ranks = plan.ranks if every_rank else plan.ranks[:1]

@@ -44,7 +44,7 @@ def planned_rank_block_bytes(vllm_config: Any, kv_cache_config: Any, own: int
                              ) -> list[int] | None:
     """Every rank's KV bytes per block, in rank order, from kvmem's plan scaled to the
     scheduler's ``own`` (rank 0's); None when kvmem cannot plan the model."""
-    from kvmem.integrations.vllm.plugin.budget import deployment_plan
+    from kvmem.integrations.vllm.deployment import deployment_plan
 
     attention = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups
                  if type(g.kv_cache_spec).__name__ != "MambaSpec"]

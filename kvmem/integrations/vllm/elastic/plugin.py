@@ -1,6 +1,6 @@
 """The plugin's part for elastic KV memory: ``KVMEM_VLLM_KV_MEMORY=elastic`` alone turns it on.
 
-vLLM calls the plugin (``plugin.register``) in every process it starts; this part wraps
+vLLM calls the plugin (``entry_point.register``) in every process it starts; this part wraps
 ``EngineArgs.create_engine_config``, where vLLM turns its arguments into its
 configuration: with elastic KV memory on, the KV transfer config it reads gets
 ``KvmemElasticConnector`` (``config.with_elastic``), and vLLM then starts the

@@ -3,7 +3,7 @@ starts an engine process or loads a weight.
 
 vLLM builds ``KvmemConnector`` only once the model has loaded and the KV cache is sized,
 so a bad ``kv_connector_extra_config`` value used to surface minutes into start-up, in
-every process at once. kvmem's plugin (``plugin.register``, which vLLM calls first thing
+every process at once. kvmem's plugin (``entry_point.register``, which vLLM calls first thing
 in the process that parses its arguments) wraps ``EngineArgs.create_engine_config``
 there: a configuration naming ``KvmemConnector`` has its extra config checked as soon as
 it is built, and a bad value ends vLLM with one line naming the key (``SystemExit``, no
