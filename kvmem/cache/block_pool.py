@@ -344,6 +344,19 @@ class BlockPool:
         if events is not None and len(events) > self.max_events:
             self._bound_events()
 
+    def cache_new_blocks(self, group_id: int, block_ids: list[int],
+                         hashes: list[BlockHash]) -> None:
+        """``cache_block`` for blocks just taken (used, no hash yet) of a pool without
+        events: ``block_ids[i]`` holds the content of ``hashes[i]`` (blocks past the last
+        hash are not full)."""
+        group_map, block_hash = self.cached[group_id], self.block_hash
+        for block_id, h in zip(block_ids, hashes, strict=False):
+            if h in group_map:  # same content already cached in another block
+                self.add_copy(group_id, block_id, h)
+            else:
+                group_map[h] = block_id
+                block_hash[block_id] = h
+
     def add_copy(self, group_id: int, block_id: int, block_hash: BlockHash) -> None:
         """``block_id`` holds content ``group_id`` already caches in another block."""
         self.block_hash[block_id] = block_hash

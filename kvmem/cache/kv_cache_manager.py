@@ -286,8 +286,26 @@ class KVCacheManager:
         self._requests[request.request_id] = state
         state.num_computed = num_tokens = num_computed + num_new_tokens
         if self.enable_prefix_caching and num_tokens // self.block_size > len(hit):
-            self._cache_full_blocks(state, request, min(num_tokens, request.num_tokens))
+            if pool.events is None:  # the new blocks are cached without per-block checks
+                self._cache_new_prompt_blocks(state, request, new_ids, len(hit))
+            else:
+                self._cache_full_blocks(state, request, min(num_tokens, request.num_tokens))
         return _new_allocation(((new_ids,), num_computed, (0,)))
+
+    def _cache_new_prompt_blocks(self, state: _RequestState, request: CacheRequest,
+                                 new_ids: list[int], num_hit: int) -> None:
+        """``_cache_full_blocks`` after a first allocation that took ``new_ids`` after a
+        hit of ``num_hit`` blocks: the full blocks among them are new, so none is the null
+        block or already has a hash."""
+        num_full = min(state.num_computed, request.num_tokens) // self.block_size
+        hashes = state.hashes
+        if len(hashes) < num_full:
+            extend_block_hashes(hashes, request.all_token_ids, num_full, self.block_size,
+                                state.extra_keys)
+        end = min(num_full, num_hit + len(new_ids))
+        if end > num_hit:
+            self.pool.cache_new_blocks(0, new_ids, hashes[num_hit:end])
+            state.num_cached[0] = end
 
     def _extend_single_full(self, state: _RequestState, request: CacheRequest,
                             num_new_tokens: int, num_lookahead_tokens: int
