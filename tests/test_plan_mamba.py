@@ -183,14 +183,33 @@ def test_a_state_field_missing_is_one_line_naming_it():
 
 
 def test_on_vllms_cpu_platform_the_ssm_state_is_float32():
-    """vLLM's CPU platform (AVX512-BF16) keeps SSM states in float32 unless a Gated
-    DeltaNet state is asked for in bfloat16 or float16."""
+    """vLLM's CPU platform on an AVX512-BF16 host keeps SSM states in float32 unless a
+    Gated DeltaNet state is asked for in bfloat16 or float16."""
     spec = spec_from_config(QWEN3_CODER_NEXT)
-    cpu = engine_geometry(spec, 1, 1, settings(device="cpu"), "bfloat16")
+    cpu = engine_geometry(spec, 1, 1, settings(device="cpu", cpu_avx512_bf16=True),
+                          "bfloat16")
     assert cpu.mamba.state_bytes == 3 * 8192 * 2 + 32 * 128 * 128 * 4
-    kept = engine_geometry(spec, 1, 1, settings(device="cpu", mamba_ssm_cache_dtype="bfloat16"),
-                           "bfloat16")
+    kept = engine_geometry(spec, 1, 1, settings(device="cpu", cpu_avx512_bf16=True,
+                                                mamba_ssm_cache_dtype="bfloat16"), "bfloat16")
     assert kept.mamba.state_bytes == STATE
+
+
+def test_on_a_cpu_without_avx512_bf16_the_ssm_state_stays_as_the_model_sets_it():
+    """AMD Zen 3 and other CPUs without AVX512-BF16: vLLM-CPU leaves the SSM dtype alone."""
+    spec = spec_from_config(QWEN3_CODER_NEXT)
+    cpu = engine_geometry(spec, 1, 1, settings(device="cpu", cpu_avx512_bf16=False),
+                          "bfloat16")
+    assert cpu.mamba.state_bytes == STATE
+
+
+def test_this_hosts_cpu_decides_by_default(monkeypatch):
+    from kvmem.plan import vllm_mamba
+
+    spec = spec_from_config(QWEN3_CODER_NEXT)
+    for has, ssm_bytes in ((True, 4), (False, 2)):
+        monkeypatch.setattr(vllm_mamba, "cpu_avx512_bf16", lambda has=has: has)
+        cpu = engine_geometry(spec, 1, 1, settings(device="cpu"), "bfloat16")
+        assert cpu.mamba.state_bytes == 3 * 8192 * 2 + 32 * 128 * 128 * ssm_bytes
 
 
 def test_the_vllm_command_keeps_prefix_caching_off_and_the_state_dtypes():

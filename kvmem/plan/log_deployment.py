@@ -102,7 +102,7 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
         max_num_seqs=_setting(log, "max_num_seqs") or 256,
         max_num_batched_tokens=int(batched), cuda_graphs=False, kv_cache_dtype=kv_dtype,
         vllm_version=release.name, device=device, max_concurrent_batches=batches,
-        hybrid_kv_cache_manager=hybrid,
+        hybrid_kv_cache_manager=hybrid, cpu_avx512_bf16=log.ssm_float32,
         # the engine config line's; vLLM's default (on) when it does not say
         enable_prefix_caching=log.config.get("enable_prefix_caching") != "False")
     layout = Layout(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp))

@@ -83,7 +83,8 @@ def engine_geometry(spec: ModelSpec, tp: int, pp: int, settings: EngineSettings,
                         max_concurrent_batches=settings.max_concurrent_batches,
                         prefix_caching=settings.enable_prefix_caching,
                         mamba_cache_dtype=settings.mamba_cache_dtype,
-                        mamba_ssm_cache_dtype=settings.mamba_ssm_cache_dtype)
+                        mamba_ssm_cache_dtype=settings.mamba_ssm_cache_dtype,
+                        cpu_avx512_bf16=settings.cpu_avx512_bf16)
 
 
 def _with_draft(spec: ModelSpec, settings: EngineSettings) -> ModelSpec:

@@ -60,6 +60,8 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     mamba_cache_dtype: str = "auto"  # linear-attention conv state ("auto": the model's)
     mamba_ssm_cache_dtype: str = "auto"  # temporal state ("auto": the model family's)
+    # vLLM-CPU's host has AVX512-BF16, so its SSM states go to float32 (None: this host's)
+    cpu_avx512_bf16: bool | None = None
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (a draft's KV)
 
 

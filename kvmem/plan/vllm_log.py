@@ -22,7 +22,9 @@ Wherever vLLM or a wrapper put its prefixes, it finds:
   to N tokens to ensure that attention page size is >= mamba page size.`` (or raised for a
   quantized KV page, or on XPU to a kernel multiple) and ``Padding mamba page size by P%
   to ensure that mamba page size and attention page size are exactly equal.``;
-- ``Hybrid KV cache manager is disabled`` (sliding layers charged as full attention).
+- ``Hybrid KV cache manager is disabled`` (sliding layers charged as full attention);
+- vLLM-CPU's ``Reset SSM cache type to float32`` (its host has AVX512-BF16: the states of
+  linear-attention layers in float32; without the line, as the model family sets them).
 
 Every reader finds a fixed marker with ``str.find`` and matches its pattern only in a
 bounded window at that marker (the engine config and args lines: once, from the marker to
@@ -77,6 +79,7 @@ class VllmLog:
     concurrency: list[tuple[int, int, str]] = field(default_factory=list)  # (line, len, "1.33")
     needed: tuple[int, int, float, float, int | None] | None = None  # line, len, X, Y, est.
     hybrid_disabled: bool = False
+    ssm_float32: bool = False  # vLLM-CPU moved SSM states to float32 (an AVX512-BF16 host)
     attention_block_size: tuple[int, int, str] | None = None  # (line, tokens, why) raised to
     mamba_padding: tuple[int, str] | None = None  # (line, "0.13"): percent it padded by
     speculative: dict[str, object] = field(default_factory=dict)  # method, num_spec_tokens...
@@ -283,6 +286,8 @@ _READERS = (
         _set("mamba_padding", lambda n, m: (n, m[1])), "mamba page padding"),
     _Reader("Hybrid KV cache manager is disabled", re.compile("Hybrid KV cache manager"),
             _set("hybrid_disabled", lambda n, m: True)),
+    _Reader("Reset SSM cache type to float32", re.compile("Reset SSM cache type"),
+            _set("ssm_float32", lambda n, m: True)),
 )
 
 

@@ -8,8 +8,8 @@ Read in vLLM 0.32's and 0.33's source; ``kvmem.plan.vllm_rules`` applies them:
   the conv state in ``mamba_cache_dtype`` (``auto``: the model's dtype) and the temporal
   state in ``mamba_ssm_cache_dtype`` (``auto``: the conv's, except where the model's
   config class sets it: Nemotron-H float32, Qwen3.5 its ``mamba_ssm_dtype``; on vLLM's CPU
-  platform float32, see ``state_dtype_bytes``). The KV cache dtype (fp8) does not apply to
-  states.
+  platform, on a CPU with AVX512-BF16, float32, see ``state_dtype_bytes``). The KV cache
+  dtype (fp8) does not apply to states.
 - **the attention block size** (``Platform._align_hybrid_block_size``): raised to the
   smallest multiple of the attention kernel's block (16 for FlashAttention on GPUs, 32 for
   vLLM's CPU attention; at least ``--block-size``) whose attention page (block size x the
@@ -36,8 +36,10 @@ Read in vLLM 0.32's and 0.33's source; ``kvmem.plan.vllm_rules`` applies them:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import ceil, lcm
+from pathlib import Path
 
 from kvmem.errors import ConfigError
 from kvmem.plan.vllm_release import VllmRelease
@@ -67,11 +69,25 @@ class MambaRules:
         return 100 * (self.page - self.state_bytes) / self.state_bytes
 
 
+@functools.cache
+def cpu_avx512_bf16() -> bool:
+    """Whether this host's CPU has AVX512-BF16, as vLLM's CPU platform asks before it
+    moves SSM states to float32 for its accelerated Gated DeltaNet (AMD Zen 3 has not)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in lines)
+
+
 def state_dtype_bytes(state: LinearState, model_dtype: str, mamba_cache_dtype: str,
-                      mamba_ssm_cache_dtype: str, device: str) -> tuple[int, int]:
+                      mamba_ssm_cache_dtype: str, device: str,
+                      avx512_bf16: bool | None = None) -> tuple[int, int]:
     """(conv, ssm) bytes per element (``MambaStateDtypeCalculator``). On vLLM's CPU
-    platform (a CPU with AVX512-BF16) an SSM state not float32 becomes float32, except a
-    Gated DeltaNet state in float16 or bfloat16 (``CpuPlatform.check_and_update_config``)."""
+    platform, where the CPU has AVX512-BF16 (``avx512_bf16``; None: this host's, taken
+    to be the one that serves), an SSM state not float32 becomes float32, except a
+    Gated DeltaNet state in float16 or bfloat16 (``CpuPlatform.check_and_update_config``);
+    on other CPUs it stays as the model family sets it."""
     if state.kind is StateKind.KDA and mamba_ssm_cache_dtype not in KDA_SSM_DTYPES:
         raise ConfigError("Kimi Delta Attention's recurrent state is auto, float32 or "
                           f"bfloat16 in vLLM, not --mamba-ssm-cache-dtype "
@@ -79,8 +95,10 @@ def state_dtype_bytes(state: LinearState, model_dtype: str, mamba_cache_dtype: s
     conv_dtype = model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype
     ssm_dtype = (mamba_ssm_cache_dtype if mamba_ssm_cache_dtype != "auto"
                  else state.ssm_dtype or "auto")
-    if device == "cpu" and not (state.kind is StateKind.GATED_DELTA_NET
-                                and ssm_dtype in ("float16", "bfloat16")):
+    if avx512_bf16 is None:
+        avx512_bf16 = device == "cpu" and cpu_avx512_bf16()
+    if device == "cpu" and avx512_bf16 and not (
+            state.kind is StateKind.GATED_DELTA_NET and ssm_dtype in ("float16", "bfloat16")):
         ssm_dtype = "float32"
     return dtype_bytes(conv_dtype), dtype_bytes(conv_dtype if ssm_dtype == "auto"
                                                 else ssm_dtype)
@@ -100,7 +118,7 @@ def checkpoint_blocks(state: LinearState, release: VllmRelease, device: str) -> 
 def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_bytes: int,
                 block_size: int, device: str, prefix_caching: bool,
                 mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-                num_spec: int = 0) -> MambaRules | None:
+                num_spec: int = 0, cpu_avx512_bf16: bool | None = None) -> MambaRules | None:
     """vLLM's paging of ``spec``'s states (None: the model has no linear-attention layer)."""
     states = {lay.state for lay in spec.layers if lay.kind is AttentionKind.LINEAR}
     if not states:
@@ -114,7 +132,7 @@ def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_byte
                           "are not planned")
     state, = states
     conv, ssm = state_dtype_bytes(state, spec.dtype, mamba_cache_dtype, mamba_ssm_cache_dtype,
-                                  device)
+                                  device, cpu_avx512_bf16)
     raw = state.bytes(tp, conv, ssm, num_spec)
     mode = "align" if prefix_caching else "none"
     checkpoints = checkpoint_blocks(state, release, device)

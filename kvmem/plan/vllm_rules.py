@@ -137,7 +137,8 @@ class VllmGeometry(Geometry):
                  block_size: int, max_num_batched_tokens: int, *, release: VllmRelease,
                  pp: int = 1, device: str = "gpu", hybrid: bool | None = None,
                  max_concurrent_batches: int | None = None, prefix_caching: bool = True,
-                 mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto") -> None:
+                 mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
+                 cpu_avx512_bf16: bool | None = None) -> None:
         super().__init__(spec, tp, kv_dtype_bytes, state_dtype_bytes, block_size,
                          max_num_batched_tokens)
         self.release = release
@@ -162,7 +163,7 @@ class VllmGeometry(Geometry):
         self.mamba = mamba_rules(
             spec, release, tp=tp, kv_dtype_bytes=kv_dtype_bytes, block_size=block_size,
             device=device, prefix_caching=prefix_caching, mamba_cache_dtype=mamba_cache_dtype,
-            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16,
             num_spec=spec.speculative.num_speculative_tokens if spec.speculative else 0)
         if self.mamba is not None and self.mamba.block_size != block_size:
             self.block_size = self.mamba.block_size
