@@ -6,7 +6,8 @@ with too little KV memory for one request.
 For each start, kvmem's plan under vLLM 0.32's rules must give the blocks vLLM allocated
 and the KV cache size and maximum concurrency it logged; the logs themselves go through
 ``kvmem plan --from-vllm-log``. Five engine starts in all (about 20 s each here), each
-run when a test first needs it; the pp 1 starts are in the ``extended`` run only.
+run when a test first needs it; of the four sized ones the default run starts only pp 2
+with the long max_model_len, the others are in the ``extended`` run.
 ``KVMEM_WRITE_VLLM_LOGS=1`` writes the captured logs to ``tests/data/vllm_logs``, which
 ``tests/test_plan_from_log.py`` reads without vLLM.
 
@@ -94,8 +95,11 @@ def planned(model: str, name: str, *extra: str) -> subprocess.CompletedProcess:
 PP1 = pytest.mark.extended
 
 
+# the default run starts pp 2 with the long max_model_len; a window longer than the
+# request (short) is checked against vLLM's own functions in test_plan_vllm_rules
 @pytest.mark.parametrize("name", [pytest.param("pp1long", marks=PP1), "pp2long",
-                                  pytest.param("pp1short", marks=PP1), "pp2short"])
+                                  pytest.param("pp1short", marks=PP1),
+                                  pytest.param("pp2short", marks=PP1)])
 def test_plan_gives_vllms_blocks_tokens_and_concurrency(starts, model, name):
     code, log = starts(name)
     assert code == 0, log[-6000:]
