@@ -594,9 +594,11 @@ def test_an_idle_vllm_engine_gives_its_cached_pages_to_a_busy_one(idle_donor):
     assert before["cached_bytes"] >= 24 * BLOCK_BYTES
     assert after["mapped_bytes"] <= before["mapped_bytes"] - 24 * BLOCK_BYTES
     assert after["reclaims"] >= 1 and after["reclaimed_bytes"] >= 24 * BLOCK_BYTES
-    # b asks once for the seats its batch has left, not once for each request it admits
-    # (vLLM looks at waiting requests only until one does not fit): a is woken once or twice
-    assert after["reclaims"] <= 2
+    # b asks for the seats its batch has left, not once for each request it admits (vLLM
+    # looks at waiting requests only until one does not fit): a is woken once or twice when
+    # all 8 requests reach b's engine core before its first step, a few times more when a
+    # loaded machine hands them over across steps, never once for each
+    assert after["reclaims"] <= len(b["alone"]["tokens"]) // 2
     # the scheduler released the pages in its worker's KV memory file: the worker took no
     # step for it, and holds no more than the ledger says
     w0, w1 = a["worker_before"], a["worker_after"]
