@@ -136,8 +136,17 @@ def test_parallel_tokens_match_plain(tiny, reference, tp, pp):
         assert {a.num_blocks for a in allocations} == {engine.num_blocks}
         assert engine.num_blocks == engine.elastic.sizing.max_blocks
         assert 0 < allocations[0].allocated_bytes < engine.elastic.sizing.reserved_bytes
-        assert [e.name for e in Ledger.for_device("cpu").entries()] == \
-            [engine.elastic.name]  # rank 0 speaks for the engine
+        [entry] = Ledger.for_device("cpu").entries()
+        assert entry.name == engine.elastic.name  # rank 0 speaks for the engine
+        # ... for every rank's KV, all in this host's memory: each page it maps costs the
+        # ledger a page of each rank, and the default ceiling is their budgets together
+        k = engine.elastic.sizing.blocks_per_page
+        ranks = [r for r in engine.kv_plan.ranks if r.num_slots]
+        assert len(ranks) == 2
+        table = engine.elastic.storage.table
+        assert table.page_bytes == sum(k * r.slot_page_bytes * r.num_slots for r in ranks)
+        assert entry.mapped_bytes == table.held_bytes >= table.mapped_pages * table.page_bytes
+        assert entry.ceiling_bytes == sum(r.kv_budget_bytes for r in ranks) == 2 * (4 << 20)
     finally:
         llm.engine.shutdown()
 
@@ -359,9 +368,10 @@ def test_tp2_serve_reaches_health_and_serves(tiny, ledger_dir):
         metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
                    for line in httpx.get(f"{server.base}/metrics").text.splitlines()
                    if line.startswith("kvmem_kv_memory_")}
-        assert metrics["kvmem_kv_memory_ceiling_bytes"] == 4 << 20
+        # both ranks' KV is in this host's memory: the ceiling is their 4 MiB each
+        assert metrics["kvmem_kv_memory_ceiling_bytes"] == 2 * (4 << 20)
         assert metrics["kvmem_kv_memory_floor_bytes"] == 0
-        assert 0 < metrics["kvmem_kv_memory_mapped_bytes"] <= 4 << 20
+        assert 0 < metrics["kvmem_kv_memory_mapped_bytes"] <= 2 * (4 << 20)
         assert metrics["kvmem_kv_memory_live_bytes"] >= 0
         assert metrics["kvmem_kv_memory_cached_bytes"] > 0  # the two prompts, cached
         assert metrics["kvmem_kv_memory_reclaims_total"] == 0

@@ -137,6 +137,16 @@ def test_pages_are_released_when_blocks_free_keeping_the_reserve():
     assert stats.unmaps == 10
 
 
+def take_until_refused(storage: ElasticKVStorage, queue, n: int) -> list[int]:
+    """Allocate ``n`` blocks at a time, asking the capacity guard first, until it says no."""
+    taken: list[int] = []
+    while storage.capacity_guard(n):
+        got = queue.pop_n(n)
+        storage.on_blocks_allocated(got)
+        taken += got
+    return taken
+
+
 def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
     ledger = Ledger(tmp_path / "l.json")
     page = 3 * 4 * 8192  # 3 slots x 4 blocks x 8 KiB
@@ -144,11 +154,7 @@ def test_capacity_guard_says_no_at_the_limit_and_never_raises(tmp_path):
     storage = fake_storage(budget=budget, reserve_pages=0)
     assert storage.stats().page_bytes == page
     q = storage.free_queue()
-    taken = []
-    while storage.capacity_guard(3):
-        got = q.pop_n(3)
-        storage.on_blocks_allocated(got)
-        taken += got
+    taken = take_until_refused(storage, q, 3)
     assert len(taken) + 1 <= 5 * 4 and storage.stats().held_bytes <= 5 * page
     assert ledger.entries()[0].mapped_bytes <= 5 * page
     # Freeing makes room again.
@@ -485,3 +491,52 @@ def test_giving_back_many_pages_is_one_ledger_write_and_one_unmap_per_slot_and_r
     assert len(Counting.unmaps) == 3 == len(runs)  # the 150 pages are consecutive
     assert sum(length for _, length in Counting.unmaps) == given
     storage.close()
+
+
+def test_a_page_costs_the_budget_every_ranks_share_where_they_are_counted_together(tmp_path):
+    """A parallel engine on the CPU keeps every rank's KV in the host's memory: rank 0 takes
+    a page of every rank from the ledger for each page it maps, and gives as much back."""
+    ledger = Ledger(tmp_path / "l.json")
+    page = 3 * 4 * 8192  # rank 0's page: 3 slots x 4 blocks x 8 KiB
+    budget = ledger.register("a", ceiling_bytes=10 * page)
+    storage = fake_storage(budget=budget, reserve_pages=0, ledger_page_bytes=2 * page)
+    q = storage.free_queue()
+    taken = take_until_refused(storage, q, 4)
+    stats = storage.stats()
+    assert stats.page_bytes == 2 * page and storage.nbytes == stats.mapped_pages * page
+    assert stats.mapped_pages == 5  # the ceiling pays for 5 pages of both ranks
+    assert ledger.entries()[0].mapped_bytes == stats.held_bytes == 10 * page
+    storage.on_blocks_released(taken)
+    q.push_free(taken)
+    given = storage.give_back(page)  # every free page goes; the null block's stays
+    assert given == 4 * 2 * page and ledger.entries()[0].mapped_bytes == 2 * page
+    storage.close()
+
+
+def test_the_limit_counts_every_rank_where_their_kv_shares_one_memory():
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.kv_cache_setup import plan_kv_cache
+    from kvmem.memory.sizing import plan_elastic
+    from kvmem.spec import load_spec
+
+    spec = load_spec("qwen3-8b")
+
+    def sizings(tp: int, **kw):
+        config = EngineConfig(model="qwen3-8b", tensor_parallel_size=tp, max_model_len=4096,
+                              kv_cache_memory_bytes="1GiB")
+        planned = plan_kv_cache(spec, config, device=torch.device("cpu"),
+                                kv_dtype="bfloat16", max_model_len=4096)
+        return plan_elastic(planned, spec, granularity=4096, **kw)
+
+    [one] = sizings(1)
+    shared = sizings(2, one_memory=True)
+    own = sizings(2)
+    half = one.page_bytes // 2
+    assert [s.page_bytes for s in shared] == [s.page_bytes for s in own] == [half, half]
+    # the CPU: a page costs the ledger both ranks' halves, and the default limit is both
+    # ranks' 1 GiB, so the engine maps as many blocks as two GiB hold of the whole model
+    assert shared[0].ledger_page_bytes == one.page_bytes
+    assert shared[0].limit_bytes == 2 << 30 and shared[0].limit_blocks == 2 * one.limit_blocks
+    # a GPU: rank 0's own KV on its own device, under its own 1 GiB
+    assert own[0].ledger_page_bytes == own[0].page_bytes
+    assert own[0].limit_bytes == 1 << 30 and own[0].limit_blocks == 2 * one.limit_blocks

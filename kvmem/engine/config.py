@@ -253,7 +253,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     mem.add_argument("--kv-memory-limit", "--kv-memory-max", dest="kv_memory_limit_bytes",
                      default=None, metavar="SIZE",
                      help="elastic: this engine's ceiling, the most KV memory it maps at "
-                          "once, e.g. 4GiB (default: the planned KV budget)")
+                          "once, e.g. 4GiB, on rank 0's GPU, or on the CPU every rank's "
+                          "together (default: the planned KV budget)")
     mem.add_argument("--kv-memory-min", dest="kv_memory_floor_bytes", default=None,
                      metavar="SIZE", help="elastic: this engine's floor, reserved for it "
                                           "whatever other engines on the device do")

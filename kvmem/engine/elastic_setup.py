@@ -14,7 +14,9 @@ Every rank sizes its reservation from the engine's plan (all ranks hold the same
 they agree on the page layout without talking); a parallel engine's ranks then run
 ``start(store, timeout)``, ``PageMapCoordinator.startup``, so that every rank maps the
 same pages in the same order before serving. Rank and world size are
-arguments from the engine's ParallelConfig; only rank 0 takes bytes from the ledger.
+arguments from the engine's ParallelConfig; only rank 0 takes bytes from the ledger,
+counting, on the CPU, every rank's pages (they are all in the host's memory; the limit
+counts them too), and on a GPU its own (each GPU is its own ledger's device).
 
 Sharing the device: the engine registers its floor (``--kv-memory-min``), ceiling
 (``--kv-memory-limit``) and one request's bytes. When other engines ask it to give memory
@@ -121,7 +123,8 @@ class ElasticSetup:
                                  max_num_batched_tokens=batched, max_num_seqs=1)
 
         sizings = plan_elastic(kv_plan, spec, config.kv_memory_limit_bytes,
-                               granularity=_granularity(device))
+                               granularity=_granularity(device),
+                               one_memory=device.type == "cpu")
         paged = [r.rank for r in kv_plan.ranks if r.num_slots and r.slot_page_bytes]
         sizing = sizings[paged.index(rank)]
         leader = sizings[0]  # rank 0's limit is the ledger's
@@ -141,7 +144,8 @@ class ElasticSetup:
     def request_bytes(self) -> int:
         """Whole pages one request of max_model_len needs (the null block's included)."""
         s = self.sizing
-        return -(-self.need_blocks(self.max_model_len) // s.blocks_per_page) * s.page_bytes
+        pages = -(-self.need_blocks(self.max_model_len) // s.blocks_per_page)
+        return pages * s.ledger_page_bytes
 
     # -- storage -------------------------------------------------------------------------
     def build_storage(self, num_slots: int, shape: SlotShape, dtype: torch.dtype,
@@ -156,7 +160,8 @@ class ElasticSetup:
             self.storage = ElasticKVStorage(
                 num_slots, shape, dtype, max_blocks=self.sizing.max_blocks, device=str(device),
                 budget=budget, blocks_per_page=self.sizing.blocks_per_page, rank=self.rank,
-                world_size=self.world_size, wait_timeout=self.wait_timeout, start=False)
+                world_size=self.world_size, wait_timeout=self.wait_timeout, start=False,
+                ledger_page_bytes=self.sizing.ledger_page_bytes)
         except BaseException:
             if budget is not None:
                 budget.close()
@@ -262,7 +267,7 @@ class ElasticSetup:
         storage = self._storage()
         cap = storage.table.attainable_bytes
         limit_blocks = self.sizing.limit_blocks if cap is None else \
-            cap // self.sizing.page_bytes * self.sizing.blocks_per_page
+            cap // self.sizing.ledger_page_bytes * self.sizing.blocks_per_page
         return self.need_blocks(num_tokens) <= limit_blocks
 
     def backoff(self, seconds: float = 0.01) -> None:

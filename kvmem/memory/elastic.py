@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ElasticStats:
+    """The storage's figures; bytes as its ledger counts them (``PageTable.page_bytes``):
+    this rank's, or those of every rank of an engine that keeps its KV in one host's
+    memory."""
+
     reserved_bytes: int  # virtual range
     mapped_bytes: int  # physical pages mapped (or being mapped/unmapped)
     held_bytes: int  # mapped plus budget taken for pages about to be mapped
@@ -73,7 +77,7 @@ class ElasticKVStorage:
                  budget: EngineBudget | None = None, reserve_pages: int = 2,
                  blocks_per_page: int | None = None, min_page_bytes: int = 0,
                  rank: int = 0, world_size: int = 1, wait_timeout: float = 30.0,
-                 start: bool = True) -> None:
+                 start: bool = True, ledger_page_bytes: int | None = None) -> None:
         import torch
 
         if world_size < 1 or not 0 <= rank < world_size:
@@ -96,7 +100,8 @@ class ElasticKVStorage:
         self.table = PageTable(self.geometry, self.backend, self.budget,
                                reserve_pages=reserve_pages, wait_timeout=wait_timeout,
                                record_ops=world_size > 1 and rank == 0,  # others replay
-                               owner=f"rank {rank} of {world_size}")
+                               owner=f"rank {rank} of {world_size}",
+                               ledger_page_bytes=ledger_page_bytes)
         self.backend.reserve(self.geometry.reserved_bytes)
         if rank == 0:
             # Before any background work exists: the null block's page, synchronously.
@@ -234,9 +239,10 @@ class ElasticKVStorage:
         t, geo, b = self.table, self.geometry, self.budget
         with t.cond:
             return ElasticStats(
-                reserved_bytes=geo.reserved_bytes, mapped_bytes=t.mapped_pages * geo.page_bytes,
-                held_bytes=t.held_bytes, used_bytes=t.pages.live_blocks * geo.block_slot_bytes
-                * geo.num_slots, page_bytes=geo.page_bytes, mapped_pages=t.mapped_pages,
+                reserved_bytes=geo.num_pages * t.page_bytes,
+                mapped_bytes=t.mapped_pages * t.page_bytes, held_bytes=t.held_bytes,
+                used_bytes=t.pages.live_blocks * t.block_bytes, page_bytes=t.page_bytes,
+                mapped_pages=t.mapped_pages,
                 live_blocks=t.pages.live_blocks, free_blocks=t.num_free, maps=t.pages.maps,
                 unmaps=t.pages.unmaps, limit_bytes=t.allowed_bytes, cached_blocks=len(t.cached),
                 cached_bytes=len(t.cached) * t.block_bytes,

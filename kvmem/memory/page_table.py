@@ -40,8 +40,11 @@ class PageTable:
     def __init__(self, geometry: PageGeometry, backend: PageBackend,
                  budget: Budget | None = None, *, reserve_pages: int = 2,
                  wait_timeout: float = 30.0, record_ops: bool = False,
-                 owner: str = "") -> None:
+                 owner: str = "", ledger_page_bytes: int | None = None) -> None:
         self.geo = geometry
+        # one page as the budget counts it: this rank's, or every rank's of an engine whose
+        # ranks all keep their KV in the budget's memory (the CPU)
+        self.ledger_page_bytes = ledger_page_bytes or geometry.page_bytes
         self.backend = backend
         self.budget = budget
         self.reserve_pages = reserve_pages
@@ -49,7 +52,7 @@ class PageTable:
         self.pages = PageMap(geometry, backend, self.cond, wait_timeout=wait_timeout,
                              record_ops=record_ops, owner=owner)
         self.placement = Placement(self.pages)
-        self.credit = Credit(self.pages, self.placement, budget)
+        self.credit = Credit(self.pages, self.placement, budget, self.ledger_page_bytes)
         # Memory was given back to other engines: no pages are mapped ahead of need (they
         # would take it straight back) until this engine allocates again.
         self.reserve_suspended = False
@@ -93,12 +96,14 @@ class PageTable:
 
     @property
     def page_bytes(self) -> int:
-        return self.geo.page_bytes
+        """One page as the budget counts it (``ledger_page_bytes``)."""
+        return self.ledger_page_bytes
 
     @property
     def block_bytes(self) -> int:
-        """One block's bytes in every slot."""
-        return self.geo.block_slot_bytes * self.geo.num_slots
+        """One block as the budget counts it: every slot of this rank (and of the ranks
+        beside it in the budget's memory)."""
+        return self.ledger_page_bytes // self.geo.blocks_per_page
 
     @property
     def live_kv_blocks(self) -> int:

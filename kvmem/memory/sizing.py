@@ -38,6 +38,13 @@ class ElasticSizing:
     reserved_bytes: int  # the rank's virtual range
     limit_bytes: int  # most physical KV bytes mapped at once (the ledger limit)
     limit_blocks: int  # blocks the limit can back, counted in whole pages
+    # one page as the ledger counts it: the rank's own, or, where every rank's KV lives
+    # in one host's memory (the CPU), the page of every rank together
+    ledger_page_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.ledger_page_bytes:
+            object.__setattr__(self, "ledger_page_bytes", self.page_bytes)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -53,13 +60,15 @@ def useful_blocks(groups: Iterable[KVGroup], *, max_model_len: int, block_size: 
 
 def elastic_sizing(*, num_slots: int, block_slot_bytes: int, limit_bytes: int,
                    device_blocks: int | None, useful: int, granularity: int,
-                   blocks_per_page: int | None = None,
-                   max_blocks: int | None = None) -> ElasticSizing:
+                   blocks_per_page: int | None = None, max_blocks: int | None = None,
+                   ledger_page_bytes: int | None = None) -> ElasticSizing:
     """The reservation and limit of one rank.
 
     ``block_slot_bytes``: one block in one slot tensor; ``device_blocks``: blocks the
     device's free memory could hold (None: unknown, the useful size decides). A parallel
-    engine's ranks agree on ``blocks_per_page`` and ``max_blocks`` and pass them here.
+    engine's ranks agree on ``blocks_per_page`` and ``max_blocks`` and pass them here, and,
+    where the ledger counts all of them in one memory, ``ledger_page_bytes``: one page of
+    every rank, which the limit is counted in.
     """
     if num_slots < 1 or block_slot_bytes < 1:
         raise ConfigError("an elastic KV cache needs at least one paged layer")
@@ -67,7 +76,8 @@ def elastic_sizing(*, num_slots: int, block_slot_bytes: int, limit_bytes: int,
         raise ConfigError(f"the KV memory limit must be positive, got {limit_bytes}")
     k = blocks_per_page or blocks_per_page_for(block_slot_bytes, granularity)
     page_bytes = k * block_slot_bytes * num_slots
-    limit_blocks = limit_bytes // page_bytes * k
+    ledger_page_bytes = ledger_page_bytes or page_bytes
+    limit_blocks = limit_bytes // ledger_page_bytes * k
     if max_blocks is None:
         device = useful if device_blocks is None else device_blocks
         max_blocks = max(limit_blocks, min(device, useful), 2 * k)
@@ -76,15 +86,20 @@ def elastic_sizing(*, num_slots: int, block_slot_bytes: int, limit_bytes: int,
                              blocks_per_page=k)
     return ElasticSizing(max_blocks=geo.num_blocks, blocks_per_page=k, page_bytes=page_bytes,
                          reserved_bytes=geo.reserved_bytes, limit_bytes=limit_bytes,
-                         limit_blocks=min(limit_blocks, geo.num_blocks))
+                         limit_blocks=min(limit_blocks, geo.num_blocks),
+                         ledger_page_bytes=ledger_page_bytes)
 
 
 def plan_elastic(plan, spec, limit_bytes: int | None = None,
-                 granularity: int = CUDA_GRANULARITY) -> list[ElasticSizing]:
+                 granularity: int = CUDA_GRANULARITY, *,
+                 one_memory: bool = False) -> list[ElasticSizing]:
     """Every rank's sizing for a ``kvmem.plan`` result, as the engine would agree on it.
 
-    Rank 0's limit (default: its planned KV budget) and the smallest device decide one
-    reservation in blocks; each rank reserves that many blocks of its own slot tensors.
+    The limit and the smallest device decide one reservation in blocks; each rank
+    reserves that many blocks of its own slot tensors. The limit counts what the ledger
+    of rank 0's device holds: rank 0's KV on its own GPU (default: its planned KV
+    budget), or, with ``one_memory`` (the CPU, where every rank's KV is in the host's
+    memory), every rank's (default: their planned budgets together).
     """
     settings, engine = plan.settings, plan.engine
     useful = useful_blocks(spec.kv_groups(), max_model_len=engine.max_model_len,
@@ -98,15 +113,18 @@ def plan_elastic(plan, spec, limit_bytes: int | None = None,
     known = [r.kv_capacity_bytes // r.bytes_per_block for r in paged
              if r.kv_capacity_bytes is not None]
     leader = paged[0]
-    limit = limit_bytes or leader.kv_budget_bytes
+    counted = paged if one_memory else [leader]
+    limit = limit_bytes or sum(r.kv_budget_bytes for r in counted)
+    ledger_page = sum(k * r.slot_page_bytes * r.num_slots for r in counted)
     first = elastic_sizing(num_slots=leader.num_slots, block_slot_bytes=leader.slot_page_bytes,
                            limit_bytes=limit, device_blocks=min(known) if known else None,
-                           useful=useful, granularity=granularity, blocks_per_page=k)
+                           useful=useful, granularity=granularity, blocks_per_page=k,
+                           ledger_page_bytes=ledger_page)
     return [elastic_sizing(num_slots=r.num_slots, block_slot_bytes=r.slot_page_bytes,
                            limit_bytes=limit, device_blocks=None, useful=useful,
                            granularity=granularity, blocks_per_page=k,
-                           max_blocks=first.max_blocks) if r is not leader else first
-            for r in paged]
+                           max_blocks=first.max_blocks, ledger_page_bytes=ledger_page)
+            if r is not leader else first for r in paged]
 
 
 CPU_GRANULARITY = 4096  # the OS page vLLM's CPU build maps (x86-64 Linux)

@@ -369,7 +369,8 @@ def _elastic(args: argparse.Namespace, result, spec):
     if args.engine == "vllm" or (on_cpu and args.engine is None):
         return plan_vllm_elastic(result, spec, limit, on_cpu=on_cpu)
     return plan_elastic(result, spec, limit,
-                        granularity=CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY)
+                        granularity=CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY,
+                        one_memory=on_cpu)
 
 
 def _check_profile_matches(profiles, layout, settings, path: str) -> None:
@@ -445,7 +446,9 @@ def elastic_lines(elastic, on_cpu: bool) -> list[str]:
                 "(incl. the null block's)"]
     lead = elastic[0]
     granules = "OS pages" if on_cpu else "2 MiB granules"
-    return [f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} on rank 0 "
+    counted = ("rank 0's GPU" if not on_cpu else "this host's memory, every rank's KV"
+               if len(elastic) > 1 else "this host's memory")
+    return [f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} in {counted} "
             f"({lead.limit_blocks:,} blocks mapped at most), reservation {lead.max_blocks:,} "
             f"blocks in pages of {lead.blocks_per_page} ({granules})",
             *(f"  rank {rank}: {format_bytes(s.reserved_bytes)} virtual, "
