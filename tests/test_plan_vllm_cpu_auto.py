@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import re
 from math import ceil
+from pathlib import Path
 
+import psutil
 import pytest
 
 from kvmem.cli import main
@@ -20,6 +22,15 @@ from kvmem.plan.estimates import VLLM_CPU_PROCESS_BYTES
 from tests import vllm_cpu
 
 GIB = 1 << 30
+
+
+def node_memory_bytes() -> int:
+    """NUMA node 0's memory, which vLLM-CPU takes its share of (the host's without NUMA)."""
+    try:
+        text = Path("/sys/devices/system/node/node0/meminfo").read_text()
+        return int(re.search(r"MemTotal:\s+(\d+) kB", text)[1]) * 1024
+    except (OSError, TypeError):
+        return psutil.virtual_memory().total
 
 
 def cpu_plan(capsys, *flags: str) -> dict:
@@ -52,14 +63,18 @@ def test_neither_a_kv_size_nor_the_node_memory_is_one_line(capsys):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_kvmem_plan_predicts_vllm_cpus_own_kv_size(capsys):
-    run = vllm_cpu.run_llm({"gpu_memory_utilization": 0.12, "max_model_len": 1024},
-                           ["Hello"], max_tokens=2)
+    # about 3 GiB of the node, whatever its size: at a fixed 0.12, a 12.8 GiB node leaves
+    # vLLM-CPU no KV cache beside its 1.5 GiB worker
+    utilization = f"{min(0.9, 3 * GIB / node_memory_bytes()):.3f}"
+    run = vllm_cpu.run_llm({"gpu_memory_utilization": float(utilization),
+                            "max_model_len": 1024}, ["Hello"], max_tokens=2)
     auto = re.search(r"Auto set \(([\d.]+)/([\d.]+)\) GiB for KV cache.*?([\d.]+) GiB memory "
                      r"was consumed by non-kv usages", run.output)
     assert auto, run.output[-4000:]
     node_gib, consumed = float(auto[2]), float(auto[3]) * GIB
     tokens, _ = run.kv_cache_size()
-    doc = cpu_plan(capsys, "--gpu-memory", f"{node_gib}", "--gpu-memory-utilization", "0.12")
+    doc = cpu_plan(capsys, "--gpu-memory", f"{node_gib}", "--gpu-memory-utilization",
+                   utilization)
     weights = doc["ranks"][0]["weights_bytes"]
     # the worker's memory beyond its weights is the constant kvmem estimates it with
     assert abs(consumed - weights - VLLM_CPU_PROCESS_BYTES) < 0.25 * GIB

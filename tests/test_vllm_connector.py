@@ -25,7 +25,7 @@ import json
 import pytest
 from test_tiers import plant_damage
 
-from tests.vllm_cpu import model_dir, run_script
+from tests.vllm_cpu import StartedScript, model_dir, run_script, start_script
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -239,17 +239,27 @@ def test_worker_side_stores_hold_blocks_loads_whole_and_reports_failures(engine_
     assert "WORKER OK" in engine_free
 
 
-def _run(mode: str, disk_dir: str) -> tuple[list[dict], str]:
-    run = run_script(SCRIPT, mode, str(model_dir()), disk_dir, threads_bind="0",
-                     timeout=900).check()
+def _start(mode: str, disk_dir: str, core: str) -> StartedScript:
+    return start_script(SCRIPT, mode, str(model_dir()), disk_dir, threads_bind=core)
+
+
+def _result(started: StartedScript) -> tuple[list[dict], str]:
+    run = started.finish(timeout=900).check()
     line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT ")), run.output
+
+
+def _run(mode: str, disk_dir: str) -> tuple[list[dict], str]:
+    return _result(_start(mode, disk_dir, "0"))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], str]]:
     disk_dir = tmp_path_factory.mktemp("kvmem-disk")
-    results = {mode: _run(mode, str(disk_dir)) for mode in ("plain", "tiers")}
+    # plain vLLM and the tiers' run side by side, each on a core of its own
+    started = {mode: _start(mode, str(disk_dir), core)
+               for mode, core in (("plain", "1"), ("tiers", "0"))}
+    results = {mode: _result(s) for mode, s in started.items()}
     # before the fresh process starts: entries that are not the tier's regular files
     (namespace,) = disk_dir.glob("kvmem-*")
     plant_damage(namespace, tmp_path_factory.mktemp("outside") / "outside")

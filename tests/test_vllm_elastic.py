@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -403,36 +402,10 @@ def two_engines(model, tmp_path_factory):
                "other": other, "sync": str(sync), "total": str(TOTAL), "lowered": str(LOWERED)}
         env = {"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_LEDGER_DIR": str(ledger),
                "KVMEM_VLLM_ENGINE_NAME": role}
-        procs[role] = start_script(TWO_ENGINES, json.dumps(cfg), env=env, threads_bind=core)
-    results = {}
-    for role, (proc, path) in procs.items():
-        results[role] = finish_script(proc, path, timeout=900)
+        procs[role] = vllm_cpu.start_script(TWO_ENGINES, json.dumps(cfg), env=env,
+                                            threads_bind=core)
+    results = {role: started.finish(timeout=900).check() for role, started in procs.items()}
     return {role: (result_of(r), r) for role, r in results.items()}
-
-
-def start_script(script: str, *args: str, env: dict[str, str], threads_bind: str):
-    """Start ``script`` in vLLM's venv without waiting (``vllm_cpu.run_script`` waits)."""
-    import tempfile
-    import textwrap
-
-    path = Path(tempfile.mkdtemp(prefix="kvmem-vllm-")) / "vllm_script.py"
-    path.write_text(textwrap.dedent(script))
-    proc = subprocess.Popen([str(vllm_cpu.venv_python()), str(path), *args],
-                            env=vllm_cpu.vllm_env(env, threads_bind=threads_bind),
-                            cwd=str(vllm_cpu.REPO), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    return proc, path
-
-
-def finish_script(proc, path: Path, timeout: float) -> vllm_cpu.VllmRun:
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        vllm_cpu._kill_group(proc.pid)
-        stdout, stderr = proc.communicate()
-    finally:
-        vllm_cpu._kill_group(proc.pid)
-    return vllm_cpu.VllmRun(proc.returncode, stdout, stderr).check()
 
 
 def test_two_engines_share_one_ledger(two_engines):
@@ -576,9 +549,9 @@ def idle_donor(model, tmp_path_factory):
                "KVMEM_VLLM_ENGINE_NAME": role,  # a's engine core in a process of its own
                "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc(worker_stats)
-        procs[role] = start_script(IDLE_DONOR, json.dumps(cfg), env=env, threads_bind=core)
-    results = {role: finish_script(proc, path, timeout=900) for role, (proc, path)
-               in procs.items()}
+        procs[role] = vllm_cpu.start_script(IDLE_DONOR, json.dumps(cfg), env=env,
+                                            threads_bind=core)
+    results = {role: started.finish(timeout=900).check() for role, started in procs.items()}
     return {role: (result_of(r), r) for role, r in results.items()}
 
 

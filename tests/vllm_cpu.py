@@ -101,36 +101,56 @@ def vllm_env(extra: dict[str, str] | None = None, *, threads_bind: str = "0|1") 
     return env
 
 
-def run_script(script: str, *args: str, env: dict[str, str] | None = None,
-               timeout: float = 480, threads_bind: str = "0|1",
-               cwd: Path | None = None, series: str = "0.32") -> VllmRun:
-    """Run ``script`` (Python source; dedented) with the interpreter of the vLLM ``series``
-    venv.
+@dataclass
+class StartedScript:
+    """A vLLM script started and not yet waited for (``start_script``)."""
 
-    ``env`` adds to :func:`vllm_env`. A script that builds ``vllm.LLM`` must do so under
-    ``if __name__ == "__main__":`` (vLLM starts worker processes). Raises AssertionError with
-    the output tail when the timeout passes."""
-    python = venv_python(series)
-    # A file, not ``-c``: worker processes started with spawn re-import the main module.
-    with tempfile.TemporaryDirectory(prefix="kvmem-vllm-") as tmp:
-        path = Path(tmp) / "vllm_script.py"
-        path.write_text(textwrap.dedent(script))
-        # Its own process group, so that a timeout also ends vLLM's worker processes.
-        proc = subprocess.Popen(
-            [str(python), str(path), *args],
-            env=vllm_env(env, threads_bind=threads_bind), cwd=str(cwd or REPO),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc: subprocess.Popen
+    tmp: tempfile.TemporaryDirectory
+
+    def finish(self, timeout: float = 480) -> VllmRun:
+        """Wait for it; AssertionError with the output tail when the timeout passes."""
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            stdout, stderr = proc.communicate()
+            _kill_group(self.proc.pid)
+            stdout, stderr = self.proc.communicate()
             raise AssertionError(
                 f"vLLM script did not finish in {timeout:.0f}s\n--- stdout\n"
                 f"{stdout[-4000:]}\n--- stderr\n{stderr[-8000:]}") from None
         finally:
-            _kill_group(proc.pid)
-    return VllmRun(proc.returncode, stdout, stderr)
+            _kill_group(self.proc.pid)
+            self.tmp.cleanup()
+        return VllmRun(self.proc.returncode, stdout, stderr)
+
+
+def start_script(script: str, *args: str, env: dict[str, str] | None = None,
+                 threads_bind: str = "0|1", cwd: Path | None = None,
+                 series: str = "0.32") -> StartedScript:
+    """Start ``script`` (Python source; dedented) with the interpreter of the vLLM
+    ``series`` venv, without waiting: scripts bound to other cores run side by side.
+
+    ``env`` adds to :func:`vllm_env`. A script that builds ``vllm.LLM`` must do so under
+    ``if __name__ == "__main__":`` (vLLM starts worker processes)."""
+    python = venv_python(series)
+    # A file, not ``-c``: worker processes started with spawn re-import the main module.
+    tmp = tempfile.TemporaryDirectory(prefix="kvmem-vllm-")
+    path = Path(tmp.name) / "vllm_script.py"
+    path.write_text(textwrap.dedent(script))
+    # Its own process group, so that a timeout also ends vLLM's worker processes.
+    proc = subprocess.Popen(
+        [str(python), str(path), *args],
+        env=vllm_env(env, threads_bind=threads_bind), cwd=str(cwd or REPO),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return StartedScript(proc, tmp)
+
+
+def run_script(script: str, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 480, threads_bind: str = "0|1",
+               cwd: Path | None = None, series: str = "0.32") -> VllmRun:
+    """Run ``script`` to its end (``start_script``, then ``StartedScript.finish``)."""
+    return start_script(script, *args, env=env, threads_bind=threads_bind, cwd=cwd,
+                        series=series).finish(timeout)
 
 
 def run_for_json(script: str, marker: str, *args: str, series: str = "0.32",
