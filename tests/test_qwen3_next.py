@@ -172,12 +172,41 @@ def test_each_rank_allocates_what_the_plan_says(qwen3_next, pp):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("option", [{"kv_memory": "elastic"}, {"cpu_offload_gib": 0.01}],
-                         ids=["elastic", "offload"])
-def test_what_keeps_no_states_is_refused_at_start(qwen3_next, option):
+def test_the_offload_tiers_are_refused_at_start(qwen3_next):
     path, _ = qwen3_next
     with pytest.raises(ConfigError, match="do not keep linear-attention states"):
-        LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, **option)
+        LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, cpu_offload_gib=0.01)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_elastic_kv_memory_maps_and_gives_back_state_pages(qwen3_next, tp, tmp_path,
+                                                           monkeypatch):
+    """--kv-memory elastic: the state groups' blocks are in the same pages as the attention
+    blocks, mapped when they are taken. Tokens equal transformers' with prefix caching (the
+    state checkpoints hit from mapped pages), at tp 1 and 2; once every cached page is given
+    back, the same prompts find no checkpoint and give the same tokens again."""
+    monkeypatch.setenv("KVMEM_LEDGER_DIR", str(tmp_path))
+    path, expected = qwen3_next
+    llm = LLM(str(path), kv_memory="elastic", tensor_parallel_size=tp,
+              kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_batched_tokens=40,
+              max_num_seqs=8)
+    try:
+        engine = llm.engine
+        check(llm, expected, PROMPTS[:4])
+        stats = engine.scheduler.stats
+        hits = stats.prefix_hit_tokens
+        check(llm, expected, PROMPTS[4:])
+        assert stats.prefix_hit_tokens - hits == 32 + 64
+        held = engine.elastic.storage.table.held_bytes
+        with engine.steps.lock:
+            given = engine.elastic.reclaim(held)
+        assert given > 0 and engine.elastic.storage.table.held_bytes < held
+        hits = stats.prefix_hit_tokens
+        check(llm, expected, PROMPTS[4:])
+        assert stats.prefix_hit_tokens == hits  # the checkpoints went with their pages
+        assert engine.kv_usage().used == 0
+    finally:
+        llm.engine.shutdown()
 
 
 def test_state_groups_follow_vllms_grouping_and_pages_hold_a_state():

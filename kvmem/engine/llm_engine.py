@@ -100,10 +100,9 @@ class LLMEngine:
         self.spec = spec_from_config(files.config, files.name)
         ctx = rank_context(config, self.spec, parallel)
         config = self.config = ctx.config  # its block size holds a linear-attention state
-        if linear_layers(self.spec) and (config.kv_memory == "elastic"
-                                         or (offload or config.offload_config()).enabled):
-            raise ConfigError("elastic KV memory and the offload tiers do not keep "
-                              "linear-attention states: serve this model without them")
+        if linear_layers(self.spec) and (offload or config.offload_config()).enabled:
+            raise ConfigError("the offload tiers do not keep linear-attention states: "
+                              "serve this model without them")
         self.device, self.dtype = ctx.device, ctx.torch_dtype
         if config.kv_cache_dtype not in ("auto", ctx.dtype):
             raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype!r}: this engine stores KV "
