@@ -51,7 +51,7 @@ from kvmem.memory.budget import BudgetState, MemoryWait
 from kvmem.memory.sizing import CUDA_GRANULARITY, ElasticSizing, plan_elastic, useful_blocks
 from kvmem.memory.storage import SlotShape
 from kvmem.spec import ModelSpec
-from kvmem.spec.state_groups import engine_kv_groups, state_group_ids
+from kvmem.spec.state_groups import engine_kv_groups, state_blocks_per_request, state_group_ids
 from kvmem.units import format_bytes
 
 if TYPE_CHECKING:
@@ -118,14 +118,14 @@ class ElasticSetup:
             raise ConfigError("rank 0's elastic KV memory needs the engine's step lock")
         groups = spec.kv_groups()
         block_size, batched = config.block_size, config.max_num_batched_tokens
-        # a linear-attention state group holds at most two blocks of a request: its running
-        # state and, at a block boundary, the block it is carried into
-        state_blocks = 2 * len(state_group_ids(engine_kv_groups(spec)))
+        state_groups = len(state_group_ids(engine_kv_groups(spec)))
+        caching = config.enable_prefix_caching
 
         def need_blocks(num_tokens: int) -> int:
+            states = state_groups * state_blocks_per_request(num_tokens, block_size,
+                                                             prefix_caching=caching)
             return useful_blocks(groups, max_model_len=num_tokens, block_size=block_size,
-                                 max_num_batched_tokens=batched,
-                                 max_num_seqs=1) + state_blocks
+                                 max_num_batched_tokens=batched, max_num_seqs=1) + states
 
         sizings = plan_elastic(kv_plan, spec, config.kv_memory_limit_bytes,
                                granularity=_granularity(device),

@@ -22,11 +22,11 @@ from kvmem.memory.placement import Placement
 
 class Credit:
     def __init__(self, pages: PageMap, placement: Placement, budget: Budget | None,
-                 page_bytes: int | None = None) -> None:
+                 page_bytes: int) -> None:
         self.pages = pages
         self.placement = placement
         self.budget = budget
-        self.page_bytes = page_bytes or pages.geo.page_bytes  # as the budget counts a page
+        self.page_bytes = page_bytes  # one page as the budget counts it
         self.k = pages.geo.blocks_per_page
         self.credit_pages = 0  # budget taken for pages not mapped yet
         self.promised_blocks = 0  # blocks can_allocate said yes to, not yet allocated

@@ -40,11 +40,7 @@ class ElasticSizing:
     limit_blocks: int  # blocks the limit can back, counted in whole pages
     # one page as the ledger counts it: the rank's own, or, where every rank's KV lives
     # in one host's memory (the CPU), the page of every rank together
-    ledger_page_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.ledger_page_bytes:
-            object.__setattr__(self, "ledger_page_bytes", self.page_bytes)
+    ledger_page_bytes: int
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -21,7 +21,12 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from kvmem.spec import AttentionKind, KVGroup, LayerKV, ModelSpec
-from kvmem.spec.state_groups import engine_kv_groups, engine_layer_slots, state_block_size
+from kvmem.spec.state_groups import (
+    engine_kv_groups,
+    engine_layer_slots,
+    state_block_size,
+    state_blocks_per_request,
+)
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,8 @@ class KVGeometry(Geometry):
 
     def state_blocks_per_request(self, seq_len: int) -> int:
         """Blocks one request holds in a state group (``KVCacheManager.can_fit``)."""
-        return 2 if self.prefix_caching and seq_len > self.block_size else 1
+        return state_blocks_per_request(seq_len, self.block_size,
+                                        prefix_caching=self.prefix_caching)
 
     def blocks_per_request(self, seq_len: int, layers: Sequence[int] | None = None) -> int:
         return sum(self.state_blocks_per_request(seq_len) if g.kind is AttentionKind.LINEAR

@@ -43,6 +43,13 @@ def engine_kv_groups(spec: ModelSpec) -> list[KVGroup]:
     return groups
 
 
+def state_blocks_per_request(seq_len: int, block_size: int, *, prefix_caching: bool) -> int:
+    """Most blocks one request holds in a state group (``kvmem.cache``'s ``StateManager``):
+    with checkpoints (prefix caching), its state and the block it is carried into once it
+    passes a block boundary; else the one block of its state."""
+    return 2 if prefix_caching and seq_len > block_size else 1
+
+
 def state_group_ids(groups: list[KVGroup]) -> list[int]:
     return [g.group_id for g in groups if g.kind is AttentionKind.LINEAR]
 
