@@ -195,6 +195,15 @@ def test_unsupported_architecture_is_a_config_error(tmp_path):
         build_model(config)
 
 
+
+def test_query_heads_that_do_not_share_key_value_heads_evenly_are_a_config_error(tmp_path):
+    """Else the first prefill fails deep in attention with a shape mismatch."""
+    config = dict(resolve_model(str(make_tiny_checkpoint(tmp_path, "llama"))).config)
+    config["num_key_value_heads"] = 2 * config["num_attention_heads"]
+    with pytest.raises(ConfigError, match=r"^num_attention_heads \(\d+\) is not a multiple "
+                                          r"of num_key_value_heads \(\d+\)$"):
+        build_model(config)
+
 def test_embedded_smollm2_matches_transformers():
     """SmolLM2-135M-Instruct from the embedded GGUF: our converted checkpoint in the paged
     model against transformers reading the same GGUF itself."""

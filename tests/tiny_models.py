@@ -263,6 +263,24 @@ def tiny_qwen3_next(n: int, dtype: str) -> dict:
             "mlp_only_layers": [], "torch_dtype": dtype, "tie_word_embeddings": False}
 
 
+def make_tiny_qwen3_next(tmp_path: Path, n: int, seed: int = 0, **overrides: Any) -> Path:
+    """A random fp32 tiny Qwen3-Next (``tiny_qwen3_next``, then ``overrides``) from
+    transformers, with the byte-level tokenizer."""
+    import torch
+    import transformers
+
+    fields = {k: v for k, v in {**tiny_qwen3_next(n, "float32"), **overrides}.items()
+              if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **fields, initializer_range=0.1)).float().eval()
+    _randomize_norms(model, seed + 1)
+    out = Path(tmp_path) / "tiny-qwen3_next"
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out)
+    return out
+
+
 def tiny_nemotron_h(dtype: str, n_groups: int) -> dict:
     """A tiny Nemotron-H: Mamba2 (M), MLP (-) and attention (*) layers."""
     return {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",

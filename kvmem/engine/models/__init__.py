@@ -55,7 +55,14 @@ def build_model(config: dict[str, Any], *, dtype: torch.dtype = torch.float32,
     from kvmem.engine.models.qwen3_next import Qwen3NextForCausalLM
 
     arch = model_architecture(config)
-    n = int(text_config(config).get("num_hidden_layers", 0))
+    text = text_config(config)
+    n = int(text.get("num_hidden_layers", 0))
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        # grouped-query attention: every query head reads one KV head, as many per KV head
+        raise ConfigError(f"num_attention_heads ({heads}) is not a multiple of "
+                          f"num_key_value_heads ({kv_heads})")
     if layers is not None and (layers.step != 1 or not 0 <= layers.start < layers.stop <= n):
         raise ConfigError(f"layer range {layers} is not a contiguous part of {n} layers")
     backend = get_attention_backend(attention_backend, device)
