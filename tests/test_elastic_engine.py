@@ -3,8 +3,9 @@
 Token-exact output against plain tensors (one process, tp 2, pp 2); resident memory that
 follows live KV in a real engine; a limit too small for one request; a request refused
 by a shared budget that waits instead of failing; two engine processes sharing one
-budget (two Llamas, and a Llama beside a Gated DeltaNet hybrid); a tp-2 ``kvmem serve`` that starts and serves; and a rank that never joins the
-page map, which fails rank 0's startup within the timeout with a clear error.
+budget (two Llamas, and a Llama beside a Gated DeltaNet hybrid); a tp-2 ``kvmem serve``
+that starts and serves; and a rank that never joins the page map, which fails rank 0's
+startup within the timeout with a clear error.
 """
 
 from __future__ import annotations

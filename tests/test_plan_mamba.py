@@ -332,3 +332,62 @@ def test_kvmem_engine_plan_sizes_kda_state_blocks_by_the_mla_latent(tmp_path):
     block = 16 * ceil((3 * 3 * 32 * 128 // 2 + 16 * 128 * 128) / (16 * (512 + 64)))
     assert engine["block_size"] == block == 496
     assert (engine["num_kv_groups"], engine["num_state_groups"]) == (4, 3)
+
+
+# vLLM 0.33's --use-replayssm on Nemotron-H (tp 1, bf16): a ring of 16 per Mamba2 layer,
+# x (128 heads, 16, 64) and B (8 groups, 16, 128) in bf16, dt (128, 16) in float32
+RING_16 = 128 * 16 * 64 * 2 + 128 * 16 * 4 + 8 * 16 * 128 * 2
+
+
+def nemotron_h_geometry(**kw):
+    s = settings(**kw)
+    return engine_geometry(spec_from_config(NEMOTRON_H, "Nemotron-H"), 1, 1, s, "bfloat16")
+
+
+@pytest.mark.parametrize(("backend", "prefix_caching", "ring"),
+                         [("triton", True, 16), ("flashinfer", False, 17)])
+def test_replayssm_adds_its_ring_to_each_mamba2_state(backend, prefix_caching, ring):
+    """FlashInfer's ring holds one verify window more (1 + 0 speculative tokens)."""
+    plain = nemotron_h_geometry(enable_prefix_caching=prefix_caching).mamba
+    rings = nemotron_h_geometry(enable_prefix_caching=prefix_caching, replayssm_buffer_len=16,
+                                mamba_backend=backend).mamba
+    assert rings.state_bytes - plain.state_bytes == RING_16 * ring // 16
+    assert rings.charge == plain.charge
+
+
+def test_replayssm_flags_are_refused_as_vllm_refuses_them(tmp_path):
+    def refusal(**kw) -> str:
+        with pytest.raises(ConfigError) as err:
+            nemotron_h_geometry(**kw)
+        return str(err.value)
+
+    assert "ReplaySSM from 0.32, not in 0.31" in refusal(version="0.31",
+                                                          replayssm_buffer_len=16)
+    assert "at most 16, got 17" in refusal(replayssm_buffer_len=17, mamba_backend="flashinfer",
+                                           enable_prefix_caching=False)
+    assert "FlashInfer ReplaySSM does not support prefix caching" in refusal(
+        replayssm_buffer_len=16, mamba_backend="flashinfer")
+    with pytest.raises(ConfigError, match="not supported for architecture "
+                                          "'Qwen3NextForCausalLM'"):
+        plan(spec_from_config(QWEN3_CODER_NEXT, "q"), Layout(),
+             settings(replayssm_buffer_len=16))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(NEMOTRON_H))
+    run = subprocess.run([sys.executable, "-m", "kvmem", "plan", str(config),
+                          "--use-replayssm", "--kv-cache-memory-bytes", "8GiB",
+                          "--engine", "kvmem"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "--use-replayssm is vLLM's (0.33 and later)" in run.stderr
+
+
+def test_the_vllm_command_keeps_replayssm_and_its_backend():
+    from kvmem.plan.flags import engine_command
+
+    p = plan(spec_from_config(NEMOTRON_H, "Nemotron-H"), Layout(),
+             settings(replayssm_buffer_len=8, mamba_backend="flashinfer",
+                      enable_prefix_caching=False))
+    argv = engine_command(p, "vllm", "nvidia/Nemotron-H-8B-Base-8K").argv
+    assert argv[argv.index("--use-replayssm") + 1:argv.index("--use-replayssm") + 3] == [
+        "--replayssm-buffer-len", "8"]
+    assert argv[argv.index("--mamba-backend") + 1] == "flashinfer"

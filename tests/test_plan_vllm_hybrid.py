@@ -25,6 +25,7 @@ from functools import cache
 import pytest
 import vllm_cpu
 
+from kvmem.errors import ConfigError
 from kvmem.plan import EngineSettings, Layout, RankProfile, plan
 from kvmem.plan.partition import even_partition, stage_layers
 from kvmem.plan.planner import engine_geometry
@@ -58,7 +59,7 @@ def planned(case: dict, series: str, memory: list[int]):
     """kvmem's plan of the case under vLLM ``series``'s rules, each stage's workers holding
     ``memory`` of KV."""
     partition = [len(s) for s in case["stages"]]
-    tp = case["tp"]
+    tp, ring = case["tp"], case.get("replayssm")
     return plan(spec_from_config(case["config"], "hybrid"),
                 Layout(tensor_parallel_size=tp, pipeline_parallel_size=len(partition),
                        layer_partition=partition),
@@ -67,7 +68,9 @@ def planned(case: dict, series: str, memory: list[int]):
                                max_num_batched_tokens=case["batched"], cuda_graphs=False,
                                vllm_version=series, device=case["device"],
                                kv_cache_dtype=case["kv_dtype"],
-                               enable_prefix_caching=case["prefix_caching"]),
+                               enable_prefix_caching=case["prefix_caching"],
+                               replayssm_buffer_len=ring["buffer_len"] if ring else None,
+                               mamba_backend=ring["backend"] if ring else "triton"),
                 profile=[RankProfile(0, 0, 0, 0, m) for m in memory for _ in range(tp)],
                 suggest=False)
 
@@ -118,6 +121,10 @@ def grid() -> list[dict]:
                     "batched": rng.choice([512, 2048]),
                     "stages": [list(r) for r in stage_layers(even_partition(n, pp))]}
             cases.append(case)
+    return with_memory(cases, rng)
+
+
+def with_memory(cases: list[dict], rng: random.Random) -> list[dict]:
     for case in cases:  # enough KV memory for one request on every stage, and more
         ranks = planned(case, SERIES[-1], [1] * len(case["stages"])).ranks[::case["tp"]]
         case["memory"] = [int(r.need_bytes_at_max_model_len * rng.uniform(1.0, 4.0))
@@ -125,15 +132,45 @@ def grid() -> list[dict]:
     return cases
 
 
+@cache
+def replayssm_grid() -> list[dict]:
+    """Nemotron-H with vLLM's --use-replayssm: Triton's ring of 16 and 32 (prefix caching
+    on and off), FlashInfer's of 16 and 4 (off: FlashInfer's ReplaySSM has none), one or
+    two Mamba2 groups at tp 1 and 2."""
+    rng = random.Random(33)
+    cases = []
+    for k, (backend, buffer_len) in enumerate([("triton", 16), ("triton", 32),
+                                               ("flashinfer", 16), ("flashinfer", 4)] * 2):
+        dtype = rng.choice(["bfloat16", "float32"])
+        config = tiny_nemotron_h(dtype, 1 + k % 2)
+        pp = 1 + k // 4
+        cases.append({"id": f"replayssm-{k}", "config": config, "dtype": dtype,
+                      "layers": layer_kinds(config), "tp": 1 + k // 2 % 2,
+                      "prefix_caching": backend == "triton" and k % 2 == 0,
+                      "device": ("cpu", "gpu")[k % 2], "kv_dtype": "auto",
+                      "block_size": rng.choice([16, 64]), "max_model_len": 1000,
+                      "batched": 2048, "replayssm": {"buffer_len": buffer_len,
+                                                     "backend": backend},
+                      "stages": [list(r) for r in stage_layers(
+                          even_partition(config["num_hidden_layers"], pp))]})
+    return with_memory(cases, rng)
+
+
+def vllms_rules(cases: list[dict], series: str, tmp_path_factory) -> dict:
+    """vLLM ``series``'s own figures for ``cases`` (``tests/vllm_hybrid_rules.py``)."""
+    cases_file = tmp_path_factory.mktemp("hybrid") / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    script = (vllm_cpu.REPO / "tests" / "vllm_hybrid_rules.py").read_text()
+    return vllm_cpu.run_for_json(script, "KVMEM_HYBRID", str(vllm_cpu.REPO / "tests"),
+                                 str(vllm_cpu.model_dir()), str(cases_file),
+                                 series=series, timeout=600)
+
+
 @pytest.fixture(scope="module", params=SERIES)
 def vllm_hybrid(request, tmp_path_factory) -> tuple[str, dict]:
-    cases_file = tmp_path_factory.mktemp("hybrid") / "cases.json"
-    cases_file.write_text(json.dumps(grid()))
-    script = (vllm_cpu.REPO / "tests" / "vllm_hybrid_rules.py").read_text()
-    result = vllm_cpu.run_for_json(script, "KVMEM_HYBRID", str(vllm_cpu.REPO / "tests"),
-                                   str(vllm_cpu.model_dir()), str(cases_file),
-                                   series=request.param, timeout=600)
-    return request.param, result
+    # the --use-replayssm cases after the grid's, in the same run
+    return request.param, vllms_rules(grid() + replayssm_grid(), request.param,
+                                      tmp_path_factory)
 
 
 def test_the_grid_covers_what_the_rules_distinguish():
@@ -152,7 +189,26 @@ def test_the_grid_covers_what_the_rules_distinguish():
 @pytest.mark.parametrize("index", range(16 * len(SHAPES)))
 def test_kvmem_follows_vllms_hybrid_rules(vllm_hybrid, index):
     series, results = vllm_hybrid
-    case, got = grid()[index], results["cases"][index]
+    assert_follows(grid()[index], results["cases"][index], series)
+
+
+@pytest.mark.parametrize("index", range(len(replayssm_grid())))
+def test_kvmem_follows_vllms_replayssm_rings(vllm_hybrid, index):
+    """Where tp does not divide the Mamba2 groups, 0.32's ring fails to shape (vLLM's
+    ``divide``) and kvmem refuses the plan; elsewhere the figures are vLLM's."""
+    series, results = vllm_hybrid
+    case, got = replayssm_grid()[index], results["cases"][len(grid()) + index]
+    if series == "0.32" and case["config"]["n_groups"] % case["tp"]:
+        assert "is not divisible by" in got.get("traceback", ""), got
+        with pytest.raises(ConfigError, match="ReplaySSM cannot split the model's 1 Mamba2 "
+                                              "groups across tensor parallel size 2"):
+            planned(case, series, case["memory"])
+        return
+    assert_follows(case, got, series)
+
+
+def assert_follows(case: dict, got: dict, series: str) -> None:
+    """kvmem's plan of ``case`` under ``series``'s rules gives vLLM's own figures."""
     assert "traceback" not in got, got["traceback"]
     p = planned(case, series, case["memory"])
     geometry = engine_geometry(spec_from_config(case["config"], "hybrid"), case["tp"],

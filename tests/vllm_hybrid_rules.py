@@ -19,6 +19,10 @@ Then, as a start does once the layers exist (none are built here, no engine star
   with the FlashInfer prefill), and the attention layers' ``FullAttentionSpec``;
 - ``get_kv_cache_configs`` and the rest, as ``tests/vllm_kv_rules.py`` asks them.
 
+A case with ``replayssm`` (0.33, Nemotron-H) turns ``--use-replayssm`` on with its ring
+length and Mamba backend once the engine arguments are read, as those flags set them; the
+model class then shapes the ring (the flags' own checks are kvmem's refusals, tested apart).
+
 Kimi Linear's full layers are MLA: vLLM's CPU platform turns prefix caching off for MLA
 models (``CpuPlatform.check_and_update_config``), and the engine arguments then fail ("--
 mamba-block-size can only be set with --enable-prefix-caching"). Its cases are on "gpu":
@@ -91,6 +95,12 @@ def engine_config(tokenizer: str, case: dict, workdir: Path):
         hook = MODELS_CONFIG_MAP.get(config.model_config.architecture)
         if hook is not None:
             hook.verify_and_update_config(config)
+    if case.get("replayssm"):  # --use-replayssm (0.33), set as its engine arguments set it
+        from vllm.config.mamba import MambaBackendEnum
+
+        config.cache_config.use_replayssm = True
+        config.cache_config.replayssm_buffer_len = case["replayssm"]["buffer_len"]
+        config.mamba_config.backend = MambaBackendEnum[case["replayssm"]["backend"].upper()]
     if mla:
         from vllm.model_executor.models.config import MambaModelConfig
 

@@ -128,6 +128,10 @@ def _vllm_tail(plan: Plan) -> list[str]:
                         ("--mamba-ssm-cache-dtype", s.mamba_ssm_cache_dtype)):
         if dtype != "auto":
             argv += [flag, dtype]
+    if s.replayssm_buffer_len is not None:
+        argv += ["--use-replayssm", "--replayssm-buffer-len", str(s.replayssm_buffer_len)]
+    if s.mamba_backend != "triton":
+        argv += ["--mamba-backend", s.mamba_backend]
     return argv
 
 

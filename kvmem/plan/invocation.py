@@ -125,6 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         e.add_argument(name, choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help=f"vLLM: the {what}'s dtype (default auto: the "
                                             "model's, or its family's)")
+    e.add_argument("--use-replayssm", action="store_true",
+                   help="vLLM 0.33's ReplaySSM Mamba2 decode (Nemotron-H): each Mamba2 state "
+                        "keeps a ring of its last inputs")
+    e.add_argument("--replayssm-buffer-len", type=int, default=16, metavar="N",
+                   help="vLLM: the ReplaySSM ring's length (default 16)")
+    e.add_argument("--mamba-backend", choices=("triton", "flashinfer"), default="triton",
+                   help="vLLM's Mamba backend (default triton); FlashInfer's ReplaySSM ring "
+                        "holds one verify window more")
     e.add_argument("--speculative-config", metavar="JSON",
                    help="vLLM's speculative decoding config, e.g. '{\"method\": \"mtp\", "
                         "\"num_speculative_tokens\": 2}' or an EAGLE draft's \"model\": the "
@@ -218,7 +226,12 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         hybrid_kv_cache_manager=False if args.disable_hybrid_kv_cache_manager else None,
         enable_prefix_caching=args.prefix_caching, mamba_cache_dtype=args.mamba_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        replayssm_buffer_len=args.replayssm_buffer_len if args.use_replayssm else None,
+        mamba_backend=args.mamba_backend,
         speculative_config=getattr(args, "speculative_config", None))
+    if args.use_replayssm and version is None:
+        raise ConfigError("--use-replayssm is vLLM's (0.33 and later): plan it under vLLM's "
+                          "rules (--vllm-version)")
     if version is not None and 1 <= batched < seqs:  # only where --max-num-seqs was given
         default = " (vLLM's default)" if args.max_num_batched_tokens is None else ""
         raise ConfigError(f"--max-num-seqs {seqs:,} is more than --max-num-batched-tokens "

@@ -84,7 +84,9 @@ def engine_geometry(spec: ModelSpec, tp: int, pp: int, settings: EngineSettings,
                         prefix_caching=settings.enable_prefix_caching,
                         mamba_cache_dtype=settings.mamba_cache_dtype,
                         mamba_ssm_cache_dtype=settings.mamba_ssm_cache_dtype,
-                        cpu_avx512_bf16=settings.cpu_avx512_bf16)
+                        cpu_avx512_bf16=settings.cpu_avx512_bf16,
+                        replayssm_buffer_len=settings.replayssm_buffer_len,
+                        mamba_backend=settings.mamba_backend)
 
 
 def _with_draft(spec: ModelSpec, settings: EngineSettings) -> ModelSpec:

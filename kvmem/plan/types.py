@@ -60,6 +60,10 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     mamba_cache_dtype: str = "auto"  # linear-attention conv state ("auto": the model's)
     mamba_ssm_cache_dtype: str = "auto"  # temporal state ("auto": the model family's)
+    # vLLM's --use-replayssm (0.33, Mamba2): the ring's length (None: off), and the
+    # Mamba backend (--mamba-backend), which sizes the ring
+    replayssm_buffer_len: int | None = None
+    mamba_backend: str = "triton"
     # vLLM-CPU's host has AVX512-BF16, so its SSM states go to float32 (None: this host's)
     cpu_avx512_bf16: bool | None = None
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (a draft's KV)

@@ -32,6 +32,16 @@ Read in vLLM 0.32's and 0.33's source; ``kvmem.plan.vllm_rules`` applies them:
   MLA decode kernels.
 - The groups (``_get_kv_cache_groups_uniform_page_size``) treat the state layers as one
   more kind: every kind is split into groups of the smallest kind's layer count.
+- **ReplaySSM** (``--use-replayssm``, 0.32 and 0.33, Nemotron-H only: ``SupportsReplaySSM``):
+  each Mamba2 layer's state gains a ring of its last ``--replayssm-buffer-len`` inputs
+  (``append_replayssm_ring``: x (heads, ring, head_dim) and B (groups, ring, state size) in
+  the model's dtype, dt (heads, ring) in float32, split across ranks like the state; where
+  tp does not divide the groups, 0.33 repeats them as the conv state does and 0.32 fails
+  at start, which kvmem refuses); FlashInfer's ring is one verify window
+  longer (1 + speculative tokens). The layers then hold no per-draft-token state pages
+  (``num_speculative_blocks`` 0). ``VllmConfig.validate_mamba_cached_kernel``'s refusals
+  are kvmem's: FlashInfer takes a ring of at most 16 and no prefix caching; speculative
+  decoding needs FlashInfer, without prefix caching.
 """
 
 from __future__ import annotations
@@ -115,11 +125,57 @@ def checkpoint_blocks(state: LinearState, release: VllmRelease, device: str) -> 
     return 0
 
 
+REPLAYSSM_ARCHITECTURES = ("NemotronHForCausalLM",)  # SupportsReplaySSM in 0.33
+FLASHINFER_REPLAYSSM_MAX_RING = 16
+
+
+def replayssm_ring_bytes(spec: ModelSpec, state: LinearState, release: VllmRelease, *,
+                         tp: int, buffer_len: int, backend: str, prefix_caching: bool,
+                         num_spec: int) -> int:
+    """The bytes ``--use-replayssm`` adds to one Mamba2 layer's state on a rank, after
+    vLLM's checks of the flags (see the module docstring)."""
+    if not release.replayssm:
+        raise ConfigError(f"--use-replayssm: kvmem knows vLLM's ReplaySSM from 0.32, not in "
+                          f"{release.name}")
+    if spec.architecture not in REPLAYSSM_ARCHITECTURES or state.kind is not StateKind.MAMBA2:
+        raise ConfigError(f"--use-replayssm is not supported for architecture "
+                          f"{spec.architecture!r} (vLLM: {', '.join(REPLAYSSM_ARCHITECTURES)})")
+    if buffer_len < 1:
+        raise ConfigError(f"--replayssm-buffer-len must be positive, got {buffer_len}")
+    flashinfer = backend == "flashinfer"
+    if flashinfer and buffer_len > FLASHINFER_REPLAYSSM_MAX_RING:
+        raise ConfigError("FlashInfer ReplaySSM takes --replayssm-buffer-len of at most "
+                          f"{FLASHINFER_REPLAYSSM_MAX_RING}, got {buffer_len}")
+    if (flashinfer or num_spec) and prefix_caching:
+        raise ConfigError(f"{'FlashInfer ' if flashinfer else ''}ReplaySSM"
+                          f"{' speculative decoding' if num_spec else ''} does not support "
+                          "prefix caching in vLLM; add --no-enable-prefix-caching")
+    if num_spec and not flashinfer:
+        raise ConfigError("Mamba2 ReplaySSM speculative decoding needs --mamba-backend "
+                          "flashinfer")
+    assert state.temporal is not None
+    heads, head_dim, state_size = state.temporal
+    groups = state.n_groups
+    if groups % tp and not release.replayssm_repeats_groups:
+        raise ConfigError(f"vLLM {release.name}'s ReplaySSM cannot split the model's "
+                          f"{groups} Mamba2 groups across tensor parallel size {tp}")
+    if groups % tp:
+        groups = tp  # repeated on each rank, as the conv state repeats them
+    ring = buffer_len + (1 + num_spec if flashinfer else 0)
+    act = dtype_bytes(spec.dtype)
+    local_heads, local_groups = heads // tp, groups // tp
+    return ring * (local_heads * head_dim * act + local_heads * 4
+                   + local_groups * state_size * act)
+
+
 def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_bytes: int,
                 block_size: int, device: str, prefix_caching: bool,
                 mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-                num_spec: int = 0, cpu_avx512_bf16: bool | None = None) -> MambaRules | None:
-    """vLLM's paging of ``spec``'s states (None: the model has no linear-attention layer)."""
+                num_spec: int = 0, cpu_avx512_bf16: bool | None = None,
+                replayssm_buffer_len: int | None = None,
+                mamba_backend: str = "triton") -> MambaRules | None:
+    """vLLM's paging of ``spec``'s states (None: the model has no linear-attention layer);
+    ``replayssm_buffer_len``: ``--use-replayssm`` with that ring (None: off)."""
     states = {lay.state for lay in spec.layers if lay.kind is AttentionKind.LINEAR}
     if not states:
         return None
@@ -134,9 +190,15 @@ def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_byte
     conv, ssm = state_dtype_bytes(state, spec.dtype, mamba_cache_dtype, mamba_ssm_cache_dtype,
                                   device, cpu_avx512_bf16)
     raw = state.bytes(tp, conv, ssm, num_spec)
+    spec_blocks = num_spec
+    if replayssm_buffer_len is not None:
+        raw += replayssm_ring_bytes(spec, state, release, tp=tp,
+                                    buffer_len=replayssm_buffer_len, backend=mamba_backend,
+                                    prefix_caching=prefix_caching, num_spec=num_spec)
+        spec_blocks = 0  # the window is verified off one checkpoint
     mode = "align" if prefix_caching else "none"
     checkpoints = checkpoint_blocks(state, release, device)
-    charge = (2 + checkpoints if mode == "align" else 1) + num_spec
+    charge = (2 + checkpoints if mode == "align" else 1) + spec_blocks
     per_token = max((lay.bytes_per_token(tp, kv_dtype_bytes) for lay in spec.layers
                      if lay.kind.uses_blocks), default=0)
     if not per_token:  # attention-free: no attention page to match

@@ -125,6 +125,20 @@ class VllmRelease:
         return self.since(0, 33)
 
     @property
+    def replayssm(self) -> bool:
+        """``--use-replayssm``: Mamba2 layers keep a ring of their last inputs beside the
+        state (``MambaStateShapeCalculator.append_replayssm_ring``; read in 0.32 and 0.33,
+        earlier releases not)."""
+        return self.since(0, 32)
+
+    @property
+    def replayssm_repeats_groups(self) -> bool:
+        """The ring's B/C groups are repeated on each rank as the conv state's are, when tp
+        does not divide them (0.33); 0.32 divides the config's groups, and fails if tp
+        does not divide them."""
+        return self.since(0, 33)
+
+    @property
     def in_flight_batches(self) -> bool:
         """Sliding-window and chunked-local charges count ``max_concurrent_batches`` times
         ``max_num_batched_tokens`` (``VllmConfig.max_in_flight_tokens``, 0.26); before,

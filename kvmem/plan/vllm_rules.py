@@ -138,7 +138,8 @@ class VllmGeometry(Geometry):
                  pp: int = 1, device: str = "gpu", hybrid: bool | None = None,
                  max_concurrent_batches: int | None = None, prefix_caching: bool = True,
                  mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-                 cpu_avx512_bf16: bool | None = None) -> None:
+                 cpu_avx512_bf16: bool | None = None, replayssm_buffer_len: int | None = None,
+                 mamba_backend: str = "triton") -> None:
         super().__init__(spec, tp, kv_dtype_bytes, state_dtype_bytes, block_size,
                          max_num_batched_tokens)
         self.release = release
@@ -164,7 +165,8 @@ class VllmGeometry(Geometry):
             spec, release, tp=tp, kv_dtype_bytes=kv_dtype_bytes, block_size=block_size,
             device=device, prefix_caching=prefix_caching, mamba_cache_dtype=mamba_cache_dtype,
             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16,
-            num_spec=spec.speculative.num_speculative_tokens if spec.speculative else 0)
+            num_spec=spec.speculative.num_speculative_tokens if spec.speculative else 0,
+            replayssm_buffer_len=replayssm_buffer_len, mamba_backend=mamba_backend)
         if self.mamba is not None and self.mamba.block_size != block_size:
             self.block_size = self.mamba.block_size
             self.notes.append(f"{self.name} raises the attention block size to "

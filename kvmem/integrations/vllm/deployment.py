@@ -61,10 +61,20 @@ def deployment_plan(vllm_config: Any, *, block_size: int | None = None,
         mamba_cache_dtype=str(getattr(vllm_config.cache_config, "mamba_cache_dtype", "auto")),
         mamba_ssm_cache_dtype=str(getattr(vllm_config.cache_config, "mamba_ssm_cache_dtype",
                                           "auto")),
+        replayssm_buffer_len=(vllm_config.cache_config.replayssm_buffer_len
+                              if getattr(vllm_config.cache_config, "use_replayssm", False)
+                              else None),
+        mamba_backend=_mamba_backend(vllm_config),
     )
     layout = Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                     layer_partition=[end - start for start, end in bounds])
     return plan(spec, layout, settings, policy, profile=profile)
+
+
+def _mamba_backend(vllm_config: Any) -> str:
+    """vLLM's Mamba backend by name ("triton" where this vLLM has no choice of it)."""
+    backend = getattr(getattr(vllm_config, "mamba_config", None), "backend", None)
+    return str(getattr(backend, "name", "triton")).lower()
 
 
 def config_dict(hf_config: Any) -> dict[str, Any]:
