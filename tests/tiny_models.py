@@ -293,6 +293,20 @@ def tiny_nemotron_h(dtype: str, n_groups: int) -> dict:
             "tie_word_embeddings": False}
 
 
+def tiny_kimi_linear(dtype: str, heads: int) -> dict:
+    """A tiny Kimi Linear: KDA layers (1-based 1-3 and 5) and MLA layers 4 and 6."""
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+            "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 320,
+            "max_position_embeddings": 8192, "kv_lora_rank": 32, "q_lora_rank": None,
+            "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1, "torch_dtype": dtype,
+            "linear_attn_config": {"full_attn_layers": [4, 6], "kda_layers": [1, 2, 3, 5],
+                                   "num_heads": heads, "head_dim": 16,
+                                   "short_conv_kernel_size": 4}}
+
+
 def tiny_lfm2(dtype: str) -> dict:
     """A tiny LFM2: short-convolution layers and, every third layer, full attention."""
     return {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 128,

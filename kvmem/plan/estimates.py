@@ -29,7 +29,7 @@ decide the two peaks above, and how it fits a default to the limits given
 
 from __future__ import annotations
 
-from kvmem.spec import AttentionKind, ModelSpec, dtype_bytes
+from kvmem.spec import ModelSpec, dtype_bytes
 from kvmem.units import GiB, MiB
 
 # Sampler warm-up, bytes per logit alive at its peak beyond the model-dtype logits: float32
@@ -67,13 +67,17 @@ def vllm_batch_defaults(memory_bytes: int | None, gpu: str | None = None) -> tup
     return 2048, 256
 
 
-def vllm_cpu_defaults(spec: ModelSpec | None, world_size: int) -> tuple[int, int, int]:
+def vllm_cpu_defaults(spec: ModelSpec | None, world_size: int,
+                      amx: bool | None = None) -> tuple[int, int, int]:
     """(block_size, max_num_batched_tokens, max_num_seqs) that ``vllm serve`` picks on
-    vLLM's CPU build: blocks of 128 tokens (16 for MLA models, whose reference CPU kernel
-    needs them; vLLM keeps 128 there where the CPU has AMX), and 2,048 batched tokens and
-    128 sequences per rank (4,096 and 256 for the offline ``vllm.LLM``)."""
-    mla = spec is not None and any(layer.kind == AttentionKind.MLA for layer in spec.layers)
-    return (16 if mla else 128), 2048 * world_size, 128 * world_size
+    vLLM's CPU build: blocks of 128 tokens (16 for MLA models on a CPU without AMX tiles,
+    ``amx``, None: this host's, whose reference CPU kernel needs them, see
+    ``kvmem.plan.vllm_rules.cpu_reference_mla``), and 2,048 batched tokens and 128
+    sequences per rank (4,096 and 256 for the offline ``vllm.LLM``)."""
+    from kvmem.plan.vllm_rules import CPU_MLA_BLOCK, cpu_reference_mla
+
+    block = CPU_MLA_BLOCK if spec is not None and cpu_reference_mla(spec, amx) else 128
+    return block, 2048 * world_size, 128 * world_size
 
 
 def vllm_batch_limits(max_num_batched_tokens: int | None, max_num_seqs: int | None,

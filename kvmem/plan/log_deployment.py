@@ -79,7 +79,8 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
                           "max_position_embeddings")
     block = _setting(log, "block_size")  # the user's: vLLM's raise for states is planned
     if block is None:
-        block = vllm_cpu_defaults(spec, tp * pp)[0] if device == "cpu" else 16
+        block = vllm_cpu_defaults(spec, tp * pp, amx=None if log.cpu_mla is None
+                                  else log.cpu_mla == "AMX_MLA")[0] if device == "cpu" else 16
         notes.append(f"block size {block}: vLLM's default on "
                      f"{'its CPU build' if device == 'cpu' else 'GPUs'} (the log does not "
                      "say)")
@@ -103,6 +104,7 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
         max_num_batched_tokens=int(batched), cuda_graphs=False, kv_cache_dtype=kv_dtype,
         vllm_version=release.name, device=device, max_concurrent_batches=batches,
         hybrid_kv_cache_manager=hybrid, cpu_avx512_bf16=log.ssm_float32,
+        cpu_amx=None if log.cpu_mla is None else log.cpu_mla == "AMX_MLA",
         # the engine config line's; vLLM's default (on) when it does not say
         enable_prefix_caching=log.config.get("enable_prefix_caching") != "False")
     layout = Layout(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp))

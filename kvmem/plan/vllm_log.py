@@ -80,6 +80,7 @@ class VllmLog:
     needed: tuple[int, int, float, float, int | None] | None = None  # line, len, X, Y, est.
     hybrid_disabled: bool = False
     ssm_float32: bool = False  # vLLM-CPU moved SSM states to float32 (an AVX512-BF16 host)
+    cpu_mla: str | None = None  # vLLM-CPU's MLA kernel: "CPU_MLA" (reference) or "AMX_MLA"
     attention_block_size: tuple[int, int, str] | None = None  # (line, tokens, why) raised to
     mamba_padding: tuple[int, str] | None = None  # (line, "0.13"): percent it padded by
     speculative: dict[str, object] = field(default_factory=dict)  # method, num_spec_tokens...
@@ -288,6 +289,8 @@ _READERS = (
             _set("hybrid_disabled", lambda n, m: True)),
     _Reader("Reset SSM cache type to float32", re.compile("Reset SSM cache type"),
             _set("ssm_float32", lambda n, m: True)),
+    _Reader("_MLA backend.", re.compile(r"Using (CPU_MLA|AMX_MLA) backend\."),
+            _set("cpu_mla", lambda n, m: m[1])),
 )
 
 

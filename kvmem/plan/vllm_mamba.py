@@ -90,6 +90,17 @@ def cpu_avx512_bf16() -> bool:
     return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in lines)
 
 
+@functools.cache
+def cpu_amx_tiles() -> bool:
+    """Whether this host's CPU has AMX tiles, where vLLM's CPU platform runs MLA on its
+    AMX kernel rather than the reference one (``torch.cpu._is_amx_tile_supported``)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_tile" in line.split() for line in lines)
+
+
 def state_dtype_bytes(state: LinearState, model_dtype: str, mamba_cache_dtype: str,
                       mamba_ssm_cache_dtype: str, device: str,
                       avx512_bf16: bool | None = None) -> tuple[int, int]:

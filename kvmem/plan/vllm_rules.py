@@ -54,7 +54,7 @@ from math import ceil
 
 from kvmem.errors import ConfigError
 from kvmem.plan.geometry import Geometry, StageKV
-from kvmem.plan.vllm_mamba import MAMBA, mamba_rules
+from kvmem.plan.vllm_mamba import MAMBA, cpu_amx_tiles, mamba_rules
 from kvmem.plan.vllm_release import (
     CHECK_FIRST_GROUP,
     CHECK_GLOBAL,
@@ -130,6 +130,21 @@ class VllmGroup:
     layers: tuple[int, ...]
 
 
+CPU_MLA_BLOCK = 16  # vLLM's reference CPU MLA decode kernel (csrc/cpu/mla_decode.cpp)
+
+
+def cpu_reference_mla(spec: ModelSpec, amx: bool | None = None) -> bool:
+    """Whether vLLM's CPU platform runs ``spec``'s MLA layers on its reference kernel:
+    an MLA model (DeepSeek V4 aside, which has kernels of its own) on a CPU without AMX
+    tiles (``amx``; None: this host's). It then sets blocks of 16 tokens whatever
+    ``--block-size`` says, and turns chunked prefill and prefix caching off
+    (``CpuPlatform.check_and_update_config``, 0.32 and 0.33)."""
+    if spec.model_type == "deepseek_v4" or not any(
+            lay.kind is AttentionKind.MLA for lay in spec.layers):
+        return False
+    return not (cpu_amx_tiles() if amx is None else amx)
+
+
 class VllmGeometry(Geometry):
     """vLLM's rules for one model, engine config and release (see the module doc)."""
 
@@ -139,11 +154,28 @@ class VllmGeometry(Geometry):
                  max_concurrent_batches: int | None = None, prefix_caching: bool = True,
                  mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
                  cpu_avx512_bf16: bool | None = None, replayssm_buffer_len: int | None = None,
-                 mamba_backend: str = "triton") -> None:
+                 mamba_backend: str = "triton", cpu_amx: bool | None = None) -> None:
+        name = f"vLLM {release.name}"
+        reference_mla = device == "cpu" and cpu_reference_mla(spec, cpu_amx)
+        if reference_mla and prefix_caching and any(
+                lay.kind is AttentionKind.LINEAR for lay in spec.layers):
+            raise ConfigError(f"{name}'s CPU platform turns prefix caching off for MLA "
+                              "without AMX, and then fails to start a linear-attention "
+                              "hybrid that asked for it (--mamba-block-size needs prefix "
+                              "caching); add --no-enable-prefix-caching")
+        given_block = block_size
+        if reference_mla:  # CpuPlatform.check_and_update_config
+            block_size, prefix_caching = CPU_MLA_BLOCK, False
         super().__init__(spec, tp, kv_dtype_bytes, state_dtype_bytes, block_size,
                          max_num_batched_tokens)
         self.release = release
-        self.name = f"vLLM {release.name}"
+        self.name = name
+        if reference_mla:
+            self.notes.append(
+                f"{name}'s CPU platform runs this MLA model on its reference kernel (the CPU "
+                f"has no AMX): blocks of {CPU_MLA_BLOCK} tokens"
+                f"{f' (not {given_block})' if given_block != CPU_MLA_BLOCK else ''}, prefix "
+                "caching and chunked prefill off")
         self.device = device
         self.hybrid = self._hybrid_default() if hybrid is None else hybrid
         self.concurrent_batches = (default_concurrent_batches(release, device, pp)
