@@ -98,6 +98,10 @@ def planned(case: dict, series: str, memory: list[int]):
                                max_num_batched_tokens=case["batched"], cuda_graphs=False,
                                vllm_version=series,
                                device="gpu" if case["async"] else "cpu",
+                               # the script builds the specs at the case's block size: on
+                               # the CPU, as vLLM's platform leaves an MLA model's on AMX
+                               # (its reference kernel's blocks of 16: the CPU MLA test)
+                               cpu_amx=True,
                                hybrid_kv_cache_manager=case.get("hybrid"),
                                kv_cache_dtype="auto" if case.get("kv_dtype", "auto") == "auto"
                                else "fp8"),
