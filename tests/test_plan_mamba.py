@@ -378,7 +378,7 @@ def test_replayssm_flags_are_refused_as_vllm_refuses_them(tmp_path):
                           "--engine", "kvmem"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
-    assert "--use-replayssm is vLLM's (0.33 and later)" in run.stderr
+    assert "--use-replayssm is vLLM's (0.32 and later)" in run.stderr
 
 
 def test_the_vllm_command_keeps_replayssm_and_its_backend():

@@ -126,8 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        default="auto", help=f"vLLM: the {what}'s dtype (default auto: the "
                                             "model's, or its family's)")
     e.add_argument("--use-replayssm", action="store_true",
-                   help="vLLM 0.33's ReplaySSM Mamba2 decode (Nemotron-H): each Mamba2 state "
-                        "keeps a ring of its last inputs")
+                   help="vLLM's ReplaySSM Mamba2 decode (0.32 and 0.33, Nemotron-H): each "
+                        "Mamba2 state keeps a ring of its last inputs")
     e.add_argument("--replayssm-buffer-len", type=int, default=16, metavar="N",
                    help="vLLM: the ReplaySSM ring's length (default 16)")
     e.add_argument("--mamba-backend", choices=("triton", "flashinfer"), default="triton",
@@ -230,7 +230,7 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         mamba_backend=args.mamba_backend,
         speculative_config=getattr(args, "speculative_config", None))
     if args.use_replayssm and version is None:
-        raise ConfigError("--use-replayssm is vLLM's (0.33 and later): plan it under vLLM's "
+        raise ConfigError("--use-replayssm is vLLM's (0.32 and later): plan it under vLLM's "
                           "rules (--vllm-version)")
     if version is not None and 1 <= batched < seqs:  # only where --max-num-seqs was given
         default = " (vLLM's default)" if args.max_num_batched_tokens is None else ""

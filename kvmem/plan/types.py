@@ -60,7 +60,7 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     mamba_cache_dtype: str = "auto"  # linear-attention conv state ("auto": the model's)
     mamba_ssm_cache_dtype: str = "auto"  # temporal state ("auto": the model family's)
-    # vLLM's --use-replayssm (0.33, Mamba2): the ring's length (None: off), and the
+    # vLLM's --use-replayssm (0.32 and 0.33, Mamba2): the ring's length (None: off), and the
     # Mamba backend (--mamba-backend), which sizes the ring
     replayssm_buffer_len: int | None = None
     mamba_backend: str = "triton"
