@@ -80,25 +80,25 @@ class MambaRules:
 
 
 @functools.cache
+def _cpu_flag(name: str) -> bool:
+    """Whether this host's CPU lists ``name`` among its flags in /proc/cpuinfo."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and name in line.split() for line in lines)
+
+
 def cpu_avx512_bf16() -> bool:
     """Whether this host's CPU has AVX512-BF16, as vLLM's CPU platform asks before it
     moves SSM states to float32 for its accelerated Gated DeltaNet (AMD Zen 3 has not)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return False
-    return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in lines)
+    return _cpu_flag("avx512_bf16")
 
 
-@functools.cache
 def cpu_amx_tiles() -> bool:
     """Whether this host's CPU has AMX tiles, where vLLM's CPU platform runs MLA on its
     AMX kernel rather than the reference one (``torch.cpu._is_amx_tile_supported``)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return False
-    return any(line.startswith("flags") and "amx_tile" in line.split() for line in lines)
+    return _cpu_flag("amx_tile")
 
 
 def state_dtype_bytes(state: LinearState, model_dtype: str, mamba_cache_dtype: str,
