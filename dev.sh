@@ -69,7 +69,11 @@ case "${1:-demo}" in
   test)
     setup test
     set +e
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${@:2}"
+    # two processes, each taking whole modules (their shared engines stay module-scoped):
+    # most of the suite runs one single-threaded engine or model at a time, so on small
+    # machines two at once take nearly half the time; KVMEM_TEST_WORKERS=0 runs one process
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${KVMEM_TEST_WORKERS:-2}" \
+      --dist loadfile "${@:2}"
     rc=$?
     set -e
     [ "$rc" -eq 5 ] && { echo "no tests collected"; exit 1; }

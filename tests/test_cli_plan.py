@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kvmem.cli import main
+from kvmem.plan import vllm_rules
 
 PROBLEM2 = ["plan", "Qwen/Qwen3-32B", "--pp", "2", "--layer-partition", "56,8",
             "--kv-cache-dtype", "fp8", "--kv-cache-memory-bytes", "5GiB", "--max-model-len",
@@ -393,9 +394,12 @@ def test_help_lists_the_options(capsys):
         assert opt in out
 
 
-def test_a_cpu_deployment_takes_vllm_cpus_defaults_and_names_vllms_kv_size(capsys):
+def test_a_cpu_deployment_takes_vllm_cpus_defaults_and_names_vllms_kv_size(capsys,
+                                                                          monkeypatch):
     """--device cpu: blocks of 128, `vllm serve`'s CPU batch defaults per rank, no CUDA
-    graphs; vLLM's "KV cache size" (concurrency x max_model_len) beside kvmem's tokens."""
+    graphs; vLLM's "KV cache size" (concurrency x max_model_len) beside kvmem's tokens. An
+    MLA model gets blocks of 16 on a host without AMX tiles (vLLM's reference MLA kernel),
+    128 on one with them, whichever host the test runs on."""
     argv = ["plan", "google/gemma-3-4b-it", "--device", "cpu", "--kv-cache-memory-bytes",
             "2GiB", "--max-model-len", "8192", "--tp", "2"]
     d = _json(capsys, argv)
@@ -410,8 +414,10 @@ def test_a_cpu_deployment_takes_vllm_cpus_defaults_and_names_vllms_kv_size(capsy
     given = _json(capsys, argv + ["--block-size", "64", "--max-num-batched-tokens", "512"])
     assert (given["settings"]["block_size"], given["settings"]["max_num_batched_tokens"]) == (
         64, 512)
-    assert _json(capsys, ["plan", "deepseek-ai/DeepSeek-V3", "--device", "cpu",
-                          "--kv-cache-memory-bytes", "8GiB"])["settings"]["block_size"] == 16
+    for amx, block in ((False, 16), (True, 128)):
+        monkeypatch.setattr(vllm_rules, "cpu_amx_tiles", lambda amx=amx: amx)
+        assert _json(capsys, ["plan", "deepseek-ai/DeepSeek-V3", "--device", "cpu",
+                              "--kv-cache-memory-bytes", "8GiB"])["settings"]["block_size"] == block
 
 
 def test_a_defaulted_max_num_seqs_is_lowered_to_the_token_budget_as_vllm_does(capsys):

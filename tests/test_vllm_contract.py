@@ -107,6 +107,7 @@ def test_connector_hit_needs_every_rank_and_a_failed_load_fails_for_all(contract
     behalf of every rank, so the request recomputes them everywhere. Once the report is
     in, A is no hit at all (rank 1's copy alone is not enough) and B is."""
     c = contract["connector"]
+    assert c["b_finished_sending"] == ["b"]
     assert c["a3_matched_stale"] == [80, False]
     assert c["a3_invalid_joined"] == [26, 27, 28, 29, 30]
     assert c["a4_matched"] == [0, False]

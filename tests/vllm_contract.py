@@ -317,6 +317,19 @@ def blocks_of(ids: list[int]):
     return KVCacheBlocks(([KVCacheBlock(block_id=i) for i in ids],))
 
 
+def until_sent(d: Deployment, request_id: str, deliver: bool = True,
+               timeout: float = 120.0) -> list[str] | None:
+    """Step until every rank reports the request's stores done (what they report then), or
+    None after ``timeout`` seconds: a loaded machine's disk writes can take seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        _, joined = d.step(finished={request_id}, deliver=deliver)
+        if joined.finished_sending:
+            return sorted(joined.finished_sending)
+    return None
+
+
 def connector_checks(model: str) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory() as disk_dir:
@@ -342,14 +355,7 @@ def connector_checks(model: str) -> dict:
         out["a_pending_frees"] = sched.has_pending_block_frees()
         meta, joined = d.step()
         out["a_stores"] = [(j.request_id, j.block_ids) for j in meta.stores]
-        finished = None
-        for _ in range(100):  # until both ranks have copied A's blocks
-            time.sleep(0.05)
-            _, joined = d.step(finished={"a"})
-            if joined.finished_sending:
-                finished = sorted(joined.finished_sending)
-                break
-        out["a_finished_sending"] = finished
+        out["a_finished_sending"] = until_sent(d, "a")  # both ranks have copied A's blocks
         out["a_pending_frees_after"] = sched.has_pending_block_frees()
 
         # A again: a hit of every full block but the one of the last prompt token... 5 here
@@ -371,11 +377,7 @@ def connector_checks(model: str) -> dict:
         b.num_computed_tokens = len(b_tokens)
         sched.request_finished(b, [20, 21, 22, 23, 24, 25])
         d.step(deliver=False)
-        for _ in range(100):
-            time.sleep(0.05)
-            _, joined = d.step(finished={"b"}, deliver=False)
-            if joined.finished_sending:
-                break
+        out["b_finished_sending"] = until_sent(d, "b", deliver=False)
         # A's lookup still counts on rank 0's stale report; the load fails on rank 0 only
         a3 = request("a3", a_tokens)
         out["a3_matched_stale"] = list(sched.get_num_new_matched_tokens(a3, 0))
