@@ -540,3 +540,43 @@ def test_the_limit_counts_every_rank_where_their_kv_shares_one_memory():
     # a GPU: rank 0's own KV on its own device, under its own 1 GiB
     assert own[0].ledger_page_bytes == own[0].page_bytes
     assert own[0].limit_bytes == 1 << 30 and own[0].limit_blocks == 2 * one.limit_blocks
+
+
+def _victims_by_full_scan(table, pages: int) -> list[int]:
+    """``cached_victims`` by its definition: every cached block grouped by page."""
+    placement, pm = table.placement, table.pages
+    by_page: dict[int, list[int]] = {}
+    for block in placement.cached:
+        by_page.setdefault(pm.geo.page_of(block), []).append(block)
+    chosen = [blocks for page, blocks in by_page.items()
+              if pm.state[page].name == "MAPPED"
+              and pm.live[page] == sum(pm.block_live[b] for b in blocks)]
+    return [b for blocks in chosen[:max(0, pages)] for b in blocks]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_cached_victims_stop_early_yet_choose_as_a_scan_of_the_whole_cache(seed):
+    """Requests of random lengths, some still running, freed in random order: for every
+    number of pages asked, the victims (and their order) are those a scan of the whole
+    cache picks."""
+    from kvmem.cache import BlockPool
+
+    rng = random.Random(seed)
+    storage = fake_storage(max_blocks=128, blocks_per_page=rng.choice([1, 2, 4]),
+                           reserve_pages=0)
+    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+    requests = []
+    while pool.can_take(8):
+        blocks = pool.take_new_blocks(rng.randint(1, 8), 0)
+        for b in blocks:
+            if rng.random() < 0.8:
+                pool.cache_block(0, b, rng.getrandbits(64).to_bytes(8, "little"), None)
+        requests.append(blocks)
+    rng.shuffle(requests)
+    for blocks in requests[: len(requests) * 3 // 4]:  # the rest keep running
+        pool.free_blocks(blocks)
+    table = storage.table
+    assert table.placement.cached
+    for pages in range(table.geo.num_pages + 2):
+        assert table.cached_victims(pages) == _victims_by_full_scan(table, pages), pages
+    storage.close()

@@ -145,10 +145,10 @@ class PageMap:
     def unmap(self, page: int) -> None:
         self._unmap_regions(list(self.geo.regions(page)))
 
-    def unmap_runs(self, pages: list[int], done: Callable[[int], None]) -> None:
+    def unmap_runs(self, pages: list[int], done: Callable[[list[int]], None]) -> None:
         """Unmap ``pages`` (sorted): one call per slot for each run of consecutive pages
         where the backend takes ranges (``unmaps_ranges``), else one per slot and page;
-        ``done(page)`` for every page, whether or not its unmap failed."""
+        ``done(run)`` for every run, whether or not its unmap failed."""
         merge = getattr(self.backend, "unmaps_ranges", False)
         runs = [[p] for p in pages[:1]]
         for p in pages[1:]:
@@ -161,8 +161,7 @@ class PageMap:
                 for offset, length in self.geo.regions(run[0]):
                     self.backend.unmap(offset, length * len(run))
             finally:
-                for page in run:
-                    done(page)
+                done(run)
 
     # ---- replay on other ranks --------------------------------------------------------------
 

@@ -240,17 +240,21 @@ class PageTable:
         finally:
             self._unmapped(page)
 
-    def _unmapped(self, page: int, release: bool = True) -> None:
-        """Bookkeeping once ``page``'s bytes are unmapped (or failed to be); ``release``:
-        its bytes go back to the budget now."""
-        with self.cond:
-            self.pages.unmapped(page)
-            self.placement.closed(page)
-            self.cond.notify_all()
-        if release and self.on_unmapped is not None:
+    def _unmapped(self, page: int) -> None:
+        """Bookkeeping once ``page``'s bytes are unmapped (or failed to be); its bytes go
+        back to the budget now."""
+        self._closed([page])
+        if self.on_unmapped is not None:
             self.on_unmapped([page])
-        if release:
-            self.credit.release(1)
+        self.credit.release(1)
+
+    def _closed(self, pages: list[int]) -> None:
+        """The page map and placement once ``pages`` are unmapped (one lock for all)."""
+        with self.cond:
+            for page in pages:
+                self.pages.unmapped(page)
+                self.placement.closed(page)
+            self.cond.notify_all()
 
     # ---- upkeep -----------------------------------------------------------------------------
 
@@ -322,7 +326,7 @@ class PageTable:
                 pages.append(page)
         pages.sort()
         try:
-            self.pages.unmap_runs(pages, lambda page: self._unmapped(page, release=False))
+            self.pages.unmap_runs(pages, self._closed)
         finally:
             if pages and self.on_unmapped is not None:
                 self.on_unmapped(pages)

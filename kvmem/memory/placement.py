@@ -203,18 +203,32 @@ class Placement:
     def cached_victims(self, pages: int) -> list[int]:
         """The cached-free blocks of up to ``pages`` mapped pages that hold no live block
         but theirs, pages in the order their blocks were cached (least recently used
-        first)."""
+        first), each page's blocks in that order too. The scan of the cache stops once
+        those pages' blocks are all seen: a give-back looks at what it takes, not at the
+        whole cache."""
         if pages <= 0:
             return []
         geo, state, live = self.pages.geo, self.pages.state, self.pages.live
-        block_live = self.pages.block_live
-        by_page: dict[int, list[int]] = {}  # in LRU order of each page's first block
-        for block in self.cached:
-            by_page.setdefault(geo.page_of(block), []).append(block)
-        chosen = [blocks for page, blocks in by_page.items()
-                  if state[page] is PageState.MAPPED
-                  and live[page] == sum(block_live[b] for b in blocks)]
-        return [b for blocks in chosen[:pages] for b in blocks]
+        block_live, cached = self.pages.block_live, self.cached
+        chosen: dict[int, list[int]] = {}  # page -> its blocks seen so far, in LRU order
+        looked: set[int] = set()
+        missing = 0  # blocks of chosen pages not yet seen
+        for block in cached:
+            page = geo.page_of(block)
+            if page not in looked:
+                looked.add(page)
+                on_page = [b for b in geo.blocks_of(page) if b in cached]
+                if (len(chosen) < pages and state[page] is PageState.MAPPED
+                        and live[page] == sum(block_live[b] for b in on_page)):
+                    chosen[page] = []
+                    missing += len(on_page)
+            blocks = chosen.get(page)
+            if blocks is not None:
+                blocks.append(block)
+                missing -= 1
+                if missing == 0 and len(chosen) == pages:
+                    break
+        return [b for blocks in chosen.values() for b in blocks]
 
     def pages_in_use(self) -> int:
         """Pages holding at least one live block that is not cached-free."""
