@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvmem.errors import ConfigError
+from kvmem.memory import reclaim
 from kvmem.memory.backends import FakeBackend
 from kvmem.memory.elastic import ElasticKVStorage
 from kvmem.memory.ledger import Ledger
@@ -580,3 +581,42 @@ def test_cached_victims_stop_early_yet_choose_as_a_scan_of_the_whole_cache(seed)
     for pages in range(table.geo.num_pages + 2):
         assert table.cached_victims(pages) == _victims_by_full_scan(table, pages), pages
     storage.close()
+
+
+def test_an_ask_read_again_while_it_is_answered_is_not_answered_twice(tmp_path):
+    """A wake-up's heartbeat can read the ledger while the engine loop is still answering
+    the ask it reads: answering that state afterwards reads the ledger again and gives
+    nothing more. An ask made after the answer is answered."""
+    from kvmem.cache import BlockPool
+
+    ledger = Ledger(tmp_path / "l.json")
+    storage = fake_storage(max_blocks=64, reserve_pages=0,
+                           budget=ledger.register("a", floor_bytes=0))
+    page = storage.geometry.page_bytes
+    ledger.set_total_limit(16 * page)
+    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+
+    def answer(state):  # as the engine loop does, with no memory thread of its own here
+        return reclaim.answer(storage.table, storage.budget, state,
+                              lambda n: storage.give_back(n, evict=pool.evict_cached))
+
+    try:
+        blocks = pool.take_new_blocks(48, 0)  # 12 pages, all cached once freed
+        for i, b in enumerate(blocks):
+            pool.cache_block(0, b, bytes([i]) * 16, None)
+        pool.free_blocks(blocks)
+        storage.settle()
+        b = ledger.register("b")
+        assert not b.try_acquire(8 * page)  # asks a for what the total keeps from b
+        budget = storage.budget
+        first, second = budget.report(0), budget.report(0)  # both read before the answer
+        assert first.reclaim_bytes == second.reclaim_bytes > 0
+        held = budget.held_bytes
+        assert answer(first) > 0
+        after = budget.held_bytes
+        assert after < held
+        assert answer(second) == 0 and budget.held_bytes == after
+        assert not b.try_acquire(12 * page)  # a new ask, read after the answer
+        assert answer(budget.report(0)) > 0 and budget.held_bytes < after
+    finally:
+        storage.close()

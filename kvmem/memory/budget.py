@@ -80,6 +80,7 @@ class BudgetState:
     allowed_bytes: int | None  # the most it may hold now (None: no limit)
     reclaim_bytes: int  # what other engines asked it to give back
     attainable_bytes: int | None = None  # the most it could hold if others gave back
+    read_at: float = 0.0  # time.monotonic() as the read began (``EngineBudget.answered_at``)
 
 
 class EngineBudget:
@@ -98,6 +99,7 @@ class EngineBudget:
         self.total_limit: int | None = None  # the device total, as last known
         self.problem: str | None = None  # why the ledger is not used now, if it is not
         self.answered_s: float | None = None  # its last answer, after the ask
+        self.answered_at = 0.0  # time.monotonic() once its last answer was written
         self._lock = threading.RLock()
         self._start_time = process_start_time(os.getpid())
         self._listener: wake.WakeListener | None = None
@@ -261,11 +263,12 @@ class EngineBudget:
             return entry.reclaim_bytes
 
         with self._lock:
-            return self._state(self._update(change, lambda: 0))
+            start = time.monotonic()
+            return self._state(self._update(change, lambda: 0), start)
 
-    def _state(self, reclaim_bytes: int) -> BudgetState:
+    def _state(self, reclaim_bytes: int, read_at: float) -> BudgetState:
         return BudgetState(self.held_bytes, self.allowed_bytes, reclaim_bytes,
-                           self.attainable_bytes)
+                           self.attainable_bytes, read_at)
 
     def room(self, live_bytes: int, cached_bytes: int = 0) -> int | None:
         """``report``, as the bytes it may still take (negative: over; None: no limit)."""
@@ -277,22 +280,26 @@ class EngineBudget:
         to poll often) unless its entry or the device total needs putting right; its
         last known state when the ledger cannot be read."""
         with self._lock:
+            start = time.monotonic()
             try:
                 table = self.ledger.read()
             except LedgerError:
-                return self._state(0)
+                return self._state(0, start)
             entry = self._mine(table)
             if (entry is None or entry.mapped_bytes != self.held_bytes
                     or not table.total_known and self.total_limit is not None):
-                return self._state(self._update(lambda e, t: e.reclaim_bytes, lambda: 0))
+                return self._state(self._update(lambda e, t: e.reclaim_bytes, lambda: 0),
+                                   start)
             self._keep_total(table)
             return BudgetState(self.held_bytes, allowed(table, entry), entry.reclaim_bytes,
-                               attainable(table, entry))
+                               attainable(table, entry), start)
 
     def gave_back(self, nbytes: int) -> None:
         """It answered the ask: ``nbytes`` went back (already ``release``d). Whatever it
         could not give is asked again by the engine still short. How long after the ask
-        it answered is kept in its entry (``answered_s``) and here."""
+        it answered is kept in its entry (``answered_s``) and here; when the answer was
+        written, in ``answered_at`` (a state read before then may hold the ask it
+        answered)."""
         def change(entry: LedgerEntry, table: LedgerTable) -> None:
             if entry.reclaim_bytes and entry.asked_at:
                 entry.answered_s = self.answered_s = max(0.0, time.time() - entry.asked_at)
@@ -304,6 +311,7 @@ class EngineBudget:
                 self.reclaimed_bytes += nbytes
                 self.reclaims += 1
             self._update(change, lambda: None)
+            self.answered_at = time.monotonic()
 
     # -- wake-ups ----------------------------------------------------------------------
     def address(self) -> str:

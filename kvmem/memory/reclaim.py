@@ -58,7 +58,13 @@ def due(table: PageTable, state: BudgetState) -> int:
 def answer(table: PageTable, budget: EngineBudget, state: BudgetState,
            reclaim: Callable[[int], int]) -> int:
     """Give back what is ``due`` with ``reclaim(nbytes) -> bytes given``; an ask is
-    answered in the ledger. Returns the bytes given."""
+    answered in the ledger. Returns the bytes given.
+
+    A state read while an earlier answer was being given may hold the ask that answer
+    took care of (a wake-up read the ledger meanwhile): the ledger is read again rather
+    than the ask answered twice."""
+    if state.reclaim_bytes and state.read_at < budget.answered_at:
+        state = budget.peek()
     want = due(table, state)
     given = reclaim(want) if want > 0 else 0
     if state.reclaim_bytes:
