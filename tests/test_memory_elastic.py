@@ -612,9 +612,16 @@ def test_an_ask_read_again_while_it_is_answered_is_not_answered_twice(tmp_path):
         first, second = budget.report(0), budget.report(0)  # both read before the answer
         assert first.reclaim_bytes == second.reclaim_bytes > 0
         held = budget.held_bytes
+        writes = []
+        write = ledger._write
+        ledger._write = lambda *a: (writes.append(1), write(*a))
         assert answer(first) > 0
+        ledger._write = write
         after = budget.held_bytes
         assert after < held
+        assert len(writes) == 1  # the pages released and the answer, in one write
+        entry = ledger.read().engines["a"]
+        assert entry.mapped_bytes == after and entry.reclaim_bytes == 0
         assert answer(second) == 0 and budget.held_bytes == after
         assert not b.try_acquire(12 * page)  # a new ask, read after the answer
         assert answer(budget.report(0)) > 0 and budget.held_bytes < after

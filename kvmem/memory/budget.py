@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -100,6 +100,7 @@ class EngineBudget:
         self.problem: str | None = None  # why the ledger is not used now, if it is not
         self.answered_s: float | None = None  # its last answer, after the ask
         self.answered_at = 0.0  # time.monotonic() once its last answer was written
+        self._releases_unwritten = False  # ``answering``: releases wait for the answer
         self._lock = threading.RLock()
         self._start_time = process_start_time(os.getpid())
         self._listener: wake.WakeListener | None = None
@@ -251,8 +252,22 @@ class EngineBudget:
             entry.mapped_bytes = max(0, entry.mapped_bytes - nbytes)
 
         with self._lock:
-            self._update(change, lambda: None)
+            if not self._releases_unwritten:
+                self._update(change, lambda: None)
             self.held_bytes = max(0, self.held_bytes - nbytes)
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """Give back inside, then call ``gave_back``: the releases are written with the
+        answer, in one ledger write. Until then the ledger counts the bytes as still held,
+        which keeps every other engine within the total."""
+        with self._lock:
+            self._releases_unwritten = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._releases_unwritten = False
 
     # -- heartbeat ---------------------------------------------------------------------
     def report(self, live_bytes: int, cached_bytes: int = 0) -> BudgetState:

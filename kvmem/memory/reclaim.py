@@ -66,9 +66,11 @@ def answer(table: PageTable, budget: EngineBudget, state: BudgetState,
     if state.reclaim_bytes and state.read_at < budget.answered_at:
         state = budget.peek()
     want = due(table, state)
-    given = reclaim(want) if want > 0 else 0
-    if state.reclaim_bytes:
-        budget.gave_back(given)
+    if not state.reclaim_bytes:
+        return reclaim(want) if want > 0 else 0
+    with budget.answering():
+        given = reclaim(want) if want > 0 else 0
+    budget.gave_back(given)  # one ledger write: the answer and the bytes released
     return given
 
 
