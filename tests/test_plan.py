@@ -562,9 +562,13 @@ def test_vllm_cpu_runs_mla_on_its_reference_kernel_in_blocks_of_16_without_amx(a
     assert any("reference kernel" in n and "not 128" in n for n in p.notes) != amx
 
 
-def test_vllm_cpu_refuses_an_mla_hybrid_with_prefix_caching_without_amx():
+@pytest.mark.parametrize("amx", [False, True])
+def test_vllm_cpu_cannot_run_kimi_linear_and_kvmem_says_so(amx):
+    """vLLM's CPU build loads Kimi Linear's NVIDIA implementation (a start of a tiny one
+    fails importing CUTLASS) and KDA's Triton kernels: a CPU plan is one line naming the
+    way out, on a GPU it plans."""
     spec = spec_from_config(tiny_kimi_linear("bfloat16", 2), "kimi")
-    with pytest.raises(ConfigError, match="add --no-enable-prefix-caching$"):
-        _vllm_plan(spec, device="cpu", cpu_amx=False)
-    assert _vllm_plan(spec, device="cpu", cpu_amx=False, enable_prefix_caching=False).engine.fits
-    assert _vllm_plan(spec, device="cpu", cpu_amx=True).engine.fits
+    for caching in (True, False):
+        with pytest.raises(ConfigError, match="CPU build cannot run Kimi Linear.*--device gpu$"):
+            _vllm_plan(spec, device="cpu", cpu_amx=amx, enable_prefix_caching=caching)
+    assert _vllm_plan(spec, device="gpu").engine.fits

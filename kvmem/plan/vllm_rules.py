@@ -63,7 +63,7 @@ from kvmem.plan.vllm_release import (
     VllmRelease,
 )
 from kvmem.spec import AttentionKind, ModelSpec
-from kvmem.spec.layout import Speculative
+from kvmem.spec.layout import Speculative, StateKind
 
 FULL, SLIDING, CHUNKED, MLA = "full", "sliding", "chunked", "mla"
 
@@ -131,6 +131,12 @@ class VllmGroup:
 
 
 CPU_MLA_BLOCK = 16  # vLLM's reference CPU MLA decode kernel (csrc/cpu/mla_decode.cpp)
+# vllm.models.kimi_k3 loads its NVIDIA classes on every platform but ROCm and TPU: a start
+# on the CPU build imports CUTLASS's CuTe DSL (VLLM_KIMI_K3_GEMM_AR, on by default), and
+# Kimi Delta Attention's prefill and decode resolve to Triton, which has no CPU backend
+KDA_ON_CPU = ("{name}'s CPU build cannot run Kimi Linear (Kimi Delta Attention): it loads "
+              "the model's NVIDIA implementation (CUTLASS kernels) and KDA's Triton kernels; "
+              "plan it with --device gpu")
 
 
 def cpu_reference_mla(spec: ModelSpec, amx: bool | None = None) -> bool:
@@ -156,13 +162,10 @@ class VllmGeometry(Geometry):
                  cpu_avx512_bf16: bool | None = None, replayssm_buffer_len: int | None = None,
                  mamba_backend: str = "triton", cpu_amx: bool | None = None) -> None:
         name = f"vLLM {release.name}"
+        if device == "cpu" and any(lay.state is not None and lay.state.kind is StateKind.KDA
+                                   for lay in spec.layers):
+            raise ConfigError(KDA_ON_CPU.format(name=name))
         reference_mla = device == "cpu" and cpu_reference_mla(spec, cpu_amx)
-        if reference_mla and prefix_caching and any(
-                lay.kind is AttentionKind.LINEAR for lay in spec.layers):
-            raise ConfigError(f"{name}'s CPU platform turns prefix caching off for MLA "
-                              "without AMX, and then fails to start a linear-attention "
-                              "hybrid that asked for it (--mamba-block-size needs prefix "
-                              "caching); add --no-enable-prefix-caching")
         given_block = block_size
         if reference_mla:  # CpuPlatform.check_and_update_config
             block_size, prefix_caching = CPU_MLA_BLOCK, False
