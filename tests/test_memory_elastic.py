@@ -27,6 +27,19 @@ def fake_storage(max_blocks=64, blocks_per_page=4, **kw) -> ElasticKVStorage:
                             backend=FakeBackend(4096), blocks_per_page=blocks_per_page, **kw)
 
 
+def engine_a_under_a_total(tmp_path, total_pages: int, reserve_pages: int):
+    """Engine "a"'s storage and block pool in a ledger whose device total is
+    ``total_pages`` of its pages: (ledger, storage, page bytes, pool)."""
+    from kvmem.cache import BlockPool
+
+    ledger = Ledger(tmp_path / "l.json")
+    storage = fake_storage(max_blocks=64, reserve_pages=reserve_pages,
+                           budget=ledger.register("a", floor_bytes=0))
+    page = storage.geometry.page_bytes
+    ledger.set_total_limit(total_pages * page)
+    return ledger, storage, page, BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+
+
 def test_blocks_per_page_fills_whole_granules():
     assert blocks_per_page_for(24 * 1024, 4096) == 1
     assert blocks_per_page_for(24 * 1024, 2 << 20) == 256  # lcm(24 KiB, 2 MiB) = 6 MiB
@@ -334,14 +347,8 @@ def test_an_idle_storage_gives_back_what_it_caches_when_another_engine_asks(tmp_
     takes the room."""
     import threading
 
-    from kvmem.cache import BlockPool
 
-    ledger = Ledger(tmp_path / "l.json")
-    storage = fake_storage(max_blocks=64, reserve_pages=1,
-                           budget=ledger.register("a", floor_bytes=0))
-    page = storage.geometry.page_bytes
-    ledger.set_total_limit(12 * page)
-    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+    ledger, storage, page, pool = engine_a_under_a_total(tmp_path, 12, reserve_pages=1)
     evicted = []
     pool.evict_listener = lambda block, h: evicted.append(block)  # a tier's copy
     storage.start(reclaim=lambda n: storage.give_back(n, evict=pool.evict_cached))
@@ -587,14 +594,8 @@ def test_an_ask_read_again_while_it_is_answered_is_not_answered_twice(tmp_path):
     """A wake-up's heartbeat can read the ledger while the engine loop is still answering
     the ask it reads: answering that state afterwards reads the ledger again and gives
     nothing more. An ask made after the answer is answered."""
-    from kvmem.cache import BlockPool
 
-    ledger = Ledger(tmp_path / "l.json")
-    storage = fake_storage(max_blocks=64, reserve_pages=0,
-                           budget=ledger.register("a", floor_bytes=0))
-    page = storage.geometry.page_bytes
-    ledger.set_total_limit(16 * page)
-    pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
+    ledger, storage, page, pool = engine_a_under_a_total(tmp_path, 16, reserve_pages=0)
 
     def answer(state):  # as the engine loop does, with no memory thread of its own here
         return reclaim.answer(storage.table, storage.budget, state,
