@@ -65,6 +65,20 @@ def canonical_gpu(name: str) -> str:
     return found
 
 
+# canonical name -> CUDA compute capability major (vLLM picks attention backends by it;
+# kvmem.plan.vllm_backends); ROCm GPUs have none
+GPU_ARCH: dict[str, int] = {
+    "H100": 9, "H100-NVL": 9, "H200": 9, "B200": 10, "A100-80GB": 8, "A100-40GB": 8,
+    "L40S": 8, "L40": 8, "L4": 8, "A10G": 8, "A10": 8, "RTX-4090": 8, "RTX-3090": 8,
+    "RTX-A6000": 8, "V100-16GB": 7, "V100-32GB": 7, "T4": 7,
+}
+
+
+def gpu_arch(name: str) -> int | None:
+    """The CUDA compute capability major of a catalog GPU (None: not an NVIDIA GPU)."""
+    return GPU_ARCH.get(canonical_gpu(name))
+
+
 def gpu_memory_bytes(name: str) -> int:
     """Total memory of a catalog GPU in bytes (rounded to the MiB)."""
     return round(GPU_MEMORY_GIB[canonical_gpu(name)] * 1024) * (GiB // 1024)

@@ -133,6 +133,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--mamba-backend", choices=("triton", "flashinfer"), default="triton",
                    help="vLLM's Mamba backend (default triton); FlashInfer's ReplaySSM ring "
                         "holds one verify window more")
+    e.add_argument("--attention-backend", metavar="NAME",
+                   help="vLLM's attention backend on a GPU (0.32 and later; e.g. FLASHMLA, "
+                        "CUTLASS_MLA, FLASHINFER): its kernels decide the block size; "
+                        "default: the one vLLM picks for the GPU (--gpu)")
     e.add_argument("--speculative-config", metavar="JSON",
                    help="vLLM's speculative decoding config, e.g. '{\"method\": \"mtp\", "
                         "\"num_speculative_tokens\": 2}' or an EAGLE draft's \"model\": the "
@@ -227,8 +231,12 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
         enable_prefix_caching=args.prefix_caching, mamba_cache_dtype=args.mamba_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         replayssm_buffer_len=args.replayssm_buffer_len if args.use_replayssm else None,
-        mamba_backend=args.mamba_backend,
+        mamba_backend=args.mamba_backend, attention_backend=args.attention_backend,
+        gpu_arch=_gpu_arch(gpus), backend_block_size=args.block_size is None,
         speculative_config=getattr(args, "speculative_config", None))
+    if args.attention_backend is not None and (version is None or cpu):
+        raise ConfigError("--attention-backend is vLLM's on a GPU: plan it under vLLM's "
+                          "rules (--engine vllm) without --device cpu")
     if args.use_replayssm and version is None:
         raise ConfigError("--use-replayssm is vLLM's (0.32 and later): plan it under vLLM's "
                           "rules (--vllm-version)")
@@ -239,6 +247,18 @@ def _inputs(args: argparse.Namespace, measured=None, spec=None):
                           "must be at least max_num_seqs); lower --max-num-seqs or raise "
                           "--max-num-batched-tokens")
     return layout, settings
+
+
+def _gpu_arch(gpus: list[str] | None) -> int | None:
+    """Rank 0's GPU's CUDA compute capability major (None: not given, or not known)."""
+    from kvmem.plan.gpus import gpu_arch
+
+    if not gpus:
+        return None
+    try:
+        return gpu_arch(gpus[0])
+    except ConfigError:
+        return None  # a GPU outside the catalog, sized with --gpu-memory
 
 
 def _batch_limits(args: argparse.Namespace, spec, defaults: tuple[int, int],

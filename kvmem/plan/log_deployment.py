@@ -19,6 +19,7 @@ from kvmem.plan.estimates import vllm_batch_defaults, vllm_cpu_defaults
 from kvmem.plan.geometry import Geometry
 from kvmem.plan.planner import engine_geometry, plan
 from kvmem.plan.types import EngineSettings, Layout, Plan, RankProfile
+from kvmem.plan.vllm_backends import BACKENDS
 from kvmem.plan.vllm_log import VllmLog
 from kvmem.plan.vllm_release import DEFAULT_VERSION, VllmRelease
 from kvmem.spec import ModelSpec, resolve_kv_dtype
@@ -78,6 +79,11 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
         raise ConfigError("the log does not say max_model_len and the model's config has no "
                           "max_position_embeddings")
     block = _setting(log, "block_size")  # the user's: vLLM's raise for states is planned
+    backend = None
+    if block is None and log.backend_block_size is not None:
+        _, block, names = log.backend_block_size
+        backend = names.split("/")[0]
+        notes.append(f"block size {block}: vLLM set it for its {names} backend(s)")
     if block is None:
         block = vllm_cpu_defaults(spec, tp * pp, amx=None if log.cpu_mla is None
                                   else log.cpu_mla == "AMX_MLA")[0] if device == "cpu" else 16
@@ -105,6 +111,8 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
         vllm_version=release.name, device=device, max_concurrent_batches=batches,
         hybrid_kv_cache_manager=hybrid, cpu_avx512_bf16=log.ssm_float32,
         cpu_amx=None if log.cpu_mla is None else log.cpu_mla == "AMX_MLA",
+        attention_backend=backend if backend in BACKENDS and device == "gpu"
+        and release.since(0, 32) else None,
         # the engine config line's; vLLM's default (on) when it does not say
         enable_prefix_caching=log.config.get("enable_prefix_caching") != "False")
     layout = Layout(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp))

@@ -86,7 +86,10 @@ def engine_geometry(spec: ModelSpec, tp: int, pp: int, settings: EngineSettings,
                         mamba_ssm_cache_dtype=settings.mamba_ssm_cache_dtype,
                         cpu_avx512_bf16=settings.cpu_avx512_bf16,
                         replayssm_buffer_len=settings.replayssm_buffer_len,
-                        mamba_backend=settings.mamba_backend, cpu_amx=settings.cpu_amx)
+                        mamba_backend=settings.mamba_backend, cpu_amx=settings.cpu_amx,
+                        attention_backend=settings.attention_backend,
+                        gpu_arch=settings.gpu_arch,
+                        backend_block_size=settings.backend_block_size)
 
 
 def _with_draft(spec: ModelSpec, settings: EngineSettings) -> ModelSpec:

@@ -70,6 +70,13 @@ class EngineSettings:
     # with blocks of 16 and no prefix caching (None: this host's)
     cpu_amx: bool | None = None
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (a draft's KV)
+    # on a GPU under vLLM's rules (0.32 and later): --attention-backend (None: vLLM's choice
+    # for the GPU), the GPU's CUDA compute capability major (None: not known, a Hopper's
+    # backends are assumed), and whether the backends pick the block size as `vllm serve`
+    # without --block-size does (block_size is then ignored there)
+    attention_backend: str | None = None
+    gpu_arch: int | None = None
+    backend_block_size: bool = False
 
 
 @dataclass(frozen=True)

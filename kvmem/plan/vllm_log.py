@@ -81,6 +81,8 @@ class VllmLog:
     hybrid_disabled: bool = False
     ssm_float32: bool = False  # vLLM-CPU moved SSM states to float32 (an AVX512-BF16 host)
     cpu_mla: str | None = None  # vLLM-CPU's MLA kernel: "CPU_MLA" (reference) or "AMX_MLA"
+    # (line, tokens, "FLASHMLA"): the block size vLLM set for its attention backends
+    backend_block_size: tuple[int, int, str] | None = None
     attention_block_size: tuple[int, int, str] | None = None  # (line, tokens, why) raised to
     mamba_padding: tuple[int, str] | None = None  # (line, "0.13"): percent it padded by
     speculative: dict[str, object] = field(default_factory=dict)  # method, num_spec_tokens...
@@ -282,6 +284,11 @@ _READERS = (
         r"Setting attention block size to " + _INT + " tokens"),
         _set("attention_block_size", lambda n, m: (n, int(m[1]), _why_raised(m.string))),
         "attention block size"),
+    _Reader("Setting kv cache block size to ", re.compile(
+        r"Setting kv cache block size to " + _INT + r" for ([A-Z0-9_]{1,40}(?:/[A-Z0-9_]{1,40})"
+        r"{0,3}) backend"),
+        _set("backend_block_size", lambda n, m: (n, int(m[1]), m[2])),
+        "block size for the attention backends"),
     _Reader("Padding mamba page size by ", re.compile(
         r"Padding mamba page size by (\d{1,9}(?:\.\d{1,6})?)%"),
         _set("mamba_padding", lambda n, m: (n, m[1])), "mamba page padding"),

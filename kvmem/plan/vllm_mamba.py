@@ -183,10 +183,12 @@ def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_byte
                 block_size: int, device: str, prefix_caching: bool,
                 mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
                 num_spec: int = 0, cpu_avx512_bf16: bool | None = None,
-                replayssm_buffer_len: int | None = None,
-                mamba_backend: str = "triton") -> MambaRules | None:
+                replayssm_buffer_len: int | None = None, mamba_backend: str = "triton",
+                kernel_blocks: tuple[int, int] | None = None) -> MambaRules | None:
     """vLLM's paging of ``spec``'s states (None: the model has no linear-attention layer);
-    ``replayssm_buffer_len``: ``--use-replayssm`` with that ring (None: off)."""
+    ``replayssm_buffer_len``: ``--use-replayssm`` with that ring (None: off);
+    ``kernel_blocks``: the attention backends' first and common kernel blocks
+    (``kvmem.plan.vllm_backends``; None: ``KERNEL_BLOCK`` of the device)."""
     states = {lay.state for lay in spec.layers if lay.kind is AttentionKind.LINEAR}
     if not states:
         return None
@@ -214,8 +216,8 @@ def mamba_rules(spec: ModelSpec, release: VllmRelease, *, tp: int, kv_dtype_byte
                      if lay.kind.uses_blocks), default=0)
     if not per_token:  # attention-free: no attention page to match
         return MambaRules(mode, raw, block_size, raw, charge)
-    kernel = KERNEL_BLOCK.get(device, KERNEL_BLOCK["gpu"])
-    align = max(kernel, block_size)
+    first, kernel = kernel_blocks or (KERNEL_BLOCK.get(device, KERNEL_BLOCK["gpu"]),) * 2
+    align = max(first, block_size)
     if any(lay.kind is AttentionKind.MLA for lay in spec.layers):
         align = max(align, MLA_HYBRID_BLOCK_ALIGNMENT)
     if mode == "align" and checkpoints and state.kind is StateKind.GATED_DELTA_NET:

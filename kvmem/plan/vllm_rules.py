@@ -53,6 +53,7 @@ from functools import cached_property
 from math import ceil
 
 from kvmem.errors import ConfigError
+from kvmem.plan import vllm_backends
 from kvmem.plan.geometry import Geometry, StageKV
 from kvmem.plan.vllm_mamba import MAMBA, cpu_amx_tiles, mamba_rules
 from kvmem.plan.vllm_release import (
@@ -160,7 +161,9 @@ class VllmGeometry(Geometry):
                  max_concurrent_batches: int | None = None, prefix_caching: bool = True,
                  mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
                  cpu_avx512_bf16: bool | None = None, replayssm_buffer_len: int | None = None,
-                 mamba_backend: str = "triton", cpu_amx: bool | None = None) -> None:
+                 mamba_backend: str = "triton", cpu_amx: bool | None = None,
+                 attention_backend: str | None = None, gpu_arch: int | None = None,
+                 backend_block_size: bool = False) -> None:
         name = f"vLLM {release.name}"
         if device == "cpu" and any(lay.state is not None and lay.state.kind is StateKind.KDA
                                    for lay in spec.layers):
@@ -169,6 +172,18 @@ class VllmGeometry(Geometry):
         given_block = block_size
         if reference_mla:  # CpuPlatform.check_and_update_config
             block_size, prefix_caching = CPU_MLA_BLOCK, False
+        backends, given = None, not backend_block_size
+        if device == "gpu" and release.since(0, 32):
+            backends = vllm_backends.select(
+                spec, release, major=gpu_arch, tp=tp,
+                quantized_kv=kv_dtype_bytes == 1, name=attention_backend,
+                block_size=block_size if given else None)
+            if backends.backends and not given:
+                block_size = backends.preferred_block_size()
+        elif attention_backend is not None:
+            raise ConfigError(f"--attention-backend: {name} on "
+                              f"{'the CPU' if device == 'cpu' else 'a GPU'} is planned "
+                              "without it (kvmem knows vLLM's GPU backends from 0.32)")
         super().__init__(spec, tp, kv_dtype_bytes, state_dtype_bytes, block_size,
                          max_num_batched_tokens)
         self.release = release
@@ -180,6 +195,9 @@ class VllmGeometry(Geometry):
                 f"{f' (not {given_block})' if given_block != CPU_MLA_BLOCK else ''}, prefix "
                 "caching and chunked prefill off")
         self.device = device
+        self.backends = backends
+        if backends is not None and backends.backends:
+            self._note_backends(backends, gpu_arch, given)
         self.hybrid = self._hybrid_default() if hybrid is None else hybrid
         self.concurrent_batches = (default_concurrent_batches(release, device, pp)
                                    if max_concurrent_batches is None
@@ -201,15 +219,36 @@ class VllmGeometry(Geometry):
             device=device, prefix_caching=prefix_caching, mamba_cache_dtype=mamba_cache_dtype,
             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16,
             num_spec=spec.speculative.num_speculative_tokens if spec.speculative else 0,
-            replayssm_buffer_len=replayssm_buffer_len, mamba_backend=mamba_backend)
+            replayssm_buffer_len=replayssm_buffer_len, mamba_backend=mamba_backend,
+            kernel_blocks=None if not backends or not backends.backends else
+            (backends.first_kernel_block, backends.common_kernel_block))
         if self.mamba is not None and self.mamba.block_size != block_size:
             self.block_size = self.mamba.block_size
+            if backends is not None and backends.backends:
+                backends.check(self.block_size, given=False)
             self.notes.append(f"{self.name} raises the attention block size to "
                               f"{self.block_size} tokens so that a page holds one "
                               f"linear-attention state")
         if self.mamba is not None and self.mamba.padding:
             self.notes.append(f"{self.name} pads the state page by {self.mamba.padding:.2f}% "
                               "to the attention page")
+
+    def _note_backends(self, backends: vllm_backends.AttentionBackends, gpu_arch: int | None,
+                       given: bool) -> None:
+        """Say which backends decide the blocks where it matters: a chosen backend, a
+        block size not vLLM's default 16, or an MLA model on a GPU not named."""
+        unknown_mla = gpu_arch is None and any(lay.kind is AttentionKind.MLA and not lay.sparse
+                                               for lay in self.spec.layers)
+        if not (backends.chosen or unknown_mla
+                or self.block_size != vllm_backends.DEFAULT_BLOCK_SIZE and not given):
+            return
+        why = ("--attention-backend" if backends.chosen else
+               "its choice for a Hopper GPU: give --gpu, as Blackwell's MLA backends take "
+               "larger blocks" if unknown_mla else
+               "its choice for a Hopper GPU" if gpu_arch is None else "its choice for this GPU")
+        size = "" if given else f", whose kernels take blocks of {self.block_size} tokens"
+        self.notes.append(f"{self.name} runs this model's attention on {backends.names} "
+                          f"({why}){size}")
 
     @cached_property
     def layer_state_bytes(self) -> list[int]:
