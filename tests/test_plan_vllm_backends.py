@@ -207,3 +207,15 @@ def test_unknown_gpu_mla_plans_note_the_hopper_assumption():
 def test_a_backend_is_refused_where_vllm_runs_none():
     with pytest.raises(ConfigError, match="no attention backend"):
         _plan("deepseek-ai/DeepSeek-V3.2", "A100-80GB", gpu_arch=8)
+
+
+def test_a_block_size_vllm_runs_elsewhere_is_kept_where_the_gpu_is_not_known():
+    # the plugin and logs give the running engine's block size and no GPU: sparse MLA
+    # with blocks of 16 runs on no NVIDIA backend, so none is assumed
+    spec = catalog_spec("deepseek-ai/DeepSeek-V3.2")
+    assert select(spec, VllmRelease.parse("0.33"), major=None, tp=8, quantized_kv=False,
+                  block_size=16).backends == ()
+    p = plan(spec, Layout(tensor_parallel_size=8),
+             EngineSettings(kv_cache_memory_bytes=10 << 30, max_model_len=32768,
+                            vllm_version="0.33", block_size=16), suggest=False)
+    assert p.engine.block_size == 16

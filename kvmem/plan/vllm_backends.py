@@ -162,8 +162,10 @@ def select(spec: ModelSpec, release: VllmRelease, *, major: int | None, tp: int,
            quantized_kv: bool, block_size: int | None,
            name: str | None = None) -> AttentionBackends:
     """The backends vLLM ``release`` runs ``spec``'s attention layers on, on a GPU of
-    compute capability ``major`` (None: not known; a Hopper's choice, and a backend named
-    is taken to run there) with ``block_size`` (the one given, else None)."""
+    compute capability ``major`` with ``block_size`` (the one given, else None). An
+    unknown GPU (None) gets a Hopper's choice, a backend named is taken to run there,
+    and where no Hopper backend takes the block size none is returned (the block size
+    stands as given: vLLM may run it on a GPU kvmem was not told of)."""
     attention = [lay for lay in spec.layers if lay.has_own_cache]
     if not attention:
         return AttentionBackends((), chosen=name is not None)
@@ -180,7 +182,7 @@ def select(spec: ModelSpec, release: VllmRelease, *, major: int | None, tp: int,
                               f"{min(backend.sizes)})")
         return AttentionBackends((backend, *extra), chosen=True)
     heads = max(1, spec.num_attention_heads // tp)
-    major = HOPPER if major is None else major
+    known, major = major is not None, HOPPER if major is None else major
     for candidate in _priorities(mla, sparse, major, quantized_kv, heads):
         backend = BACKENDS[candidate]
         if (candidate in NOT_BY_DEFAULT or not _runs(backend, release, major, quantized_kv)
@@ -189,6 +191,8 @@ def select(spec: ModelSpec, release: VllmRelease, *, major: int | None, tp: int,
             continue
         return AttentionBackends((_fa4(backend, spec, major, quantized_kv, block_size),
                                   *extra), chosen=False)
+    if not known:  # a block size vLLM runs elsewhere (another GPU, a plugin's engine)
+        return AttentionBackends((), chosen=False)
     size = f" with blocks of {block_size}" if block_size is not None else ""
     raise ConfigError(f"vLLM {release.name} has no attention backend for this model on a "
                       f"GPU of compute capability {major}.x{size}")
