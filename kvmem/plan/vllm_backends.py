@@ -130,11 +130,8 @@ class AttentionBackends:
             return bs[0].preferred()
         if all(b.takes(DEFAULT_BLOCK_SIZE) for b in bs):
             return DEFAULT_BLOCK_SIZE
-        for size in sorted({lcm(*sizes) for sizes in product(*(b.sizes for b in bs))}):
-            if all(b.takes(size) for b in bs):
-                return size
-        raise ConfigError(f"vLLM's attention backends {self.names} share no KV cache "
-                          "block size")
+        # every backend takes a multiple of one of its sizes, so each lcm is taken by all
+        return min(lcm(*sizes) for sizes in product(*(b.sizes for b in bs)))
 
     @property
     def first_kernel_block(self) -> int:
@@ -145,17 +142,6 @@ class AttentionBackends:
     def common_kernel_block(self) -> int:
         """What a hybrid's raise rounds up to: the lcm of every backend's smallest size."""
         return reduce(lcm, (min(b.sizes) for b in self.backends))
-
-    def check(self, block_size: int, given: bool) -> None:
-        """vLLM's refusal of a block size one of the backends does not take."""
-        rejecting = [b.name for b in self.backends if not b.takes(block_size)]
-        if rejecting:
-            why = "--block-size" if given else "the aligned block size"
-            bases = ", ".join(str(min(b.sizes)) for b in self.backends
-                              if b.name in rejecting)
-            raise ConfigError(f"{why} {block_size} is not taken by vLLM's attention "
-                              f"backend {', '.join(rejecting)} (it takes multiples of "
-                              f"{bases})")
 
 
 def select(spec: ModelSpec, release: VllmRelease, *, major: int | None, tp: int,

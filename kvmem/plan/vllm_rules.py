@@ -195,7 +195,6 @@ class VllmGeometry(Geometry):
                 f"{f' (not {given_block})' if given_block != CPU_MLA_BLOCK else ''}, prefix "
                 "caching and chunked prefill off")
         self.device = device
-        self.backends = backends
         if backends is not None and backends.backends:
             self._note_backends(backends, gpu_arch, given)
         self.hybrid = self._hybrid_default() if hybrid is None else hybrid
@@ -224,8 +223,6 @@ class VllmGeometry(Geometry):
             (backends.first_kernel_block, backends.common_kernel_block))
         if self.mamba is not None and self.mamba.block_size != block_size:
             self.block_size = self.mamba.block_size
-            if backends is not None and backends.backends:
-                backends.check(self.block_size, given=False)
             self.notes.append(f"{self.name} raises the attention block size to "
                               f"{self.block_size} tokens so that a page holds one "
                               f"linear-attention state")
