@@ -112,7 +112,7 @@ def deployment(log: VllmLog, spec: ModelSpec, version: str | None) -> Deployment
         hybrid_kv_cache_manager=hybrid, cpu_avx512_bf16=log.ssm_float32,
         cpu_amx=None if log.cpu_mla is None else log.cpu_mla == "AMX_MLA",
         attention_backend=backend if backend in BACKENDS and device == "gpu"
-        and release.since(0, 32) else None,
+        and release.gpu_backend_block_size else None,
         # the engine config line's; vLLM's default (on) when it does not say
         enable_prefix_caching=log.config.get("enable_prefix_caching") != "False")
     layout = Layout(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp))

@@ -56,9 +56,6 @@ class Backend:
     def takes(self, block_size: int) -> bool:
         return any(block_size % s == 0 for s in self.sizes)
 
-    def preferred(self, default: int = DEFAULT_BLOCK_SIZE) -> int:
-        return default if self.takes(default) else min(self.sizes)
-
 
 _BACKENDS = (
     Backend("FLASH_ATTN", (16,)),  # FA4's head-256 kernel on Blackwell: see select()
@@ -126,11 +123,10 @@ class AttentionBackends:
     def preferred_block_size(self) -> int:
         """The block size without ``--block-size``."""
         bs = self.backends
-        if len(bs) == 1:
-            return bs[0].preferred()
         if all(b.takes(DEFAULT_BLOCK_SIZE) for b in bs):
             return DEFAULT_BLOCK_SIZE
         # every backend takes a multiple of one of its sizes, so each lcm is taken by all
+        # (for one backend: its smallest size, as get_preferred_block_size gives)
         return min(lcm(*sizes) for sizes in product(*(b.sizes for b in bs)))
 
     @property

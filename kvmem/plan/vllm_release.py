@@ -116,6 +116,13 @@ class VllmRelease:
         (``unify_kv_cache_spec_page_size``, 0.12); before, mixed page sizes were refused."""
         return self.since(0, 12)
 
+    @property
+    def gpu_backend_block_size(self) -> bool:
+        """On a GPU the attention backends' kernels decide the block size
+        (``Platform.update_block_size_for_backend``; read from 0.32, kvmem.plan.
+        vllm_backends); older releases are planned with blocks of 16."""
+        return self.since(0, 32)
+
     # ------------------------------------------------------------------ charges
     @property
     def gdn_prefill_checkpoints(self) -> bool:

@@ -173,7 +173,7 @@ class VllmGeometry(Geometry):
         if reference_mla:  # CpuPlatform.check_and_update_config
             block_size, prefix_caching = CPU_MLA_BLOCK, False
         backends, given = None, not backend_block_size
-        if device == "gpu" and release.since(0, 32):
+        if device == "gpu" and release.gpu_backend_block_size:
             backends = vllm_backends.select(
                 spec, release, major=gpu_arch, tp=tp,
                 quantized_kv=kv_dtype_bytes == 1, name=attention_backend,
