@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -136,6 +137,38 @@ def test_two_engines_share_one_budget(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_flush_writes_releases_held_back_by_an_answer_in_flight(tmp_path):
+    """Releases made while another thread answers an ask wait for that answer's write;
+    ``flush`` (what ``ElasticKVStorage.settle`` ends with) waits for the answer, then has
+    the ledger count them. Without it another engine can be refused bytes already freed:
+    the two-engine test above failed that way on a loaded machine."""
+    ledger = Ledger(tmp_path / "l.json")
+    budget = ledger.register("a", total_limit=1000)
+    assert budget.try_acquire(800)
+    inside, leave = threading.Event(), threading.Event()
+
+    def answer() -> None:
+        with budget.answering():
+            inside.set()
+            leave.wait(30)
+
+    answering = threading.Thread(target=answer)
+    answering.start()
+    assert inside.wait(30)
+    budget.release(500)  # written with the answer
+    assert ledger.entries()[0].mapped_bytes == 800
+    flush = threading.Thread(target=budget.flush)
+    flush.start()
+    flush.join(0.2)
+    assert flush.is_alive()  # waiting for the answer
+    leave.set()
+    flush.join(30)
+    answering.join(30)
+    assert not flush.is_alive()
+    assert ledger.entries()[0].mapped_bytes == 300
+    assert ledger.register("b", total_limit=1000).try_acquire(700)
 
 
 def test_top_and_limit_commands(tmp_path, capsys):

@@ -46,6 +46,7 @@ from kvmem.memory.sharing import (
     check_total,
     room,
 )
+from kvmem.memory.wait import wait_for
 
 if TYPE_CHECKING:
     from kvmem.memory.ledger import Ledger
@@ -102,6 +103,7 @@ class EngineBudget:
         self.answered_at = 0.0  # time.monotonic() once its last answer was written
         self._releases_unwritten = False  # ``answering``: releases wait for the answer
         self._lock = threading.RLock()
+        self._answered = threading.Condition(self._lock)  # ``answering`` ended
         self._start_time = process_start_time(os.getpid())
         self._listener: wake.WakeListener | None = None
 
@@ -268,6 +270,16 @@ class EngineBudget:
         finally:
             with self._lock:
                 self._releases_unwritten = False
+                self._answered.notify_all()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Have the ledger count what the engine holds now. Releases made while another
+        thread answers an ask are written with that answer (``answering``): this waits for
+        it, then writes the held count if the ledger's differs (``peek``)."""
+        with self._lock:
+            wait_for(lambda: not self._releases_unwritten, cond=self._answered,
+                     timeout=timeout, what=f"engine {self.name!r}'s answer to be written")
+            self.peek()
 
     # -- heartbeat ---------------------------------------------------------------------
     def report(self, live_bytes: int, cached_bytes: int = 0) -> BudgetState:

@@ -167,7 +167,8 @@ class ElasticKVStorage:
         premap.start()
 
     def settle(self, timeout: float = 10.0) -> None:
-        """Finish pending pre-mapping and trimming (tests and benchmarks)."""
+        """Finish pending pre-mapping and trimming, and have the ledger count what is left
+        (tests and benchmarks)."""
         if self.rank != 0:
             return
         if self._premap is None:
@@ -175,6 +176,8 @@ class ElasticKVStorage:
                 pass
         else:
             self._premap.settle(timeout)
+        if self.budget is not None:
+            self.budget.flush(timeout)
 
     def _heartbeat(self) -> None:
         if self.budget is None:
