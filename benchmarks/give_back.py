@@ -4,7 +4,10 @@ Builds kvmem's elastic KV storage in the shape of the tests' tiny Llama (4 slots
 of 16 KiB per slot, pages of one block) with a ledger in a temporary folder, fills it
 with prefix-cached blocks freed request by request (57 blocks each, in random order), and
 times ``give_back`` of ``--mib`` MiB: choosing the pages, evicting their blocks from the
-pool, unmapping them and the ledger write. ``--profile`` prints where the time goes.
+pool, unmapping them and the ledger write. ``--profile`` prints where the time goes;
+``--busy-thread`` keeps another Python thread running meanwhile (as an engine's other
+threads may be), so that every call that lets go of the GIL can wait up to the
+interpreter's switch interval to get it back.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/give_back.py [--mib 20] [--rounds 8]
 """
@@ -15,7 +18,9 @@ import argparse
 import cProfile
 import pstats
 import random
+import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -46,18 +51,28 @@ def cached_storage(seed: int, blocks: int) -> tuple[ElasticKVStorage, BlockPool]
     return storage, pool
 
 
+def spin(done: threading.Event) -> None:
+    while not done.is_set():
+        pass
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=20, help="bytes to give back, in MiB")
     p.add_argument("--blocks", type=int, default=900, help="cached blocks before it")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--busy-thread", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     profile = cProfile.Profile() if args.profile else None
     times, given = [], 0
     for seed in range(args.rounds):
         storage, pool = cached_storage(seed, args.blocks)
+        done = threading.Event()
+        busy = threading.Thread(target=spin, args=(done,))
+        if args.busy_thread:
+            busy.start()
         start = time.perf_counter()
         if profile:
             profile.enable()
@@ -65,8 +80,12 @@ def main() -> None:
         if profile:
             profile.disable()
         times.append((time.perf_counter() - start) * 1e3)
+        done.set()
+        if args.busy_thread:
+            busy.join()
         storage.close()
-    print(f"gave back {given / MiB:.2f} MiB; ms: " + " ".join(f"{t:.2f}" for t in times))
+    print(f"gave back {given / MiB:.2f} MiB; median {statistics.median(times):.2f} ms; ms: "
+          + " ".join(f"{t:.2f}" for t in times))
     if profile:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 

@@ -279,13 +279,31 @@ def test_listeners_guard_and_evict_listener():
     pool.free_blocks([a, b])
     assert calls == [("alloc", [a, b]), ("release", [b])]  # a is cached, not released
     seen = []
-    pool.evict_listener = lambda block_id, h: seen.append(
-        (block_id, h, pool.get_cached_block(0, h)))
+    pool.evict_listener = seen.append  # once per take, before the take returns
     pool.take_new_blocks(3, 0)
-    assert seen == [(a, b"a" * 16, a)]  # called before the hash is dropped
+    assert seen == [[(a, 0, b"a" * 16)]]
+    assert pool.get_cached_block(0, b"a" * 16) is None
     pool.free_blocks([1, 2, 3])
     pool.capacity_guard = lambda n: n <= 1
     assert pool.can_take(1) and not pool.can_take(2)
+
+
+def test_evict_cached_tells_the_listener_once_of_the_blocks_no_copy_keeps():
+    """A give-back's eviction: one call for all its blocks; a block whose content a copy
+    still keeps cached is not among them until that copy goes too."""
+    pool = BlockPool(8)
+    a, b, c = pool.take_new_blocks(3, 0)
+    pool.cache_block(0, a, b"a" * 16, None)
+    pool.cache_block(0, b, b"b" * 16, None)
+    pool.cache_block(0, c, b"a" * 16, None)  # a copy of a's content
+    pool.free_blocks([a, b, c])
+    seen = []
+    pool.evict_listener = seen.append
+    assert pool.evict_cached([a, b]) == 2
+    assert seen == [[(b, 0, b"b" * 16)]]  # c still keeps a's content cached
+    assert pool.get_cached_block(0, b"a" * 16) == c
+    assert pool.evict_cached([c]) == 1
+    assert seen[-1] == [(c, 0, b"a" * 16)]
 
 
 def test_events_and_reset_prefix_cache():
@@ -704,7 +722,7 @@ def _wired_manager(flat: bool, log: list, limit: list[int], wired: bool = True,
         return mgr
     pool = mgr.pool
     pool.add_listener(_Recorder(log))
-    pool.evict_listener = lambda block_id, block_hash: log.append(("evict", block_id, block_hash))
+    pool.evict_listener = lambda evicted: log.extend(("evict", b, h) for b, _, h in evicted)
     pool.capacity_guard = lambda n: log.append(("guard", n)) or pool.usage().used + n <= limit[0]
     return mgr
 

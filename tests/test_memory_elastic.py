@@ -350,7 +350,7 @@ def test_an_idle_storage_gives_back_what_it_caches_when_another_engine_asks(tmp_
 
     ledger, storage, page, pool = engine_a_under_a_total(tmp_path, 12, reserve_pages=1)
     evicted = []
-    pool.evict_listener = lambda block, h: evicted.append(block)  # a tier's copy
+    pool.evict_listener = lambda blocks: evicted.extend(b for b, _, _ in blocks)  # a tier's copy
     storage.start(reclaim=lambda n: storage.give_back(n, evict=pool.evict_cached))
     try:
         assert pool.can_take(40)
@@ -562,15 +562,17 @@ def _victims_by_full_scan(table, pages: int) -> list[int]:
     return [b for blocks in chosen[:max(0, pages)] for b in blocks]
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_cached_victims_stop_early_yet_choose_as_a_scan_of_the_whole_cache(seed):
+@pytest.mark.parametrize("blocks_per_page", [1, 2, 4])  # 1: its own fast path
+@pytest.mark.parametrize("seed", range(8))
+def test_cached_victims_stop_early_yet_choose_as_a_scan_of_the_whole_cache(seed,
+                                                                           blocks_per_page):
     """Requests of random lengths, some still running, freed in random order: for every
     number of pages asked, the victims (and their order) are those a scan of the whole
     cache picks."""
     from kvmem.cache import BlockPool
 
     rng = random.Random(seed)
-    storage = fake_storage(max_blocks=128, blocks_per_page=rng.choice([1, 2, 4]),
+    storage = fake_storage(max_blocks=128, blocks_per_page=blocks_per_page,
                            reserve_pages=0)
     pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
     requests = []
@@ -590,6 +592,40 @@ def test_cached_victims_stop_early_yet_choose_as_a_scan_of_the_whole_cache(seed)
     storage.close()
 
 
+def cache_twelve_pages(storage, pool) -> None:
+    """48 blocks (12 pages) taken, cached and freed: only cached blocks on those pages."""
+    blocks = pool.take_new_blocks(48, 0)
+    for i, b in enumerate(blocks):
+        pool.cache_block(0, b, bytes([i]) * 16, None)
+    pool.free_blocks(blocks)
+    storage.settle()
+
+
+def test_a_heartbeat_woken_by_an_ask_only_reads_and_the_answer_is_its_one_write(tmp_path):
+    """Woken by another engine's ask, the memory thread reads the ledger rather than
+    writing its heartbeat first: the answer (with the pages it releases) is the one write
+    between the ask and the answer. A beat of the clock writes as before."""
+    ledger, storage, page, pool = engine_a_under_a_total(tmp_path, 16, reserve_pages=0)
+    write = ledger._write
+    try:
+        cache_twelve_pages(storage, pool)
+        other = Ledger(tmp_path / "l.json").register("b")  # its writes are not counted
+        assert not other.try_acquire(8 * page)  # asks a
+        writes = []
+        ledger._write = lambda *a: (writes.append(1), write(*a))
+        storage._woken()  # what a's wake-up listener calls
+        storage._heartbeat()
+        assert len(writes) == 1
+        entry = ledger.read().engines["a"]
+        assert entry.reclaim_bytes == 0 and entry.answered_s > 0  # answered
+        assert entry.mapped_bytes == storage.budget.held_bytes
+        storage._heartbeat()  # nothing asked: the heartbeat writes what a holds
+        assert len(writes) == 2
+    finally:
+        ledger._write = write
+        storage.close()
+
+
 def test_an_ask_read_again_while_it_is_answered_is_not_answered_twice(tmp_path):
     """A wake-up's heartbeat can read the ledger while the engine loop is still answering
     the ask it reads: answering that state afterwards reads the ledger again and gives
@@ -602,11 +638,7 @@ def test_an_ask_read_again_while_it_is_answered_is_not_answered_twice(tmp_path):
                               lambda n: storage.give_back(n, evict=pool.evict_cached))
 
     try:
-        blocks = pool.take_new_blocks(48, 0)  # 12 pages, all cached once freed
-        for i, b in enumerate(blocks):
-            pool.cache_block(0, b, bytes([i]) * 16, None)
-        pool.free_blocks(blocks)
-        storage.settle()
+        cache_twelve_pages(storage, pool)
         b = ledger.register("b")
         assert not b.try_acquire(8 * page)  # asks a for what the total keeps from b
         budget = storage.budget

@@ -547,14 +547,35 @@ def test_identity_digest_depends_on_every_field():
 def test_on_evict_snapshots_the_block_before_it_is_reused(manager_factory):
     mgr, storage, holder = manager_factory(faults=Faults(store_delay_s=0.2))
     original = block(storage, 3)
-    assert mgr.on_evict(3, keys(30)[0])
+    assert mgr.on_evict([3], keys(30)[:1]) == 1
     assert not holder.held  # no hold: the copy was taken synchronously
     for s in range(NUM_SLOTS):
         storage.slot_tensor(s)[3].fill_(-1.0)  # the block is reused for new data
     mgr.drain()
     handle = roundtrip(mgr, storage, [], keys(30), [9])
     assert handle.ok and same_block(storage, 9, original)
-    assert not mgr.on_evict(3, keys(30)[0])  # already stored
+    assert mgr.on_evict([3], keys(30)[:1]) == 0  # already stored
+
+
+def test_on_evict_copies_a_batch_in_one_store_and_skips_what_is_stored(manager_factory):
+    """The pool hands over every block it evicts at once (a give-back evicts hundreds):
+    the ones no tier holds are copied out in one job, before any is overwritten."""
+    mgr, storage, _ = manager_factory()
+    assert mgr.on_evict([3], keys(30)[:1]) == 1
+    mgr.drain()
+    originals = [block(storage, b) for b in (3, 4, 5)]
+    jobs = []
+    store_now = mgr.engine.store_now
+    mgr.engine.store_now = lambda job: jobs.append(job.block_ids) or store_now(job)
+    assert mgr.on_evict([3, 4, 5], keys(30, 40, 50)) == 2  # 30 is stored already
+    assert jobs == [[4, 5]]
+    for b in (3, 4, 5):
+        for s in range(NUM_SLOTS):
+            storage.slot_tensor(s)[b].fill_(-1.0)
+    mgr.drain()
+    handle = roundtrip(mgr, storage, [], keys(30, 40, 50), [9, 10, 11])
+    assert handle.ok
+    assert all(same_block(storage, 9 + i, originals[i]) for i in range(3))
 
 
 def test_shutdown_joins_threads_and_releases_every_hold(manager_factory):
@@ -761,11 +782,11 @@ def test_an_eviction_snapshot_without_a_cpu_tier_uses_a_staging_row(manager_fact
     mgr, storage, _ = manager_factory(cpu_blocks=0, disk_blocks=8, faults=faults,
                                       staging_blocks=1)
     original = block(storage, 3)
-    assert mgr.on_evict(3, keys(30)[0])
+    assert mgr.on_evict([3], keys(30)[:1]) == 1
     for s in range(NUM_SLOTS):
         storage.slot_tensor(s)[3].fill_(-1.0)
     assert mgr.engine.staging.num_free == 0  # held until the disk write
-    assert mgr.on_evict(4, keys(40)[0])  # no staging row free: the disk skips it
+    assert mgr.on_evict([4], keys(40)[:1]) == 1  # no staging row free: the disk skips it
     assert mgr.stats()["disk"].skipped_stores == 1
     faults.go.set()
     mgr.drain()

@@ -23,9 +23,10 @@ Hooks for other packages (constructor arguments, except the evict listener):
   with no cached data;
 - ``capacity_guard(n) -> bool``: whether ``n`` more blocks may be taken (an external
   memory limit); a False answer makes the allocation return ``NoCapacity``;
-- ``evict_listener(block_id, block_hash)``: called just before a cached-free block is
-  evicted for reuse, so its content can be copied out first (set by the offload
-  connector, which is built over the pool's manager).
+- ``evict_listener(evicted)``: called just before cached-free blocks are evicted (for
+  reuse, or to give their memory back), with ``(block_id, group_id, block_hash)`` of each,
+  once per take or eviction, so their content can be copied out first (set by the
+  offload connector, which is built over the pool's manager).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Protocol
 from kvmem.cache.free_queue import FreeBlockQueue
 from kvmem.cache.hashing import BlockHash
 from kvmem.cache.results import NULL_BLOCK_ID, CacheUsage, KVCacheEvent
+
+Evicted = tuple[int, int, BlockHash]  # a cached-free block evicted: (block id, group, hash)
 
 
 class PoolListener(Protocol):
@@ -74,7 +77,7 @@ class BlockPool:
         self.capacity_guard = capacity_guard
         # set by the offload connector, which needs the pool first (it holds the pool's
         # blocks during copies, and the pool tells it of evictions)
-        self.evict_listener: Callable[[int, BlockHash], None] | None = None
+        self.evict_listener: Callable[[list[Evicted]], None] | None = None
         # Events wait for take_events(); if nobody takes them, the oldest half is dropped
         # whenever more than max_events pile up (counted in events_dropped).
         self.events: list[KVCacheEvent] | None = [] if enable_events else None
@@ -208,6 +211,7 @@ class BlockPool:
             general: list[int] = []
         else:
             general = block_ids
+        evicted: list[Evicted] = []
         for block_id in general:
             old_hash = block_hash[block_id]
             if old_hash is not None:  # a cached-free block: evict its data (inlined: hot)
@@ -217,13 +221,15 @@ class BlockPool:
                     self._forget_copy(block_id, old_hash, old_group)  # a copy keeps it cached
                 else:
                     if on_evict is not None:
-                        on_evict(block_id, old_hash)
+                        evicted.append((block_id, old_group, old_hash))
                     del cached[old_group][old_hash]
                     block_hash[block_id] = None
                     if events is not None:
                         events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
             ref_cnt[block_id] = 1
             block_group[block_id] = group_id
+        if evicted:  # before the caller writes to the blocks
+            on_evict(evicted)  # type: ignore[misc]
         if num_evicted:
             self.epoch += 1
             if events is not None and len(events) > self.max_events:
@@ -415,15 +421,15 @@ class BlockPool:
                    and not self.hold_cnt[b] and self.block_hash[b] is not None]
         if not victims:
             return 0
+        evicted: list[Evicted] = []  # those whose content no copy keeps cached
         for block_id in victims:
-            block_hash = self.block_hash[block_id]
-            group_id = self.block_group[block_id]
-            last = block_hash not in self.copies[group_id]  # no copy keeps the content
-            if last and self.evict_listener is not None:
-                self.evict_listener(block_id, block_hash)
-            self._drop_hash(block_id)
-            if last and self.events is not None:
-                self.events.append(KVCacheEvent("evicted", block_hash, block_id, group_id))
+            block_hash = self._drop_hash(block_id)
+            if block_hash is not None:
+                evicted.append((block_id, self.block_group[block_id], block_hash))
+        if evicted and self.evict_listener is not None:
+            self.evict_listener(evicted)  # their content is still there
+        if self.events is not None:
+            self.events.extend(KVCacheEvent("evicted", h, b, g) for b, g, h in evicted)
         self.epoch += 1
         self.free_queue.remove_cached(victims)
         self.free_queue.push_free(victims)

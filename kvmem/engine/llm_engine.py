@@ -133,11 +133,14 @@ class LLMEngine:
         self.model_runner = state.runner
         self.executor = Executor(self.model_runner, self.parallel)
         groups = engine_kv_groups(self.spec)  # and state groups of linear attention
-        pool = self.elastic.make_pool(len(groups)) if self.elastic is not None else None
+        # no prefix-cache events: nothing in this engine reads them (vLLM's connector does)
+        pool = (self.elastic.make_pool(len(groups), enable_events=False)
+                if self.elastic is not None else None)
         self.kv_cache_manager = KVCacheManager(
             groups, self.num_blocks, config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_num_batched_tokens=config.max_num_batched_tokens, pool=pool)
+            max_num_batched_tokens=config.max_num_batched_tokens, pool=pool,
+            enable_events=False)
         self.offload: OffloadConnector | None = None  # CPU/disk tiers
         self.prefill = PrefillMeter()  # values the tiers' hits in prefill seconds saved
         try:

@@ -48,8 +48,13 @@ _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+def _libc(*, holding_gil: bool = False) -> ctypes.CDLL:
+    """libc's memory calls; ``holding_gil``: called without releasing the GIL, for calls
+    of microseconds made many at a time (a give-back's unmaps): each release lets any
+    runnable thread take the GIL for up to the switch interval (5 ms) before the caller
+    gets it back, which a few dozen unmaps in a row turn into hundreds of milliseconds."""
+    kind = ctypes.PyDLL if holding_gil else ctypes.CDLL
+    libc = kind(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
@@ -67,6 +72,7 @@ class MmapBackend:
     def __init__(self) -> None:
         self.granularity = mmap.PAGESIZE
         self._libc = _libc()
+        self._unmap_libc = _libc(holding_gil=True)
         self._addr: int | None = None
         self._size = 0
         self._populate = True  # MADV_POPULATE_WRITE needs Linux 5.14; fall back to touching
@@ -105,7 +111,7 @@ class MmapBackend:
 
     def unmap(self, offset: int, length: int) -> None:
         addr = self._check(offset, length)
-        if self._libc.madvise(addr, length, _MADV_DONTNEED) != 0:
+        if self._unmap_libc.madvise(addr, length, _MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
             raise BackendError(f"madvise(MADV_DONTNEED) failed: {os.strerror(err)}")
 

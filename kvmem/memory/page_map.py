@@ -112,10 +112,12 @@ class PageMap:
         self.state[page] = PageState.UNMAPPING
         self._record("unmap", page)
 
-    def unmapped(self, page: int) -> None:
-        self.state[page] = PageState.UNMAPPED
-        self.mapped_pages -= 1
-        self.unmaps += 1
+    def unmapped(self, pages: list[int]) -> None:
+        state = self.state
+        for page in pages:
+            state[page] = PageState.UNMAPPED
+        self.mapped_pages -= len(pages)
+        self.unmaps += len(pages)
 
     def pages_in_flight(self) -> int:
         return sum(s in (PageState.MAPPING, PageState.UNMAPPING) for s in self.state)

@@ -251,9 +251,8 @@ class PageTable:
     def _closed(self, pages: list[int]) -> None:
         """The page map and placement once ``pages`` are unmapped (one lock for all)."""
         with self.cond:
-            for page in pages:
-                self.pages.unmapped(page)
-                self.placement.closed(page)
+            self.pages.unmapped(pages)
+            self.placement.closed(pages)
             self.cond.notify_all()
 
     # ---- upkeep -----------------------------------------------------------------------------
@@ -314,16 +313,16 @@ class PageTable:
         """Unmap every page ``maintain_once`` would trim, at once: one unmap per slot for
         each run of consecutive pages, rather than one per slot and page (giving back
         thousands of pages to another engine). Returns the pages unmapped."""
-        pages = []
         with self.cond:
-            # maintain_once's choice, page after page, with one sort (the target stays:
-            # pages taken out here still count as held until they are unmapped)
-            target = self._trim_target()
-            for page in self.placement.trimmable():
-                if not self._may_trim(target):
-                    break
-                self._begin_unmap(page)
-                pages.append(page)
+            # maintain_once's choice, page after page (``_may_trim``: each page taken out
+            # covers k blocks fewer; the target stays, as pages taken out here still count
+            # as held until they are unmapped), with one sort
+            k = self.geo.blocks_per_page
+            n = max(0, (self.credit.covered_blocks() - self._trim_target()) // k)
+            pages = self.placement.trimmable()[:n]
+            for page in pages:
+                self.pages.begin_unmap(page)
+            self.placement.closing_idle(pages)
         pages.sort()
         try:
             self.pages.unmap_runs(pages, self._closed)

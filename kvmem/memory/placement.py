@@ -17,6 +17,7 @@ calls are made under the page table's lock.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -169,7 +170,7 @@ class Placement:
         free = len(self._free[page])
         self._bucket_move(page, free, 0)
         self.free_on_mapped -= free
-        self.closed(page)
+        self.closed([page])
         self.owed_pages += self.is_owed(page)
 
     def closing(self, page: int) -> None:
@@ -179,11 +180,19 @@ class Placement:
         self.free_on_mapped -= free
         self._buckets[free].discard(page)
 
-    def closed(self, page: int) -> None:
-        """A page is unmapped now (its state already says so)."""
-        self.taken_unmapped += self.k - len(self._free[page])
-        if self._free[page]:
-            heapq.heappush(self._unmapped_heap, page)
+    def closing_idle(self, pages: list[int]) -> None:
+        """``closing`` for wholly free mapped pages (``trimmable``), at once."""
+        self.free_on_mapped -= self.k * len(pages)
+        self._buckets[self.k].difference_update(pages)
+
+    def closed(self, pages: Iterable[int]) -> None:
+        """Pages are unmapped now (their states already say so)."""
+        k, free, heap = self.k, self._free, self._unmapped_heap
+        for page in pages:
+            n = len(free[page])
+            self.taken_unmapped += k - n
+            if n:
+                heapq.heappush(heap, page)
 
     # ---- pages to give back ---------------------------------------------------------------
 
@@ -210,6 +219,10 @@ class Placement:
             return []
         geo, state, live = self.pages.geo, self.pages.state, self.pages.live
         block_live, cached = self.pages.block_live, self.cached
+        if self.k == 1:  # a page per block: a page qualifies by its one block
+            mapped = PageState.MAPPED
+            return list(itertools.islice(
+                (b for b in cached if state[b] is mapped and live[b] == block_live[b]), pages))
         chosen: dict[int, list[int]] = {}  # page -> its blocks seen so far, in LRU order
         looked: set[int] = set()
         missing = 0  # blocks of chosen pages not yet seen

@@ -36,7 +36,7 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 @functools.cache
 def _fallocate():
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.PyDLL(None, use_errno=True)  # the GIL kept: see backends._libc
     fallocate = libc.fallocate64
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return fallocate

@@ -27,6 +27,9 @@ from kvmem.memory.storage import KVStorage
 
 def key_name(key: Hashable) -> str:
     """A stable file-name-safe name for a block key: a hash, or ``(group_id, hash)``."""
+    if type(key) is tuple and len(key) == 2 and type(key[0]) is int \
+            and type(key[1]) is bytes:  # the pool's keys, named hundreds at a time
+        return f"g{key[0]}-{key[1].hex()}"
     if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int):
         return f"g{key[0]}-{key_name(key[1])}"
     if isinstance(key, (bytes, bytearray)):

@@ -27,7 +27,7 @@ findable, the request's blocks are freed, and its hit is looked up again (pool, 
 tiers, where the failed block no longer is): it goes on from the longest length still
 valid for every group. The pool's
 ``evict_listener`` is pointed at ``OffloadManager.on_evict``, so cached blocks reused for
-new data are kept too.
+new data, or evicted to give their memory back, are kept too.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from kvmem.cache.block_pool import Evicted
 from kvmem.cache.coordinator import LOAD_BLOCK, longest_common_hit
 from kvmem.cache.hashing import BlockHash
 from kvmem.cache.managers import SingleTypeManager, make_manager
@@ -90,8 +91,8 @@ class OffloadConnector:
         self._abandoned: set[LoadHandle] = set()
         kv_cache_manager.pool.evict_listener = self._on_evict
 
-    def _on_evict(self, block_id: int, block_hash: bytes) -> None:
-        self.offload.on_evict(block_id, (self.kv.pool.block_group[block_id], block_hash))
+    def _on_evict(self, evicted: list[Evicted]) -> None:
+        self.offload.on_evict([b for b, _, _ in evicted], [(g, h) for _, g, h in evicted])
 
     def _managers(self, lookups: list[Any]) -> list[SingleTypeManager]:
         """Each group's hit rule over ``lookups[g]`` instead of the pool's cache."""

@@ -6,9 +6,10 @@ threads. The life of a block:
 1. ``offer(block_ids, keys)`` when a request finishes or is preempted: the blocks are
    held in the pool (``holder.hold``) so they are neither free nor evictable, copied to
    host memory asynchronously, and released by the ``poll()`` that sees the copy done.
-   ``on_evict(block_id, key)`` covers a cached block about to be reused that no tier has
-   yet: it is copied out at once (its pool row is about to be overwritten), into a CPU
-   tier row or a free staging row, and written to disk later.
+   ``on_evict(block_ids, keys)`` covers cached blocks about to be reused or given back
+   that no tier has yet: they are copied out at once (their pool rows are about to be
+   overwritten or unmapped), into CPU tier rows or free staging rows, and written to
+   disk later.
 2. ``lookup(keys)`` continues a prefix hit past the device pool: the number of leading
    keys stored in the CPU tier or, failing that, on disk.
 3. ``load(request_id, keys, block_ids)`` copies those blocks into newly allocated pool
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Protocol
 
 from kvmem.errors import ConfigError
@@ -109,7 +110,8 @@ class OffloadManager:
         if self._closed:
             return 0
         todo = [(b, key_name(k)) for b, k in zip(block_ids, keys, strict=True)]
-        todo = [(b, n) for b, n in todo if not self._already_stored(n)]
+        stored = self._stored_check()
+        todo = [(b, n) for b, n in todo if not stored(n)]
         room = self.config.max_inflight_store_blocks - sum(self._held.values())
         if len(todo) > room:
             for tier in self.tiers:
@@ -126,23 +128,39 @@ class OffloadManager:
                                           after=self.copier.compute_done_event()))
         return len(ids)
 
-    def on_evict(self, block_id: int, key: Hashable) -> bool:
-        """A cached block is about to be reused: keep a copy if no tier has it yet.
+    def on_evict(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> int:
+        """Cached blocks are about to be reused or given back: keep a copy of those no tier
+        has yet. Returns how many are copied.
 
-        Called by the block pool just before eviction, so the copy is taken now (one
-        block, host memory) and written to the tiers asynchronously.
+        Called by the block pool just before eviction, once for all the blocks it
+        evicts, so the copies are taken now (host memory) and written to the tiers
+        asynchronously.
         """
-        name = key_name(key)
-        if self._closed or self._already_stored(name):
-            return False
-        self._pending[name] += 1
-        self.engine.store_now(StoreJob([name], [block_id], held=False,
+        if self._closed:
+            return 0
+        stored = self._stored_check()
+        todo = [(b, name) for b, name in zip(block_ids, map(key_name, keys), strict=True)
+                if not stored(name)]
+        if not todo:
+            return 0
+        names = [n for _, n in todo]
+        self._pending.update(names)
+        self.engine.store_now(StoreJob(names, [b for b, _ in todo], held=False,
                                        after=self.copier.compute_done_event()))
-        return True
+        return len(todo)
 
-    def _already_stored(self, name: str) -> bool:
+    def _stored_check(self) -> Callable[[str], bool]:
+        """Whether a block's name is already stored in every enabled tier, or on its way
+        (nothing to copy, also when no tier is enabled): one look at the tiers for a
+        batch of names."""
         enabled = [t for t in self.tiers if t.enabled]
-        return not enabled or name in self._pending or all(t.contains(name) for t in enabled)
+        pending = self._pending
+        if not enabled:
+            return lambda name: True
+        if len(enabled) == 1:
+            contains = enabled[0].contains
+            return lambda name: name in pending or contains(name)
+        return lambda name: name in pending or all(t.contains(name) for t in enabled)
 
     # -- lookups and loads ----------------------------------------------------------------
     def contains(self, key: Hashable) -> bool:
