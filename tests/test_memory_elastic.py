@@ -601,31 +601,6 @@ def cache_twelve_pages(storage, pool) -> None:
     storage.settle()
 
 
-def test_a_heartbeat_woken_by_an_ask_only_reads_and_the_answer_is_its_one_write(tmp_path):
-    """Woken by another engine's ask, the memory thread reads the ledger rather than
-    writing its heartbeat first: the answer (with the pages it releases) is the one write
-    between the ask and the answer. A beat of the clock writes as before."""
-    ledger, storage, page, pool = engine_a_under_a_total(tmp_path, 16, reserve_pages=0)
-    write = ledger._write
-    try:
-        cache_twelve_pages(storage, pool)
-        other = Ledger(tmp_path / "l.json").register("b")  # its writes are not counted
-        assert not other.try_acquire(8 * page)  # asks a
-        writes = []
-        ledger._write = lambda *a: (writes.append(1), write(*a))
-        storage._woken()  # what a's wake-up listener calls
-        storage._heartbeat()
-        assert len(writes) == 1
-        entry = ledger.read().engines["a"]
-        assert entry.reclaim_bytes == 0 and entry.answered_s > 0  # answered
-        assert entry.mapped_bytes == storage.budget.held_bytes
-        storage._heartbeat()  # nothing asked: the heartbeat writes what a holds
-        assert len(writes) == 2
-    finally:
-        ledger._write = write
-        storage.close()
-
-
 def test_an_ask_read_again_while_it_is_answered_is_not_answered_twice(tmp_path):
     """A wake-up's heartbeat can read the ledger while the engine loop is still answering
     the ask it reads: answering that state afterwards reads the ledger again and gives

@@ -113,7 +113,6 @@ class ElasticKVStorage:
         self._premap: PremapThread | None = None
         self._reclaim: Callable[[int], int] = self.give_back
         self._on_due: Callable[[BudgetState], None] = self.answer
-        self._asked = False  # woken by an engine's ask: the next heartbeat only reads
         if start and world_size == 1:
             self.start()
 
@@ -163,7 +162,7 @@ class ElasticKVStorage:
         self._on_due = on_due or self.answer
         self._premap = premap = PremapThread(self.table, heartbeat=self._heartbeat)
         # woken by the engines that ask it for memory; where none can wake it, it polls
-        if self.budget is not None and not self.budget.listen(self._woken):
+        if self.budget is not None and not self.budget.listen(premap.wake):
             premap.watch = self._watch
         premap.start()
 
@@ -180,21 +179,12 @@ class ElasticKVStorage:
         if self.budget is not None:
             self.budget.flush(timeout)
 
-    def _woken(self) -> None:
-        """Another engine asked for memory (its wake-up reached this engine)."""
-        self._asked = True
-        if self._premap is not None:
-            self._premap.wake()
-
     def _heartbeat(self) -> None:
         if self.budget is None:
             return
         t = self.table
-        # An ask is answered sooner after a read than after a write (the ledger's lock is
-        # shared then); what it holds is written with the answer, its use at the next beat.
-        asked, self._asked = self._asked, False
-        state = self.budget.peek() if asked else self.budget.report(
-            t.live_kv_blocks * t.block_bytes, len(t.cached) * t.block_bytes)
+        state = self.budget.report(t.live_kv_blocks * t.block_bytes,
+                                   len(t.cached) * t.block_bytes)
         with t.cond:
             t.cond.notify_all()  # the caps it read (the budget keeps them) may free work
         if reclaim.due(t, state) > 0:
