@@ -82,9 +82,9 @@ def test_reclaim_asks_the_least_recently_active_engine_for_what_it_only_caches(t
     assert ledger.read().engines["old"].reclaim_bytes == 30 * MiB
     assert old.peek().reclaim_bytes == 30 * MiB
     old.release(30 * MiB)
-    old.gave_back(30 * MiB)
+    old.gave_back(30 * MiB, old.peek())
     recent.release(5 * MiB)
-    recent.gave_back(5 * MiB)
+    recent.gave_back(5 * MiB, recent.peek())
     assert newcomer.try_acquire(35 * MiB)
     table = ledger.read()
     assert table.engines["new"].wanted_bytes == 0
@@ -135,7 +135,7 @@ def test_memory_given_back_since_an_engine_last_looked_counts_as_coming(tmp_path
     idle.report(0, 60 * MiB)
     assert busy.want(20 * MiB)  # asked of the idle engine: coming
     idle.release(60 * MiB)
-    idle.gave_back(60 * MiB)
+    idle.gave_back(60 * MiB, idle.peek())
     assert busy.want(20 * MiB)  # there already (before: False, and vLLM preempted)
     assert ledger.read().engines["busy"].wanted_bytes == 0
     # where no limit applies, no shortage is the ledger's: nothing comes

@@ -365,7 +365,7 @@ def test_an_idle_storage_gives_back_what_it_caches_when_another_engine_asks(tmp_
         assert held >= 10 * page
         answered = threading.Event()
         gave_back = storage.budget.gave_back
-        storage.budget.gave_back = lambda n: (gave_back(n), answered.set())
+        storage.budget.gave_back = lambda n, s: (gave_back(n, s), answered.set())
         b = ledger.register("b")
         assert not b.try_acquire(6 * page)
         assert answered.wait(5), "a never gave back"
@@ -599,6 +599,35 @@ def cache_twelve_pages(storage, pool) -> None:
         pool.cache_block(0, b, bytes([i]) * 16, None)
     pool.free_blocks(blocks)
     storage.settle()
+
+
+def test_an_ask_made_while_another_is_answered_stays_asked(tmp_path):
+    """An engine short of memory asks again while the first ask is being answered (its
+    waiting requests' need, a millisecond after the page it maps next): the answer to
+    the first clears that one only, and the second is answered next. Clearing both lost
+    the second, and the idle engine kept memory the busy one waited for."""
+    ledger, storage, page, pool = engine_a_under_a_total(tmp_path, 16, reserve_pages=0)
+
+    def answer(state):
+        return reclaim.answer(storage.table, storage.budget, state,
+                              lambda n: storage.give_back(n, evict=pool.evict_cached))
+
+    try:
+        cache_twelve_pages(storage, pool)  # a holds 13 of the 16 pages (its null page too)
+        b = ledger.register("b")
+        assert not b.try_acquire(5 * page)  # asks a for 2 pages
+        state = storage.budget.report(0)
+        assert state.reclaim_bytes == 2 * page
+        assert not b.try_acquire(8 * page)  # 3 more, asked before a's answer is written
+        assert answer(state) >= 2 * page
+        entry = ledger.read().engines["a"]
+        assert entry.reclaim_bytes == 3 * page and entry.asked_at > 0
+        held = storage.budget.held_bytes
+        assert answer(storage.budget.report(0)) >= 3 * page
+        assert ledger.read().engines["a"].reclaim_bytes == 0
+        assert storage.budget.held_bytes <= held - 3 * page
+    finally:
+        storage.close()
 
 
 def test_an_ask_read_again_while_it_is_answered_is_not_answered_twice(tmp_path):

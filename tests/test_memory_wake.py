@@ -61,7 +61,7 @@ def test_an_answer_records_how_long_after_the_ask_it_came(tmp_path):
     asked = time.time()
     time.sleep(0.02)
     a.release(4 * MiB)
-    a.gave_back(4 * MiB)
+    a.gave_back(4 * MiB, a.peek())
     entry = ledger.read().engines["a"]
     assert entry.reclaim_bytes == 0 and entry.asked_at == 0
     assert 0.02 <= entry.answered_s <= time.time() - asked + 0.01
@@ -160,7 +160,7 @@ def test_an_idle_storage_answers_an_ask_without_waiting_for_its_heartbeat(tmp_pa
         storage._premap.interval = 3600.0  # no heartbeat from here on
         answered = threading.Event()
         gave_back = storage.budget.gave_back
-        storage.budget.gave_back = lambda n: (gave_back(n), answered.set())
+        storage.budget.gave_back = lambda n, s: (gave_back(n, s), answered.set())
         b = ledger.register("b")
         assert not b.try_acquire(6 * page)
         assert answered.wait(5)

@@ -321,16 +321,20 @@ class EngineBudget:
             return BudgetState(self.held_bytes, allowed(table, entry), entry.reclaim_bytes,
                                attainable(table, entry), start)
 
-    def gave_back(self, nbytes: int) -> None:
-        """It answered the ask: ``nbytes`` went back (already ``release``d). Whatever it
-        could not give is asked again by the engine still short. How long after the ask
-        it answered is kept in its entry (``answered_s``) and here; when the answer was
-        written, in ``answered_at`` (a state read before then may hold the ask it
-        answered)."""
+    def gave_back(self, nbytes: int, answered: BudgetState) -> None:
+        """It answered the ask it read in ``answered``: ``nbytes`` went back (already
+        ``release``d). Whatever it could not give is asked again by the engine still
+        short; what was asked after that read stays asked (asked since the read began).
+        How long after the ask it answered is kept in its entry (``answered_s``) and here;
+        when the answer was written, in ``answered_at`` (a state read before then may hold
+        the ask it answered)."""
         def change(entry: LedgerEntry, table: LedgerTable) -> None:
+            now = time.time()
             if entry.reclaim_bytes and entry.asked_at:
-                entry.answered_s = self.answered_s = max(0.0, time.time() - entry.asked_at)
-            entry.reclaim_bytes, entry.asked_at = 0, 0.0
+                entry.answered_s = self.answered_s = max(0.0, now - entry.asked_at)
+            later = max(0, entry.reclaim_bytes - answered.reclaim_bytes)
+            read_at = now - (time.monotonic() - answered.read_at)  # as wall-clock time
+            entry.reclaim_bytes, entry.asked_at = later, read_at if later else 0.0
             entry.reclaimed_bytes, entry.reclaims = self.reclaimed_bytes, self.reclaims
 
         with self._lock:

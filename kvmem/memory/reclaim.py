@@ -70,7 +70,7 @@ def answer(table: PageTable, budget: EngineBudget, state: BudgetState,
         return reclaim(want) if want > 0 else 0
     with budget.answering():
         given = reclaim(want) if want > 0 else 0
-    budget.gave_back(given)  # one ledger write: the answer and the bytes released
+    budget.gave_back(given, state)  # one ledger write: the answer and the bytes released
     return given
 
 
