@@ -70,8 +70,8 @@ def main() -> None:
     for seed in range(args.rounds):
         storage, pool = cached_storage(seed, args.blocks)
         done = threading.Event()
-        busy = threading.Thread(target=spin, args=(done,))
-        if args.busy_thread:
+        busy = threading.Thread(target=spin, args=(done,)) if args.busy_thread else None
+        if busy is not None:
             busy.start()
         start = time.perf_counter()
         if profile:
@@ -81,7 +81,7 @@ def main() -> None:
             profile.disable()
         times.append((time.perf_counter() - start) * 1e3)
         done.set()
-        if args.busy_thread:
+        if busy is not None:
             busy.join()
         storage.close()
     print(f"gave back {given / MiB:.2f} MiB; median {statistics.median(times):.2f} ms; ms: "

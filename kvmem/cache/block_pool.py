@@ -228,8 +228,8 @@ class BlockPool:
                         events.append(KVCacheEvent("evicted", old_hash, block_id, old_group))
             ref_cnt[block_id] = 1
             block_group[block_id] = group_id
-        if evicted:  # before the caller writes to the blocks
-            on_evict(evicted)  # type: ignore[misc]
+        if on_evict is not None and evicted:  # before the caller writes to the blocks
+            on_evict(evicted)
         if num_evicted:
             self.epoch += 1
             if events is not None and len(events) > self.max_events:

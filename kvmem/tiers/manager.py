@@ -109,9 +109,7 @@ class OffloadManager:
             raise ValueError("offer: one key per block id")
         if self._closed:
             return 0
-        todo = [(b, key_name(k)) for b, k in zip(block_ids, keys, strict=True)]
-        stored = self._stored_check()
-        todo = [(b, n) for b, n in todo if not stored(n)]
+        todo = self._not_stored(block_ids, keys)
         room = self.config.max_inflight_store_blocks - sum(self._held.values())
         if len(todo) > room:
             for tier in self.tiers:
@@ -138,9 +136,7 @@ class OffloadManager:
         """
         if self._closed:
             return 0
-        stored = self._stored_check()
-        todo = [(b, name) for b, name in zip(block_ids, map(key_name, keys), strict=True)
-                if not stored(name)]
+        todo = self._not_stored(block_ids, keys)
         if not todo:
             return 0
         names = [n for _, n in todo]
@@ -149,18 +145,22 @@ class OffloadManager:
                                        after=self.copier.compute_done_event()))
         return len(todo)
 
-    def _stored_check(self) -> Callable[[str], bool]:
-        """Whether a block's name is already stored in every enabled tier, or on its way
-        (nothing to copy, also when no tier is enabled): one look at the tiers for a
-        batch of names."""
+    def _not_stored(self, block_ids: Sequence[int], keys: Sequence[Hashable]
+                    ) -> list[tuple[int, str]]:
+        """(block, name) of the blocks some enabled tier still lacks and no copy is on its
+        way to (none when no tier is enabled): one look at the tiers for the batch."""
         enabled = [t for t in self.tiers if t.enabled]
-        pending = self._pending
         if not enabled:
-            return lambda name: True
+            return []
+        pending = self._pending
+        stored: Callable[[str], bool]
         if len(enabled) == 1:
             contains = enabled[0].contains
-            return lambda name: name in pending or contains(name)
-        return lambda name: name in pending or all(t.contains(name) for t in enabled)
+            stored = lambda name: name in pending or contains(name)  # noqa: E731
+        else:
+            stored = lambda name: name in pending or all(t.contains(name) for t in enabled)  # noqa: E731
+        return [(b, name) for b, name in zip(block_ids, map(key_name, keys), strict=True)
+                if not stored(name)]
 
     # -- lookups and loads ----------------------------------------------------------------
     def contains(self, key: Hashable) -> bool:
