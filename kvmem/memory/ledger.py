@@ -39,7 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 from kvmem.memory import budget, sharing
@@ -106,6 +106,7 @@ def _is_time(v: object) -> bool:
 
 _OPTIONAL = ("ceiling_bytes", "request_bytes", "start_time")
 _TIMES = ("active_at", "heartbeat", "asked_at", "answered_s")
+_NOT_WRITTEN = ("name", "device")  # the entry's key and the ledger's own device
 _DEFAULTS = {f.name: f.default for f in fields(LedgerEntry) if f.name not in ("name", "pid",
                                                                                 "device")}
 
@@ -260,9 +261,9 @@ class Ledger:
             os.close(fd)  # closing the descriptor drops the lock
 
     def _write(self, fd: int, table: LedgerTable, old_size: int) -> None:
-        live = {n: asdict(e) for n, e in _living(table).items()}
-        for entry in live.values():
-            del entry["name"], entry["device"]
+        # ``change`` reaped the dead before its change; entries hold scalars only
+        live = {n: {k: v for k, v in vars(e).items() if k not in _NOT_WRITTEN}
+                for n, e in table.engines.items()}
         # an unknown total stays unknown (no key) for engines to put back, never "none"
         total = ({"total_limit": table.total_limit}
                  if table.total_known or table.total_limit is not None else {})

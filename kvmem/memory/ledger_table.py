@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import reprlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvmem.errors import ConfigError, KvmemError
 
@@ -97,9 +96,15 @@ def _proc_stat(pid: int) -> list[bytes] | None:
     """The fields of ``/proc/PID/stat`` after the command name (the state first), or
     None when it cannot be read."""
     try:
-        line = Path(f"/proc/{pid}/stat").read_bytes()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except (OSError, ValueError):
         return None
+    try:
+        line = os.read(fd, 4096)  # the whole line: a command name is at most 64 bytes
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return line[line.rfind(b")") + 2:].split()
 
 
