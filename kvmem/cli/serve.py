@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvmem.engine.async_engine import AsyncLLMEngine
     from kvmem.engine.config import EngineConfig
+    from kvmem.engine.gc_heap import freeze_startup_heap
     from kvmem.engine.llm_engine import LLMEngine
     from kvmem.serve import create_app
     from kvmem.serve.head_timeout import head_timeout_protocol
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.port == 0:  # picked by the system: say which, whatever the log level
         print(f"kvmem: listening on http://{host_port(host, port)}", flush=True)
     engine = LLMEngine(engine_config, parallel=parallel)
+    freeze_startup_heap()  # what serving allocates is all a collection walks
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, api_key=args.api_key, max_request_bytes=max_request_bytes,
                      request_body_timeout_s=args.request_body_timeout,

@@ -31,6 +31,7 @@ from kvmem.engine.distributed.state import (
     destroy_distributed,
     init_distributed,
 )
+from kvmem.engine.gc_heap import freeze_startup_heap
 from kvmem.engine.model_runner import ModelRunner
 from kvmem.engine.rank_builder import RankContext, build_rank, load_rank, rank_context
 from kvmem.errors import KvmemError
@@ -75,6 +76,7 @@ def run_worker(ctx: RankContext, handoff: Any = None) -> int:
             num_slots = state.kv_plan.ranks[ctx.parallel.rank].num_slots
             handoff.put((ctx.parallel.rank, _shared_slots(state.kv.storage, num_slots, ctx)))
         service = _start_copy_service(ctx, state)
+        freeze_startup_heap()
         serve_steps(state.runner, groups, driver_lost)
         if heartbeat is not None:  # stopped by the driver: its node may now go away
             heartbeat.stop()
