@@ -151,6 +151,38 @@ def test_pages_are_released_when_blocks_free_keeping_the_reserve():
     assert stats.unmaps == 10
 
 
+def test_while_one_thread_gives_memory_back_no_other_trims_the_pages_it_frees():
+    """The memory thread, woken by the same ask, used to trim the pages a give-back's
+    evictions freed one at a time, beside the give-back's own unmap of all of them in
+    runs: each page took the lock and the interpreter from the answer."""
+    import threading
+
+    storage = fake_storage(reserve_pages=0)
+    q = storage.free_queue()
+    blocks = q.pop_n(40)
+    storage.on_blocks_allocated(blocks)
+    storage.settle()
+    storage.on_blocks_released(blocks)
+    q.push_free(blocks)
+    table = storage.table
+    mapped = storage.stats().mapped_pages
+    trimmed_elsewhere = []
+    with table.giving_back():
+        other = threading.Thread(target=lambda: trimmed_elsewhere.append(table.maintain_once()))
+        other.start()
+        other.join()
+        assert trimmed_elsewhere == [False] and storage.stats().mapped_pages == mapped
+        assert table.maintain_once()  # the giving thread trims
+        assert storage.stats().mapped_pages == mapped - 1
+    other = threading.Thread(target=lambda: trimmed_elsewhere.append(table.maintain_once()))
+    other.start()
+    other.join()
+    assert trimmed_elsewhere == [False, True]  # and, once it is done, any thread again
+    storage.settle()
+    assert storage.stats().mapped_pages == 1  # the null block's page
+    storage.close()
+
+
 def take_until_refused(storage: ElasticKVStorage, queue, n: int) -> list[int]:
     """Allocate ``n`` blocks at a time, asking the capacity guard first, until it says no."""
     taken: list[int] = []

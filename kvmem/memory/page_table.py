@@ -17,9 +17,10 @@ credit no longer needed and unmaps wholly free pages beyond those.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from kvmem.errors import KvmemError
 from kvmem.memory.backends import PageBackend
@@ -59,6 +60,8 @@ class PageTable:
         # pages just unmapped here, before the ledger hears of them (rank 0 releases the
         # other ranks' copies: ``kvmem.memory.rank_files``)
         self.on_unmapped: Callable[[list[int]], None] | None = None
+        # the thread giving memory back now (``giving_back``): it alone trims meanwhile
+        self._giver: int | None = None
 
     # ---- what the parts know (the counters: ``pages``, ``placement``, ``credit``) -----------
 
@@ -297,7 +300,8 @@ class PageTable:
             elif self.credit.return_surplus():
                 return True
             else:
-                if not self._may_trim(self._trim_target()):
+                if self._giver not in (None, threading.get_ident()) \
+                        or not self._may_trim(self._trim_target()):
                     return False
                 page = next(iter(self.placement.trimmable()), None)
                 if page is None:
@@ -333,6 +337,20 @@ class PageTable:
         return len(pages)
 
     # ---- giving back to other engines ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def giving_back(self) -> Iterator[None]:
+        """Memory goes back from this thread meanwhile: pages its evictions free are
+        trimmed here, in runs (``trim_idle``), and ``maintain_once`` on other threads (the
+        memory thread, woken by the same ask) trims none of them one by one: each would
+        take the lock and the interpreter from the give-back for a page."""
+        with self.cond:
+            self._giver = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._giver = None
 
     def idle_pages(self) -> int:
         """Mapped pages whose blocks are all free (they can be unmapped now)."""

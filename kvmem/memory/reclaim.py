@@ -39,12 +39,13 @@ def give_back(table: PageTable, nbytes: int, floor_bytes: int,
         table.reserve_suspended = True
         pages = min(ceil(nbytes / table.page_bytes),
                     max(0, before - floor_bytes) // table.page_bytes)
-    short = pages - table.idle_pages()
-    if evict is not None and short > 0:
-        victims = table.cached_victims(short)
-        if victims:
-            evict(victims)
-    trim(table)
+    with table.giving_back():
+        short = pages - table.idle_pages()
+        if evict is not None and short > 0:
+            victims = table.cached_victims(short)
+            if victims:
+                evict(victims)
+        trim(table)
     return max(0, before - table.held_bytes)
 
 
