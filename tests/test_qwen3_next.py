@@ -172,10 +172,74 @@ def test_each_rank_allocates_what_the_plan_says(qwen3_next, pp):
         llm.engine.shutdown()
 
 
-def test_the_offload_tiers_are_refused_at_start(qwen3_next):
-    path, _ = qwen3_next
-    with pytest.raises(ConfigError, match="do not keep linear-attention states"):
-        LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, cpu_offload_gib=0.01)
+def run_in_turn(path, prompts, *, offload=None, faults=None, **options):
+    """Each prompt after the one before has finished, in an engine of 11 blocks (and the
+    null block) with 32-token chunks (each ending on a block boundary, where a state is
+    checkpointed): (requests, outputs, tier stats or None, pool usage at the end)."""
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.llm_engine import LLMEngine
+    from kvmem.tiers.faults import NO_FAULTS
+
+    options = {"kv_cache_memory_bytes": 12 * PAGE, **options}
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=128,
+                                    max_num_batched_tokens=32, **options), offload=offload,
+                       offload_faults=faults or NO_FAULTS)
+    requests, outputs = [], []
+    try:
+        for i, prompt in enumerate(prompts):
+            requests.append(engine.add_request(f"r{i}", prompt, GREEDY))
+            while engine.has_unfinished_requests():
+                outputs += [out for out in engine.step() if out.finished]
+            if engine.offload is not None and faults is None:
+                engine.offload.offload.drain()  # the counts below do not depend on timing
+        stats = engine.offload.stats()["cpu"] if engine.offload is not None else None
+        return requests, outputs, stats, engine.kv_usage()
+    finally:
+        engine.shutdown()
+
+
+PAGE = 16 << 10  # one block of the 4-layer model: 32 tokens of the attention layer's KV
+A, B = LONG, PROMPTS[2]  # B's 8 blocks evict A's cached ones from the 11
+
+
+@pytest.mark.parametrize("parallel", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
+def test_a_prompt_and_its_states_come_back_from_the_cpu_tier(qwen3_next, parallel):
+    """A, B, then A again with a CPU tier: A's attention blocks and the state each state
+    group checkpointed at its third block boundary are stored, B evicts them from the
+    pool, and A's second run loads them (tokens equal transformers'; without the tier the
+    pool alone has lost A). The tier keys a state block by its group and its boundary's
+    hash, as the pool does, so a state comes back only with the prefix it belongs to."""
+    from kvmem.tiers import OffloadConfig
+
+    path, expected = qwen3_next
+    prompts = [A, B, A]
+    # a rank holds half of each block: the same 12 blocks in half the bytes
+    budget = {} if not parallel else {"kv_cache_memory_bytes": 6 * PAGE}
+    requests, outputs, _, _ = run_in_turn(path, prompts, **parallel, **budget)
+    assert requests[2].num_cached_tokens == 0
+    requests, outputs, cpu, usage = run_in_turn(path, prompts, **parallel, **budget,
+                                                offload=OffloadConfig(cpu_bytes=16 << 20))
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
+    assert requests[2].num_cached_tokens == 96  # three blocks: the last boundary before A's end
+    assert cpu.hits >= 3 and cpu.failed_loads == 0  # the three states at least, from the tier
+    assert usage.used == 0 and usage.held == 0
+
+
+def test_a_second_long_prompt_while_the_first_ones_stores_are_in_flight(qwen3_next):
+    """MISSION problem 3 on a linear-attention hybrid: A's blocks (its states' among them)
+    are held by stores that take half a second each while B, another prompt, needs the
+    pool's blocks: B waits for them or evicts others, nothing crashes, every request's
+    tokens equal transformers', and no block stays held."""
+    from kvmem.tiers import Faults, OffloadConfig
+
+    path, expected = qwen3_next
+    prompts = [A, B, A, B]
+    _, outputs, cpu, usage = run_in_turn(path, prompts, offload=OffloadConfig(cpu_bytes=16 << 20),
+                                         faults=Faults(store_delay_s=0.5))
+    assert [o.error for o in outputs] == [None] * 4
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
+    assert cpu.stored_blocks > 0 and cpu.failed_loads == 0
+    assert usage.used == 0 and usage.held == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -141,7 +141,8 @@ assert _check_deployment(*deployment(groups=2))[0] == [GroupRule("full")] * 2
 assert _check_deployment(*deployment(tp=2, pp=2))[1] == 16  # every rank keeps its own shard
 for kw, text in [({"sleep": True}, "does not support sleep mode"),
                  ({"mamba": "GDN_ATTN"}, "this model's Gated DeltaNet layers keep a "
-                  "per-request state (vLLM's MambaSpec), which kvmem's tiers do not store"),
+                  "per-request state (vLLM's MambaSpec), whose pages the connector does not "
+                  "store"),
                  ({"mamba": "MAMBA2"}, "this model's Mamba2 layers keep a per-request state"),
                  ({"block": 32}, "block size 32")]:
     try:

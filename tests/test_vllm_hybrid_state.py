@@ -257,8 +257,9 @@ def test_connector_stops_a_gdn_hybrid_at_start_in_one_line(plain_and_refused):
     assert refused.returncode != 0
     assert "KVMEM_RESULT" not in refused.stdout  # no token came out
     line = ("kvmem.errors.ConfigError: KvmemConnector: this model's Gated DeltaNet layers "
-            "keep a per-request state (vLLM's MambaSpec), which kvmem's tiers do not store: "
-            "a prefix reloaded without the state at its last token would give wrong outputs, "
+            "keep a per-request state (vLLM's MambaSpec), whose pages the connector does not "
+            "store: a prefix reloaded without the state at its last token would give wrong "
+            "outputs, "
             "so the connector refuses hybrid linear-attention models (start vLLM without it)")
     assert line in refused.output.splitlines() or any(
         x.endswith(line) for x in refused.output.splitlines()), refused.output[-3000:]

@@ -91,7 +91,7 @@ class LLMEngine:
         from kvmem.cache import KVCacheManager
         from kvmem.engine.loader import resolve_model
         from kvmem.spec import spec_from_config
-        from kvmem.spec.state_groups import engine_kv_groups, linear_layers
+        from kvmem.spec.state_groups import engine_kv_groups
 
         files = resolve_model(config.model, load_format=config.load_format)
         self.config = config
@@ -100,9 +100,6 @@ class LLMEngine:
         self.spec = spec_from_config(files.config, files.name)
         ctx = rank_context(config, self.spec, parallel)
         config = self.config = ctx.config  # its block size holds a linear-attention state
-        if linear_layers(self.spec) and (offload or config.offload_config()).enabled:
-            raise ConfigError("the offload tiers do not keep linear-attention states: "
-                              "serve this model without them")
         self.device, self.dtype = ctx.device, ctx.torch_dtype
         if config.kv_cache_dtype not in ("auto", ctx.dtype):
             raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype!r}: this engine stores KV "

@@ -24,7 +24,9 @@ import torch
 
 from kvmem.cache import KVCacheManager
 from kvmem.memory.storage import KVStorage
-from kvmem.spec import ModelSpec
+from kvmem.spec import AttentionKind, ModelSpec
+from kvmem.spec.layout import KVGroup
+from kvmem.spec.state_groups import engine_kv_groups
 from kvmem.tiers.config import OffloadConfig
 from kvmem.tiers.connector import OffloadConnector
 from kvmem.tiers.faults import NO_FAULTS, Faults
@@ -64,14 +66,25 @@ def tier_identity(spec: ModelSpec, dtype: torch.dtype, source: str | None, *,
     """(model, layout): what an engine's stored KV blocks depend on besides their tokens.
 
     The model names the weights by their digest; the layout names the real
-    tensor/pipeline layout and layer partition (layers per stage), so a disk tier written
-    by one model or layout is never read by another.
+    tensor/pipeline layout, layer partition (layers per stage) and KV groups (a hybrid's
+    state groups with their states), so a disk tier written by one model or layout is
+    never read by another.
     """
-    groups = ";".join(f"{g.kind.value}:{g.window}:{','.join(map(str, g.layers))}"
-                      for g in spec.kv_groups())
+    groups = ";".join(_group_layout(spec, g) for g in engine_kv_groups(spec))
     return model_identity(spec, dtype, source, dummy_seed), (
         f"tp={tensor_parallel_size} pp={len(partition)} "
         f"partition={','.join(map(str, partition))} ranks=all groups={groups}")
+
+
+def _group_layout(spec: ModelSpec, group: KVGroup) -> str:
+    """A KV group as the blocks it stores depend on: its kind, window and layers, and,
+    for a state group (a linear-attention hybrid's), its layers' state."""
+    layout = f"{group.kind.value}:{group.window}:{','.join(map(str, group.layers))}"
+    state = spec.layers[group.layers[0]].state
+    if group.kind is AttentionKind.LINEAR and state is not None:
+        layout += (f":{state.kind.value}:{state.conv_channels}x{state.conv_len}"
+                   f":{state.temporal}:{state.n_groups}x{state.state_size}:{state.ssm_dtype}")
+    return layout
 
 
 def build_offload(config: OffloadConfig, kv_cache_manager: KVCacheManager, storage: KVStorage,

@@ -89,9 +89,9 @@ def state_refusal(spec: Any) -> str:
     kind = getattr(getattr(spec, "mamba_type", None), "name", "")
     layers = _STATE_LAYERS.get(kind, "recurrent")
     return (f"{PREFIX}: this model's {layers} layers keep a per-request state (vLLM's "
-            "MambaSpec), which kvmem's tiers do not store: a prefix reloaded without the "
-            "state at its last token would give wrong outputs, so the connector refuses "
-            "hybrid linear-attention models (start vLLM without it)")
+            "MambaSpec), whose pages the connector does not store: a prefix reloaded "
+            "without the state at its last token would give wrong outputs, so the connector "
+            "refuses hybrid linear-attention models (start vLLM without it)")
 
 
 def group_rules(kv_cache_config: Any) -> tuple[list[GroupRule], int]:
