@@ -202,19 +202,22 @@ PAGE = 16 << 10  # one block of the 4-layer model: 32 tokens of the attention la
 A, B = LONG, PROMPTS[2]  # B's 8 blocks evict A's cached ones from the 11
 
 
-@pytest.mark.parametrize("parallel", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("parallel", [{}, {"tensor_parallel_size": 2},
+                                      {"pipeline_parallel_size": 2}], ids=["tp1", "tp2", "pp2"])
 def test_a_prompt_and_its_states_come_back_from_the_cpu_tier(qwen3_next, parallel):
     """A, B, then A again with a CPU tier: A's attention blocks and the state each state
     group checkpointed at its third block boundary are stored, B evicts them from the
     pool, and A's second run loads them (tokens equal transformers'; without the tier the
-    pool alone has lost A). The tier keys a state block by its group and its boundary's
-    hash, as the pool does, so a state comes back only with the prefix it belongs to."""
+    pool alone has lost A), also at tp 2 and pp 2. The tier keys a state block by its group
+    and its boundary's hash, as the pool does, so a state comes back only with the prefix
+    it belongs to."""
     from kvmem.tiers import OffloadConfig
 
     path, expected = qwen3_next
     prompts = [A, B, A]
-    # a rank holds half of each block: the same 12 blocks in half the bytes
-    budget = {} if not parallel else {"kv_cache_memory_bytes": 6 * PAGE}
+    # at tp 2 a rank holds half of each block: the same 12 blocks in half the bytes (at pp 2
+    # the one attention layer is on one stage, whose blocks are whole)
+    budget = {"kv_cache_memory_bytes": 6 * PAGE} if parallel.get("tensor_parallel_size") else {}
     requests, outputs, _, _ = run_in_turn(path, prompts, **parallel, **budget)
     assert requests[2].num_cached_tokens == 0
     requests, outputs, cpu, usage = run_in_turn(path, prompts, **parallel, **budget,
