@@ -100,7 +100,7 @@ def _proc_stat(pid: int) -> list[bytes] | None:
     except (OSError, ValueError):
         return None
     try:
-        line = os.read(fd, 4096)  # the whole line: a command name is at most 64 bytes
+        line = os.read(fd, 4096)  # the whole line (a few hundred bytes)
     except OSError:
         return None
     finally:
