@@ -115,6 +115,38 @@ class Engine:
         assert self.proc.returncode == 0
 
 
+def test_a_held_lock_is_tried_again_soon_then_less_often_and_never_waited_on_for_ever(
+        tmp_path, monkeypatch):
+    """Another engine holds the ledger's lock for a tenth of a millisecond or two: the
+    next try comes after 25 us, the waits double up to a millisecond (a fixed millisecond
+    cost an answer that much per write), and a lock held past the timeout is an error."""
+    import fcntl
+
+    from kvmem.memory import ledger as ledger_module
+
+    ledger = Ledger(tmp_path / "l.json")
+    ledger.register("a")
+    holder = os.open(tmp_path / "l.json", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: the same process conflicts
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 8:
+            fcntl.flock(holder, fcntl.LOCK_UN)  # the other engine is done
+
+    monkeypatch.setattr(ledger_module.time, "sleep", sleep)
+    try:
+        assert "a" in ledger.read().engines
+        assert pauses == [25e-6 * 2 ** i for i in range(6)] + [1e-3, 1e-3]
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        monkeypatch.setattr(ledger_module, "LOCK_TIMEOUT_S", 0.0)
+        with pytest.raises(LedgerError, match="stayed locked"):
+            ledger.read()
+    finally:
+        os.close(holder)
+
+
 def test_two_engines_share_one_budget(tmp_path):
     total = 64 << 20
     a, b = Engine("a", tmp_path, total), Engine("b", tmp_path, total)
