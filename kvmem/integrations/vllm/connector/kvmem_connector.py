@@ -33,8 +33,8 @@ published in vLLM's KV event stream under vLLM's block hashes (``events``).
 
 Not supported, refused at start-up with one line: KV cache specs that are not attention
 (the per-request state of Gated DeltaNet, Mamba2 and other linear-attention layers of
-hybrid models: a reloaded prefix would need the state at its last token, which the tiers
-do not keep), groups of different block sizes, and sleep mode
+hybrid models: a reloaded prefix would need the state at its last token, which this
+connector does not store from vLLM's pages), groups of different block sizes, and sleep mode
 (``supports_sleep_mode`` is False): sleep mode exists to free or replace the weights while
 the engine sleeps, and the tiers, keyed by the checkpoint's digest, would then serve KV the
 new weights did not compute.
