@@ -80,10 +80,8 @@ def _group_layout(spec: ModelSpec, group: KVGroup) -> str:
     """A KV group as the blocks it stores depend on: its kind, window and layers, and,
     for a state group (a linear-attention hybrid's), its layers' state."""
     layout = f"{group.kind.value}:{group.window}:{','.join(map(str, group.layers))}"
-    state = spec.layers[group.layers[0]].state
-    if group.kind is AttentionKind.LINEAR and state is not None:
-        layout += (f":{state.kind.value}:{state.conv_channels}x{state.conv_len}"
-                   f":{state.temporal}:{state.n_groups}x{state.state_size}:{state.ssm_dtype}")
+    if group.kind is AttentionKind.LINEAR:  # the state's every field, from its dataclass
+        layout += f":{spec.layers[group.layers[0]].state!r}"
     return layout
 
 
