@@ -306,3 +306,20 @@ def test_a_step_budget_below_the_block_size_is_refused_under_prefix_caching(qwen
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(16\) must be at least"):
         LLM(str(path), kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_seqs=8,
             max_num_batched_tokens=16)
+
+
+def test_a_disk_tier_written_with_one_state_layout_is_not_read_with_another():
+    """The tiers' layout names each state group's state: a hybrid whose states differ
+    (another conv kernel here) stores under another layout, and so never reads blocks
+    the first one wrote; the attention group is named as it always was."""
+    from kvmem.engine.offload_setup import tier_identity
+
+    def layout(**overrides) -> str:
+        spec = spec_from_config({**tiny_qwen3_next(4, "float32"), **overrides}, "tiny")
+        return tier_identity(spec, torch.float32, None, tensor_parallel_size=1,
+                             partition=[4], dummy_seed=0)[1]
+
+    first, other = layout(), layout(linear_conv_kernel_dim=3)
+    assert first != other
+    assert "groups=full_attention:None:3;linear_attention:None:0:" in first
+    assert first.count("linear_attention") == other.count("linear_attention") == 3
