@@ -15,14 +15,17 @@ KV heads of 64, 4 layers), with sizes to match (``--total-mib 48 --reservation-m
 Engine A has a CPU tier; engine B has prefix caching off, so it computes its prompts the
 same way every time. The phases:
 
-1. B alone serves a burst of distinct long prompts (A holds only its null block): B's
-   output tok/s and its time until every request of the burst runs ("full batch");
+1. B alone serves a burst of distinct long prompts (A holds only the blocks of its warm-up):
+   B's output tok/s and its time until every request of the burst runs ("full batch");
 2. A serves a burst of other distinct long prompts and goes idle, holding them as
    prefix cache (its mapped bytes are "A before");
 3. B serves the same burst again while A is idle: B's tok/s and time to full batch against
    step 1, A's mapped bytes after ("A after"), and the ledger sampled every 20 ms: what
    both hold together at every sample, against the total, and how long after each ask
    A answered (its entry's ``answered_s``; ``--no-wake``: engines only poll the ledger);
+   ``--rounds N`` repeats steps 1-3, B alone running where A holds what it kept after its
+   last answer, and the ratio is the median of the rounds' (each round's bursts run a few
+   seconds apart, so a host whose speed drifts moves both alike);
 4. A's next request for its first prompt: the tokens it gave in step 2, and the bytes its
    CPU tier loaded for it (from its /metrics);
 5. kill -9 of A in the middle of a burst of A's while B waits for memory A holds: how long
@@ -272,8 +275,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=900)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1,
-                   help="bursts of B beside idle A (each after a burst of A's), and one "
-                        "more of B alone; the ratio is of the medians")
+                   help="rounds of B alone, then B beside idle A (after a burst of A's); "
+                        "the ratio is the median of the rounds' ratios")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--reservation-mib", type=int, default=768,
                    help="each engine's KV reservation (its ceiling)")
@@ -332,25 +335,42 @@ def main() -> None:
 
         preempted = (r"kvmem_preemptions_total" if args.engine == "kvmem"
                      else r"vllm:num_preemptions_total")
-        before_alone = b.metric(preempted)
-        # B alone once more than B beside A: the spread of the alone runs is the noise
-        alone_runs = [asyncio.run(burst(b, burst_b, args.max_tokens, running))
-                      for _ in range(args.rounds + 1)]
-        alone = alone_runs[0]
-        after_alone = b.metric(preempted)
+        preempted_alone = preempted_shared = 0.0
+
+        def b_burst(shared: bool) -> dict:
+            nonlocal preempted_alone, preempted_shared
+            before = b.metric(preempted)
+            result = asyncio.run(burst(b, burst_b, args.max_tokens, running))
+            if shared:
+                preempted_shared += b.metric(preempted) - before
+            else:
+                preempted_alone += b.metric(preempted) - before
+            return result
+
+        # Each round pairs a burst of B alone with one beside idle A, a few seconds
+        # apart, so that a host whose speed drifts moves both alike. B alone runs where
+        # A holds what it kept after its last answer (before the first round: only the
+        # blocks of its warm-up), so B has the same memory free as after A's answer.
+        alone = b_burst(shared=False)
+        alone_runs = [alone]
         rounds = []
-        for r in range(args.rounds):  # A fills its prefix cache, goes idle; B's burst
+        for r in range(args.rounds):  # B alone; A fills its prefix cache, goes idle; B
+            if r:
+                alone_runs.append(b_burst(shared=False))
             burst_a = prompts(1 + 10 * r, args.requests, args.prompt_len)
             first = asyncio.run(burst(a, burst_a, args.max_tokens, running))
             time.sleep(1.0)  # A is idle from here on, holding its prompts as prefix cache
             before = entry(ledger_dir, "A", args.device)
             with LedgerSampler(ledger_dir) as sampler:
-                shared = asyncio.run(burst(b, burst_b, args.max_tokens, running))
+                shared = b_burst(shared=True)
             after = entry(ledger_dir, "A", args.device)
             rounds.append({
+                "b_alone_tok_s": alone_runs[-1]["tok_s"],
                 "b_shared_tok_s": shared["tok_s"],
+                "b_ratio": shared["tok_s"] / alone_runs[-1]["tok_s"],
                 "b_shared_full_batch_s": shared["full_batch_s"],
-                "b_same_texts": shared["texts"] == alone["texts"],
+                "b_same_texts": shared["texts"] == alone["texts"]
+                and alone_runs[-1]["texts"] == alone["texts"],
                 "a_before_mapped": before.mapped_bytes, "a_before_cached": before.cached_bytes,
                 "a_after_mapped": after.mapped_bytes,
                 "a_reclaimed": after.reclaimed_bytes - (rounds[-1]["a_reclaimed_total"]
@@ -362,19 +382,19 @@ def main() -> None:
                 "a_answered_after_s": sampler.answers_s("A"),
                 "a_answers_ms": [round(x * 1e3, 1) for x in sampler.answers.get("A", [])],
                 "timeline_mib": sampler.timeline()})
-        preempted_shared = b.metric(preempted) - after_alone
         loaded_metric = r"kvmem_offload_bytes_loaded(_total)?\{.*tier=\"cpu\""
         loaded = a.metric(loaded_metric)
         again = asyncio.run(burst(a, burst_a[:1], args.max_tokens, running))
         alone_tok_s = [run["tok_s"] for run in alone_runs]
         answers = sorted(x for run in rounds for x in run["a_answers_ms"])
         shared_tok_s = [run["b_shared_tok_s"] for run in rounds]
+        ratios = [run["b_ratio"] for run in rounds]
         out.update({
             "b_alone_tok_s": alone_tok_s, "b_shared_tok_s": shared_tok_s,
-            # the median against the median (of one run: against the faster alone run)
-            "b_ratio": statistics.median(shared_tok_s) / (
-                max(alone_tok_s) if args.rounds == 1 else statistics.median(alone_tok_s)),
-            "b_preempted_alone": (after_alone - before_alone) / len(alone_runs),
+            # each round's burst beside A against the burst alone just before it
+            "b_ratio": statistics.median(ratios), "b_ratio_min": min(ratios),
+            "b_ratio_max": max(ratios),
+            "b_preempted_alone": preempted_alone / len(alone_runs),
             "b_preempted_shared": preempted_shared,
             "b_alone_full_batch_s": [run["full_batch_s"] for run in alone_runs],
             "rounds": rounds,
