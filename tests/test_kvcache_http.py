@@ -15,6 +15,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from tiny_models import make_tiny_checkpoint
@@ -235,3 +236,182 @@ def test_limits_from_many_clients_at_once_leave_one_of_them(ledger_control, tmp_
         statuses = [s for done in pool.map(client, sizes) for s in done]
     assert statuses == [200] * len(statuses)
     assert entry(tmp_path, "a").ceiling_bytes in sizes
+
+
+# -- GET /kvcache/status/stream -------------------------------------------------------------
+
+class _Client:
+    """One streaming request driven through the middleware: its events as they come, and
+    a disconnect when the test says so."""
+
+    def __init__(self, control, query: bytes = b"", method: str = "GET") -> None:
+        self.scope = {"type": "http", "path": "/kvcache/status/stream", "method": method,
+                      "headers": [], "query_string": query}
+        self.middleware = http_control.KVCacheControlMiddleware(self._app, control)
+        self.messages: list[dict] = []
+        self.leave = asyncio.Event()
+
+    @staticmethod
+    async def _app(scope, receive, send):
+        raise AssertionError("the stream never reaches the app")
+
+    async def _receive(self):
+        if self.scope.get("_asked"):
+            await self.leave.wait()
+            return {"type": "http.disconnect"}
+        self.scope["_asked"] = True
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def _send(self, message):
+        self.messages.append(message)
+
+    def run(self, during) -> None:
+        """Stream while ``during(client)`` (a coroutine function) runs, then leave."""
+        async def both():
+            task = asyncio.create_task(self.middleware(self.scope, self._receive, self._send))
+            try:
+                await during(self)
+            finally:
+                self.leave.set()
+            await asyncio.wait_for(task, 5)
+        asyncio.run(both())
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+    def events(self) -> list[tuple[str, dict]]:
+        out = []
+        for chunk in self.body.decode().split("\n\n"):
+            lines = dict(line.split(": ", 1) for line in chunk.splitlines()
+                         if not line.startswith(":"))
+            if "event" in lines:
+                out.append((lines["event"], json.loads(lines["data"])))
+        return out
+
+    async def wait_for_events(self, n: int, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.events()) < n:
+            assert time.monotonic() < deadline, self.body
+            await asyncio.sleep(0.02)
+
+
+def ceiling_of(doc: dict) -> int | None:
+    return doc["kvmem"]["engine"]["ceiling_bytes"]
+
+
+def test_the_status_stream_sends_the_status_then_each_change(ledger_control, tmp_path):
+    """The first event is the status; a new ceiling in the ledger is a second one within
+    a few looks; looks that find nothing new but the ages send nothing."""
+    client = _Client(ledger_control, b"interval=0.05")
+
+    async def during(c):
+        await c.wait_for_events(1)
+        await asyncio.sleep(0.5)  # ten looks; the ages move, nothing else
+        assert len(c.events()) == 1
+        Ledger.for_device("cpu", tmp_path).set_limits("a", ceiling_bytes=3 * MIB)
+        await c.wait_for_events(2)
+
+    client.run(during)
+    start = client.messages[0]
+    assert start["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in start["headers"]
+    (first_kind, first), (second_kind, second) = client.events()
+    assert first_kind == second_kind == "status"
+    assert first["self_ipc_name"] == "a" and ceiling_of(first) is None
+    assert ceiling_of(second) == 3 * MIB
+    assert second["segments"][0]["total_size"] == 3 * MIB
+
+
+def test_a_quiet_stream_is_kept_alive_and_a_gone_engine_ends_it(tmp_path, monkeypatch):
+    """Comment lines keep a quiet stream open; an engine that leaves the ledger gets a
+    ``gone`` event and the response ends."""
+    monkeypatch.setattr("kvmem.memory.status_stream.KEEPALIVE_S", 0.1)
+    budget = Ledger.for_device("cpu", tmp_path).register("a")
+    client = _Client(KVCacheControl("a", ledger_dir=tmp_path), b"interval=0.05")
+
+    async def during(c):
+        await asyncio.sleep(0.5)
+        assert c.body.count(b": keepalive\n\n") >= 2
+        budget.close()
+        await c.wait_for_events(2)
+        deadline = time.monotonic() + 5
+        while c.messages[-1].get("more_body", True):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+
+    client.run(during)
+    kinds = [kind for kind, _ in client.events()]
+    assert kinds == ["status", "gone"]
+    assert "a" in client.events()[1][1]["error"]
+
+
+def test_a_client_that_leaves_ends_the_stream_at_once(ledger_control):
+    client = _Client(ledger_control, b"interval=60")
+
+    async def during(c):
+        await c.wait_for_events(1)
+
+    started = time.monotonic()
+    client.run(during)  # the middleware returns within run's 5 s, not after 60
+    assert time.monotonic() - started < 5
+    assert [kind for kind, _ in client.events()] == ["status"]
+
+
+@pytest.mark.parametrize(("query", "method", "status", "names"), [
+    (b"interval=0.001", "GET", 400, "interval"),
+    (b"interval=61", "GET", 400, "interval"),
+    (b"interval=soon", "GET", 400, "interval"),
+    (b"interval=nan", "GET", 400, "interval"),
+    (b"interval=1&interval=2", "GET", 400, "interval"),
+    (b"colour=blue", "GET", 400, "colour"),
+    (b"%ff=1", "GET", 400, "query"),
+    (b"ipc_name=", "GET", 400, "ipc_name"),
+    (b"ipc_name=nobody", "GET", 404, "nobody"),
+    (b"", "POST", 405, "GET"),
+])
+def test_a_bad_stream_request_is_a_one_line_4xx(ledger_control, query, method, status, names):
+    client = _Client(ledger_control, query, method)
+
+    async def during(c):
+        pass
+
+    client.run(during)
+    start, body = client.messages
+    assert start["status"] == status
+    error = json.loads(body["body"])["error"]
+    assert names in error and "\n" not in error
+
+
+def test_the_status_stream_on_kvmem_serves_port(tiny, tmp_path):
+    """``kvmem serve`` streams its engine's status behind its key; a limit set over HTTP
+    arrives in the stream, and the engine serves on."""
+    from serve_process import ServeProcess
+
+    server = ServeProcess(tiny, "--served-model-name", "tiny", "--max-model-len", "128",
+                          "--kv-memory", "elastic", "--engine-name", "streamed",
+                          "--kv-cache-memory-bytes", "4MiB", "--api-key", "s3cret",
+                          "--log-level", "warning",
+                          env={"KVMEM_LEDGER_DIR": str(tmp_path / "ledger")})
+    try:
+        with httpx.Client(base_url=server.base, timeout=30) as http:
+            assert http.get("/kvcache/status/stream").status_code == 401
+            seen = []
+            with http.stream("GET", "/kvcache/status/stream", params={"interval": 0.05},
+                             headers=KEY) as stream:
+                assert stream.headers["content-type"].startswith("text/event-stream")
+                for line in stream.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    seen.append(json.loads(line.removeprefix("data: ")))
+                    if len(seen) == 1:
+                        assert ceiling_of(seen[0]) == 4 * MIB
+                        assert http.post("/kvcache/limit", json={"size": "3M"},
+                                         headers=KEY).status_code == 200
+                    elif ceiling_of(seen[-1]) == 3 * MIB:
+                        break
+            assert seen[0]["self_ipc_name"] == "streamed"
+            complete(http, "still serving after the stream")
+    finally:
+        server.proc.terminate()
+        server.proc.wait(timeout=30)

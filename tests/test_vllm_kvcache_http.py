@@ -2,9 +2,9 @@
 memory and ``--middleware kvmem.integrations.vllm.KVCacheRoutes``, behind ``--api-key``.
 
 One server start: the routes refuse a request without the key (vLLM's own key check guards
-only ``/v1``), name the engine the plugin registered, set a ceiling that the ledger holds,
-trim it so that the engine's mapped memory falls to the new limit, and the server goes on
-giving the same greedy text.
+only ``/v1``), name the engine the plugin registered, set a ceiling that the ledger holds
+(and that the status stream shows), trim it so that the engine's mapped memory falls to
+the new limit, and the server goes on giving the same greedy text.
 """
 
 from __future__ import annotations
@@ -81,6 +81,14 @@ try:
     out["mapped_before"] = entry().mapped_bytes
     out["limit"] = call("/kvcache/limit", {"size": "48M"})
     out["ceiling"] = entry().ceiling_bytes
+    stream = urllib.request.urlopen(urllib.request.Request(
+        base + "/kvcache/status/stream?interval=0.1", headers=KEY), timeout=60)
+    out["stream_type"] = stream.headers["Content-Type"]
+    line = b""
+    while not line.startswith(b"data: "):
+        line = stream.readline()
+    out["streamed"] = json.loads(line.removeprefix(b"data: "))
+    stream.close()
     out["trim"] = call("/kvcache/trim", {})
     deadline = time.monotonic() + 30
     while (out["trim"][0] == 200 and entry().mapped_bytes > out["trim"][1]["new_limit"]
@@ -131,6 +139,12 @@ def test_a_limit_and_a_trim_reach_the_engine(live):
     assert status == 200, trim
     assert trim["new_limit"] == trim["safety_floor"] < live["mapped_before"]
     assert live["mapped_after"] <= trim["new_limit"]
+
+
+def test_the_status_stream_shows_the_new_ceiling(live):
+    assert live["stream_type"].startswith("text/event-stream")
+    engine = live["streamed"]["kvmem"]["engine"]
+    assert engine["name"] == live["entry_name"] and engine["ceiling_bytes"] == 48 << 20
 
 
 def test_the_server_keeps_serving_the_same_text(live):

@@ -1,8 +1,8 @@
 """Elastic KV memory steered over HTTP on an engine's own port, as control planes steer kvcached.
 
-``KVCacheControl`` answers five routes for one engine in the ledger (and, with
-``ipc_name``, for any other engine on the host), with kvcached's paths, fields and
-meanings, so a controller written for kvcached drives kvmem too:
+``KVCacheControl`` answers kvcached's five routes for one engine in the ledger (and,
+with ``ipc_name``, for any other engine on the host), with kvcached's paths, fields and
+meanings, so a controller written for kvcached drives kvmem too, and one of kvmem's own:
 
 - ``GET /kvcache/status``: the engine's use (kvcached's ``segments``) and kvmem's own view
   (floor, ceiling, mapped, live, cached, reclaims), as ``kvmem top --json`` shows it;
@@ -11,7 +11,9 @@ meanings, so a controller written for kvcached drives kvmem too:
 - ``POST /kvcache/limit_percent``: the ceiling as a share of the device's memory;
 - ``POST /kvcache/trim``: the ceiling down to what running requests hold (or ``target``),
   so the engine gives back its free pages and its prefix cache;
-- ``GET /kvcache/safety_floor``: the least ceiling, one request of its max_model_len.
+- ``GET /kvcache/safety_floor``: the least ceiling, one request of its max_model_len;
+- ``GET /kvcache/status/stream``: the status as Server-Sent Events, again at each change
+  (kvmem's own; ``kvmem.memory.status_stream``).
 
 A ceiling below the safety floor is raised to it (``clamped``): an engine under it could
 never run a request, so ``force`` cannot go lower. The engine applies a change at its next
@@ -22,6 +24,8 @@ integration loads it through vLLM's ``--middleware``. Torch-free.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import os
 import re
@@ -32,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from kvmem.errors import ConfigError
-from kvmem.memory import control
+from kvmem.memory import control, status_stream
 from kvmem.memory.ledger import LedgerError, UnknownEngineError, check_engine_name
 from kvmem.units import MAX_BYTES, format_bytes, parse_size
 
 PREFIX = "/kvcache/"
+STREAM_PATH = PREFIX + "status/stream"
 MAX_BODY = 4096  # the largest request these routes take is well under 200 bytes
 BODY_TIMEOUT_S = 10.0  # a body still not whole by then (a chunked one never ended): 408
 _BINARY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt])\s*$", re.IGNORECASE)
@@ -134,14 +139,24 @@ class KVCacheControl:
                   "limit": ("POST", self.limit), "limit_percent": ("POST", self.limit_percent),
                   "trim": ("POST", self.trim)}
         route = routes.get(path.removeprefix(PREFIX))
+        if route is None:
+            return 404, {"error": f"no route {path}; the routes are "
+                                  + ", ".join([PREFIX + r for r in routes] + [STREAM_PATH])}
+        want, fn = route
+        if method != want and not (want == "GET" and method == "HEAD"):
+            return 405, {"error": f"{path} takes {want}"}
         try:
-            if route is None:
-                raise ControlError(404, f"no route {path}; the routes are "
-                                        + ", ".join(PREFIX + r for r in routes))
-            want, fn = route
-            if method != want and not (want == "GET" and method == "HEAD"):
-                raise ControlError(405, f"{path} takes {want}")
-            return 200, fn(self._body(body) if want == "POST" else {})
+            parsed = self._body(body) if want == "POST" else {}
+        except ControlError as e:
+            return e.status, {"error": str(e)}
+        return self.run(fn, parsed)
+
+    @staticmethod
+    def run(fn: Callable[[dict[str, Any]], dict[str, Any]],
+            body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """``fn(body)`` as (status, JSON document); every refusal a 4xx with ``error``."""
+        try:
+            return 200, fn(body)
         except ControlError as e:
             return e.status, {"error": str(e)}
         except UnknownEngineError as e:
@@ -315,8 +330,9 @@ class KVCacheControlMiddleware:
             await _reply(send, 401, {"error": "invalid or missing API key (send "
                                               "'Authorization: Bearer KEY')"}, scope)
             return
-        import asyncio
-
+        if scope["path"] == STREAM_PATH:
+            await self._stream(scope, receive, send)
+            return
         try:
             body = await asyncio.wait_for(_read_body(receive), BODY_TIMEOUT_S)
         except TimeoutError:
@@ -330,6 +346,23 @@ class KVCacheControlMiddleware:
         status, doc = await asyncio.to_thread(self.control.handle, scope["method"],
                                               scope["path"], body)
         await _reply(send, status, doc, scope)
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /kvcache/status/stream`` (``kvmem.memory.status_stream``)."""
+        if scope["method"] != "GET":
+            await _reply(send, 405, {"error": f"{STREAM_PATH} takes GET"}, scope)
+            return
+        try:
+            interval, body = status_stream.parse_query(scope.get("query_string", b""))
+        except ValueError as e:
+            await _reply(send, 400, {"error": str(e)}, scope)
+            return
+        look = functools.partial(self.control.run, self.control.status, body)
+        status, doc = await asyncio.to_thread(look)
+        if status != 200:
+            await _reply(send, status, doc, scope)
+            return
+        await status_stream.serve(look, doc, interval, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         keys = self._keys(scope) if callable(self._keys) else self._keys
