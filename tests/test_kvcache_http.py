@@ -412,6 +412,21 @@ def test_the_status_stream_on_kvmem_serves_port(tiny, tmp_path):
                         break
             assert seen[0]["self_ipc_name"] == "streamed"
             complete(http, "still serving after the stream")
+
+            # a server told to stop ends its open streams first: they do not hold its
+            # graceful shutdown (uvicorn would wait for them, then cancel them after
+            # GRACEFUL_SHUTDOWN_S + its margin, 10 s)
+            lines = []
+            with http.stream("GET", "/kvcache/status/stream", headers=KEY) as stream:
+                for line in stream.iter_lines():
+                    lines.append(line)
+                    if line.startswith("data: ") and len(lines) < 3:
+                        stopped = time.monotonic()
+                        server.proc.terminate()
+            assert lines[-3:-1] == ["event: gone",
+                                    'data: {"error": "the server is shutting down"}']
+            server.proc.wait(timeout=30)
+            assert time.monotonic() - stopped < 5
     finally:
-        server.proc.terminate()
+        server.proc.kill()
         server.proc.wait(timeout=30)

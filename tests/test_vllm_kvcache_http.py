@@ -4,7 +4,8 @@ memory and ``--middleware kvmem.integrations.vllm.KVCacheRoutes``, behind ``--ap
 One server start: the routes refuse a request without the key (vLLM's own key check guards
 only ``/v1``), name the engine the plugin registered, set a ceiling that the ledger holds
 (and that the status stream shows), trim it so that the engine's mapped memory falls to
-the new limit, and the server goes on giving the same greedy text.
+the new limit, and the server goes on giving the same greedy text; a stream open when the
+server stops ends with it.
 """
 
 from __future__ import annotations
@@ -97,12 +98,24 @@ try:
     out["mapped_after"] = entry().mapped_bytes
     out["text_after"] = complete(prompts[0])
     out["bad"] = call("/kvcache/limit", {"size": "banana"})
-finally:
+    # a stream open while the server stops: vLLM stops its engine first, whose ledger
+    # entry goes with it, so the stream ends (event: gone) rather than hold the shutdown
+    stream = urllib.request.urlopen(urllib.request.Request(
+        base + "/kvcache/status/stream?interval=0.1", headers=KEY), timeout=120)
+    while not stream.readline().startswith(b"data: "):
+        pass
+    stopped = time.monotonic()
     server.send_signal(signal.SIGINT)
-    try:
-        server.wait(60)
-    except subprocess.TimeoutExpired:
-        server.kill()
+    out["stream_end"] = [line.decode().strip() for line in stream.readlines()][-3:]
+    server.wait(60)
+    out["exited_after_s"] = time.monotonic() - stopped
+finally:
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
 print("RESULT " + json.dumps(out), flush=True)
 """
 
@@ -145,6 +158,12 @@ def test_the_status_stream_shows_the_new_ceiling(live):
     assert live["stream_type"].startswith("text/event-stream")
     engine = live["streamed"]["kvmem"]["engine"]
     assert engine["name"] == live["entry_name"] and engine["ceiling_bytes"] == 48 << 20
+
+
+def test_an_open_stream_ends_when_the_server_stops(live):
+    kind, data, _ = live["stream_end"]
+    assert kind == "event: gone" and "no running engine" in data
+    assert live["exited_after_s"] < 60
 
 
 def test_the_server_keeps_serving_the_same_text(live):

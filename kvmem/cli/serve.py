@@ -73,7 +73,10 @@ def _server_class(base: type) -> type:
             self._abort_timer.daemon = True
 
         def handle_exit(self, sig, frame) -> None:
+            from kvmem.memory import status_stream
+
             super().handle_exit(sig, frame)
+            status_stream.end_all()  # open status streams would hold the shutdown
             if self._abort_timer.ident is None:  # the first signal starts the countdown
                 self._abort_timer.start()
 

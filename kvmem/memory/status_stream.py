@@ -8,8 +8,10 @@ from the last one sent, looking every ``interval`` seconds (query ``?interval=``
 default, 0.05 to 60; ``?ipc_name=`` names another engine, as in the other routes). A
 comment line every ``KEEPALIVE_S`` keeps proxies from closing a quiet stream. When the
 engine leaves the ledger, an event ``gone`` carries the error and the stream ends; the
-client may close it at any time. Each look is one read of the ledger (about 0.1 ms), off
-the event loop. Torch-free.
+client may close it at any time. A server that shuts down calls ``end_all`` first (an
+open stream would otherwise hold its graceful shutdown until the client leaves): each
+stream then sends ``gone`` too, at once. Each look is one read of the ledger (about
+0.1 ms), off the event loop. Torch-free.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ _AGES = ("idle_s", "heartbeat_age_s")
 
 Look = Callable[[], tuple[int, dict[str, Any]]]  # (HTTP status, document), blocking
 Message = dict[str, Any]
+
+_open: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()  # each stream's end
+
+
+def end_all() -> None:
+    """End every open stream now (its server is shutting down); from any thread, or a
+    signal handler."""
+    for loop, ending in list(_open):
+        loop.call_soon_threadsafe(ending.set)
 
 
 def parse_query(query: bytes) -> tuple[float, dict[str, Any]]:
@@ -74,7 +85,7 @@ async def serve(look: Look, first: dict[str, Any], interval: float,
                 receive: Callable[[], Awaitable[Message]],
                 send: Callable[[Message], Awaitable[None]]) -> None:
     """Stream ``first`` (the status just read), then each changed status ``look`` reads,
-    until the client leaves or ``look`` answers other than 200."""
+    until the client leaves, ``look`` answers other than 200, or ``end_all`` is called."""
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
@@ -83,12 +94,19 @@ async def serve(look: Look, first: dict[str, Any], interval: float,
     loop = asyncio.get_running_loop()
     last, sent_at = _without_ages(first), loop.time()
     left = asyncio.ensure_future(_until_disconnect(receive))
+    ending = asyncio.Event()
+    ended = asyncio.ensure_future(ending.wait())
+    _open.add((loop, ending))
     try:
         while True:
-            done, _ = await asyncio.wait({left}, timeout=interval)
-            if done:
+            await asyncio.wait({left, ended}, timeout=interval,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if left.done():
                 return  # the client went away: nothing more to send
-            status, doc = await asyncio.to_thread(look)
+            if ended.done():
+                status, doc = 503, {"error": "the server is shutting down"}
+            else:
+                status, doc = await asyncio.to_thread(look)
             if status != 200:
                 await send({"type": "http.response.body", "body": event("gone", doc),
                             "more_body": False})
@@ -103,7 +121,9 @@ async def serve(look: Look, first: dict[str, Any], interval: float,
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             last, sent_at = key, now
     finally:
+        _open.discard((loop, ending))
         left.cancel()
+        ended.cancel()
 
 
 async def _until_disconnect(receive: Callable[[], Awaitable[Message]]) -> None:
