@@ -15,7 +15,9 @@ def test_freezing_keeps_objects_alive_now_out_of_later_collections():
     try:
         assert gc.is_tracked(built) and any(o is built for o in gc.get_objects())
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects that die later leave the count (other threads of the test
+        # process may drop some meanwhile); nothing joins it but by another freeze
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(o is built for o in gc.get_objects())  # no generation walks it
         cycle = Node()
         cycle.links.append(cycle)
