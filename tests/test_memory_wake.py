@@ -262,3 +262,49 @@ def test_wake_ups_from_anyone_wake_vllms_engine_core_only_when_the_ledger_asks(t
     finally:
         watch.stop()
         a.close()
+
+
+def test_wake_ups_while_the_engines_answer_is_on_its_way_wait_for_it(tmp_path):
+    """The engine answers on its own thread, later (``on_due``): the asker's wake-ups
+    meanwhile send no heartbeat (each would write the ledger beside the answer), and one
+    comes at once when the answer is given, for what was asked meanwhile."""
+    ledger = Ledger.for_device("cpu", tmp_path)
+    storage = ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=64, backend=FakeBackend(4096),
+                               blocks_per_page=4, reserve_pages=4, start=False,
+                               budget=ledger.register("a"))
+    page = storage.geometry.page_bytes
+    ledger.set_total_limit(8 * page)
+    handed: list = []
+    storage.start(on_due=handed.append)  # the engine's loop would answer at its step end
+    budget = storage.budget
+    try:
+        storage.settle()
+        storage._premap.interval = 3600.0  # heartbeats only when woken
+        beats = []
+        report = budget.report
+        budget.report = lambda *a: (beats.append(time.monotonic()), report(*a))[1]
+        b = ledger.register("b")
+        assert not b.try_acquire(6 * page)  # an ask, and a wake-up
+        deadline = time.monotonic() + 5
+        while not handed:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.05)
+        seen = len(beats)
+        for _ in range(5):  # the asker, waiting, wakes it at each of its steps
+            wake.wake([budget.address()])
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert len(beats) == seen  # none while the answer is owed
+        storage.answer(handed[-1])
+        while len(beats) == seen:  # the deferred one, at once
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert b.try_acquire(6 * page)
+        seen = len(beats)
+        wake.wake([budget.address()])  # nothing owed now: woken as usual
+        while len(beats) == seen:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        storage.close()

@@ -113,6 +113,8 @@ class ElasticKVStorage:
         self._premap: PremapThread | None = None
         self._reclaim: Callable[[int], int] = self.give_back
         self._on_due: Callable[[BudgetState], None] = self.answer
+        self._owed = False  # an answer handed to the engine (on_due), not yet given
+        self._woken_meanwhile = False  # a wake-up came while it was owed
         if start and world_size == 1:
             self.start()
 
@@ -162,7 +164,7 @@ class ElasticKVStorage:
         self._on_due = on_due or self.answer
         self._premap = premap = PremapThread(self.table, heartbeat=self._heartbeat)
         # woken by the engines that ask it for memory; where none can wake it, it polls
-        if self.budget is not None and not self.budget.listen(premap.wake):
+        if self.budget is not None and not self.budget.listen(self._wake):
             premap.watch = self._watch
         premap.start()
 
@@ -188,14 +190,37 @@ class ElasticKVStorage:
         with t.cond:
             t.cond.notify_all()  # the caps it read (the budget keeps them) may free work
         if reclaim.due(t, state) > 0:
+            if self._on_due != self.answer:  # the engine answers, later, on its thread
+                with t.cond:
+                    self._owed = True
             self._on_due(state)
+
+    def _wake(self) -> None:
+        """Another engine asked, or a limit changed: the heartbeat now. While an answer
+        handed to the engine is on its way, it comes once that answer is written instead:
+        the asker wakes this engine at each of its steps, and a heartbeat meanwhile would
+        only write the ledger beside the answer, which waits for its lock."""
+        premap = self._premap
+        if premap is None:
+            return
+        with self.table.cond:
+            if self._owed:
+                self._woken_meanwhile = True
+                return
+        premap.wake()
 
     def answer(self, state: BudgetState) -> int:
         """Give back what the heartbeat that read ``state`` found due, and answer the
         ledger (``reclaim.answer``); the bytes given."""
         if self.budget is None:
             return 0
-        return reclaim.answer(self.table, self.budget, state, self._reclaim)
+        try:
+            return reclaim.answer(self.table, self.budget, state, self._reclaim)
+        finally:
+            with self.table.cond:
+                woken, self._owed, self._woken_meanwhile = self._woken_meanwhile, False, False
+            if woken and self._premap is not None:
+                self._premap.wake()  # what was asked meanwhile is read now
 
     def _watch(self) -> bool:
         """Whether an ask to give back, or a lowered limit, waits in the ledger."""
