@@ -140,6 +140,17 @@ def test_closing_a_listener_ends_its_thread(tmp_path):
     assert threading.active_count() == before
 
 
+def idle_storage(tmp_path) -> tuple[Ledger, ElasticKVStorage, int]:
+    """Engine ``a``'s storage (not started) under a device total of 8 of its pages."""
+    ledger = Ledger.for_device("cpu", tmp_path)
+    storage = ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=64, backend=FakeBackend(4096),
+                               blocks_per_page=4, reserve_pages=4, start=False,
+                               budget=ledger.register("a"))
+    page = storage.geometry.page_bytes
+    ledger.set_total_limit(8 * page)
+    return ledger, storage, page
+
+
 @pytest.mark.parametrize("woken", [True, False], ids=["woken", "polled"])
 def test_an_idle_storage_answers_an_ask_without_waiting_for_its_heartbeat(tmp_path,
                                                                            monkeypatch, woken):
@@ -147,12 +158,7 @@ def test_an_idle_storage_answers_an_ask_without_waiting_for_its_heartbeat(tmp_pa
     off, the 50 ms look at the ledger) can make it answer."""
     if not woken:
         monkeypatch.setenv("KVMEM_MEMORY_WAKE", "0")
-    ledger = Ledger.for_device("cpu", tmp_path)
-    storage = ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=64, backend=FakeBackend(4096),
-                               blocks_per_page=4, reserve_pages=4, start=False,
-                               budget=ledger.register("a"))
-    page = storage.geometry.page_bytes
-    ledger.set_total_limit(8 * page)
+    ledger, storage, page = idle_storage(tmp_path)
     storage.start()
     try:
         storage.settle()
@@ -268,12 +274,7 @@ def test_wake_ups_while_the_engines_answer_is_on_its_way_wait_for_it(tmp_path):
     """The engine answers on its own thread, later (``on_due``): the asker's wake-ups
     meanwhile send no heartbeat (each would write the ledger beside the answer), and one
     comes at once when the answer is given, for what was asked meanwhile."""
-    ledger = Ledger.for_device("cpu", tmp_path)
-    storage = ElasticKVStorage(3, SHAPE, torch.float32, max_blocks=64, backend=FakeBackend(4096),
-                               blocks_per_page=4, reserve_pages=4, start=False,
-                               budget=ledger.register("a"))
-    page = storage.geometry.page_bytes
-    ledger.set_total_limit(8 * page)
+    ledger, storage, page = idle_storage(tmp_path)
     handed: list = []
     storage.start(on_due=handed.append)  # the engine's loop would answer at its step end
     budget = storage.budget
