@@ -113,6 +113,7 @@ class ElasticKVStorage:
         self._premap: PremapThread | None = None
         self._reclaim: Callable[[int], int] = self.give_back
         self._on_due: Callable[[BudgetState], None] = self.answer
+        self._answers_later = False  # on_due hands answers to the engine's own thread
         self._owed = False  # an answer handed to the engine (on_due), not yet given
         self._woken_meanwhile = False  # a wake-up came while it was owed
         if start and world_size == 1:
@@ -162,6 +163,7 @@ class ElasticKVStorage:
             return
         self._reclaim = reclaim or self.give_back
         self._on_due = on_due or self.answer
+        self._answers_later = on_due is not None
         self._premap = premap = PremapThread(self.table, heartbeat=self._heartbeat)
         # woken by the engines that ask it for memory; where none can wake it, it polls
         if self.budget is not None and not self.budget.listen(self._wake):
@@ -190,7 +192,7 @@ class ElasticKVStorage:
         with t.cond:
             t.cond.notify_all()  # the caps it read (the budget keeps them) may free work
         if reclaim.due(t, state) > 0:
-            if self._on_due != self.answer:  # the engine answers, later, on its thread
+            if self._answers_later:
                 with t.cond:
                     self._owed = True
             self._on_due(state)

@@ -74,10 +74,8 @@ def event(name: str, doc: dict[str, Any]) -> bytes:
 
 def _without_ages(doc: dict[str, Any]) -> str:
     """The document as compared between looks: the engine's ages left out."""
-    engine = doc.get("kvmem", {}).get("engine")
-    if isinstance(engine, dict):
-        doc = {**doc, "kvmem": {**doc["kvmem"],
-                                "engine": {k: v for k, v in engine.items() if k not in _AGES}}}
+    engine = {k: v for k, v in doc["kvmem"]["engine"].items() if k not in _AGES}
+    doc = {**doc, "kvmem": {**doc["kvmem"], "engine": engine}}
     return json.dumps(doc, sort_keys=True)
 
 
