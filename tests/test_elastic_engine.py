@@ -598,7 +598,8 @@ def test_an_idle_engine_gives_its_cache_to_a_busy_one_and_reloads_it_from_its_ti
 def test_a_serving_engine_gives_back_on_its_loop_between_steps(tiny):
     """While an engine loop runs (``kvmem serve``'s), memory another engine asks for goes
     back on the loop's thread, at a step boundary: the memory thread only wakes it. Once
-    the loop has stopped, the memory thread gives back itself, under the step lock."""
+    the loop has stopped, the thread that took the wake-up gives back itself, under the
+    step lock."""
     from kvmem.engine.async_engine import AsyncLLMEngine
 
     prompts = [[(i * 31 + j) % 250 + 1 for j in range(100)] for i in range(4)]
@@ -631,7 +632,7 @@ def test_a_serving_engine_gives_back_on_its_loop_between_steps(tiny):
         asker.release(asker.held_bytes)
         assert not asker.try_acquire(held)
         assert answered.wait(10)
-        assert threads[1] == "kvmem-premap"  # no loop: the memory thread
+        assert threads[1] == "kvmem-wake"  # no loop: the wake-up's thread, under the lock
         asker.close()
     finally:
         looped.shutdown()

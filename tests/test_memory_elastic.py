@@ -397,7 +397,7 @@ def test_an_idle_storage_gives_back_what_it_caches_when_another_engine_asks(tmp_
         assert held >= 10 * page
         answered = threading.Event()
         gave_back = storage.budget.gave_back
-        storage.budget.gave_back = lambda n, s: (gave_back(n, s), answered.set())
+        storage.budget.gave_back = lambda n, s, **kw: (gave_back(n, s, **kw), answered.set())
         b = ledger.register("b")
         assert not b.try_acquire(6 * page)
         assert answered.wait(5), "a never gave back"

@@ -166,7 +166,7 @@ def test_an_idle_storage_answers_an_ask_without_waiting_for_its_heartbeat(tmp_pa
         storage._premap.interval = 3600.0  # no heartbeat from here on
         answered = threading.Event()
         gave_back = storage.budget.gave_back
-        storage.budget.gave_back = lambda n, s: (gave_back(n, s), answered.set())
+        storage.budget.gave_back = lambda n, s, **kw: (gave_back(n, s, **kw), answered.set())
         b = ledger.register("b")
         assert not b.try_acquire(6 * page)
         assert answered.wait(5)
@@ -270,6 +270,50 @@ def test_wake_ups_from_anyone_wake_vllms_engine_core_only_when_the_ledger_asks(t
         a.close()
 
 
+def count_heartbeats(budget) -> list[float]:
+    """When each of ``budget``'s heartbeats (``report``: a ledger write) came, from now."""
+    beats: list[float] = []
+    report = budget.report
+    budget.report = lambda *a: (beats.append(time.monotonic()), report(*a))[1]
+    return beats
+
+
+def ask_for_six_pages(ledger, page: int, handed: list):
+    """Engine ``b`` asks for six pages (an ask of ``a``, and a wake-up); once ``a`` handed
+    it over to ``handed``: ``b`` and a deadline 5 s from the ask."""
+    b = ledger.register("b")
+    assert not b.try_acquire(6 * page)
+    deadline = time.monotonic() + 5
+    while not handed:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return b, deadline
+
+
+def test_an_ask_is_handed_to_the_engine_from_the_wake_up_itself(tmp_path):
+    """The wake-up's thread reads the ask and hands it over: no heartbeat (a ledger write)
+    and no hop to the pre-mapping thread before the engine answers. The answer's write
+    then tells the ledger what the engine holds live and cached, as a heartbeat would
+    (what the next ask of it is measured against)."""
+    ledger, storage, page = idle_storage(tmp_path)
+    handed: list = []
+    storage.start(on_due=lambda state: handed.append((threading.current_thread().name, state)))
+    budget = storage.budget
+    try:
+        storage.settle()
+        storage._premap.interval = 3600.0  # heartbeats only when woken
+        budget.report(3 * page, page)  # what an earlier heartbeat said: out of date now
+        beats = count_heartbeats(budget)
+        b, deadline = ask_for_six_pages(ledger, page, handed)
+        assert [name for name, _ in handed] == ["kvmem-wake"] and beats == []
+        storage.answer(handed[0][1])
+        entry = ledger.read().engines["a"]
+        assert (entry.live_bytes, entry.cached_bytes) == storage.table.usage_bytes() \
+            != (3 * page, page)
+    finally:
+        storage.close()
+
+
 def test_wake_ups_while_the_engines_answer_is_on_its_way_wait_for_it(tmp_path):
     """The engine answers on its own thread, later (``on_due``): the asker's wake-ups
     meanwhile send no heartbeat (each would write the ledger beside the answer), and one
@@ -281,15 +325,8 @@ def test_wake_ups_while_the_engines_answer_is_on_its_way_wait_for_it(tmp_path):
     try:
         storage.settle()
         storage._premap.interval = 3600.0  # heartbeats only when woken
-        beats = []
-        report = budget.report
-        budget.report = lambda *a: (beats.append(time.monotonic()), report(*a))[1]
-        b = ledger.register("b")
-        assert not b.try_acquire(6 * page)  # an ask, and a wake-up
-        deadline = time.monotonic() + 5
-        while not handed:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        beats = count_heartbeats(budget)
+        b, deadline = ask_for_six_pages(ledger, page, handed)
         time.sleep(0.05)
         seen = len(beats)
         for _ in range(5):  # the asker, waiting, wakes it at each of its steps

@@ -321,15 +321,19 @@ class EngineBudget:
             return BudgetState(self.held_bytes, allowed(table, entry), entry.reclaim_bytes,
                                attainable(table, entry), start)
 
-    def gave_back(self, nbytes: int, answered: BudgetState) -> None:
+    def gave_back(self, nbytes: int, answered: BudgetState,
+                  usage: tuple[int, int] | None = None) -> None:
         """It answered the ask it read in ``answered``: ``nbytes`` went back (already
         ``release``d). Whatever it could not give is asked again by the engine still
         short; what was asked after that read stays asked (asked since the read began).
         How long after the ask it answered is kept in its entry (``answered_s``) and here;
         when the answer was written, in ``answered_at`` (a state read before then may hold
-        the ask it answered)."""
+        the ask it answered). ``usage``: its live and cached bytes now, as ``report``
+        records them (what other engines may ask of it next)."""
         def change(entry: LedgerEntry, table: LedgerTable) -> None:
             now = time.time()
+            if usage is not None:
+                entry.live_bytes, entry.cached_bytes = usage
             if entry.reclaim_bytes and entry.asked_at:
                 entry.answered_s = self.answered_s = max(0.0, now - entry.asked_at)
             later = max(0, entry.reclaim_bytes - answered.reclaim_bytes)

@@ -187,29 +187,41 @@ class ElasticKVStorage:
         if self.budget is None:
             return
         t = self.table
-        state = self.budget.report(t.live_kv_blocks * t.block_bytes,
-                                   len(t.cached) * t.block_bytes)
+        state = self.budget.report(*t.usage_bytes())
         with t.cond:
             t.cond.notify_all()  # the caps it read (the budget keeps them) may free work
-        if reclaim.due(t, state) > 0:
-            if self._answers_later:
-                with t.cond:
-                    self._owed = True
-            self._on_due(state)
+        self._hand_over(state)
+
+    def _hand_over(self, state: BudgetState) -> bool:
+        """Give back what ``state`` finds due, or hand it to the engine (``on_due``);
+        whether anything was due."""
+        if reclaim.due(self.table, state) <= 0:
+            return False
+        if self._answers_later:
+            with self.table.cond:
+                self._owed = True
+        self._on_due(state)
+        return True
 
     def _wake(self) -> None:
-        """Another engine asked, or a limit changed: the heartbeat now. While an answer
-        handed to the engine is on its way, it comes once that answer is written instead:
-        the asker wakes this engine at each of its steps, and a heartbeat meanwhile would
-        only write the ledger beside the answer, which waits for its lock."""
-        premap = self._premap
-        if premap is None:
+        """Another engine asked, or a limit changed. What is due is read from the ledger
+        here, on the wake-up's thread, and handed over at once: a read, neither a ledger
+        write nor a hop to the pre-mapping thread before the answer. Anything else (a
+        raised limit, which may let pre-mapping go on) is the heartbeat's, now.
+
+        While an answer handed to the engine is on its way, the next look comes once that
+        answer is written instead: the asker wakes this engine at each of its steps, and
+        a heartbeat meanwhile would only write the ledger beside the answer, which waits
+        for its lock."""
+        premap, budget = self._premap, self.budget
+        if premap is None or budget is None:
             return
         with self.table.cond:
             if self._owed:
                 self._woken_meanwhile = True
                 return
-        premap.wake()
+        if not self._hand_over(budget.peek()):
+            premap.wake()
 
     def answer(self, state: BudgetState) -> int:
         """Give back what the heartbeat that read ``state`` found due, and answer the

@@ -113,6 +113,10 @@ class PageTable:
         """Blocks running requests hold (cached-free ones excluded)."""
         return self.pages.live_blocks - self.placement.cached_live
 
+    def usage_bytes(self) -> tuple[int, int]:
+        """The bytes of live KV and of cached blocks it holds, as the ledger is told."""
+        return self.live_kv_blocks * self.block_bytes, len(self.cached) * self.block_bytes
+
     # ---- the capacity guard -----------------------------------------------------------------
 
     def can_allocate(self, n: int) -> bool:

@@ -71,7 +71,9 @@ def answer(table: PageTable, budget: EngineBudget, state: BudgetState,
         return reclaim(want) if want > 0 else 0
     with budget.answering():
         given = reclaim(want) if want > 0 else 0
-    budget.gave_back(given, state)  # one ledger write: the answer and the bytes released
+    # one ledger write: the answer, the bytes released and what it holds live and cached
+    # now (an ask read on a wake-up is answered with no heartbeat before it)
+    budget.gave_back(given, state, usage=table.usage_bytes())
     return given
 
 
