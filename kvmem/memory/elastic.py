@@ -280,6 +280,7 @@ class ElasticKVStorage:
     def stats(self) -> ElasticStats:
         t, geo, b = self.table, self.geometry, self.budget
         with t.cond:
+            live_bytes, cached_bytes = t.usage_bytes()
             return ElasticStats(
                 reserved_bytes=geo.num_pages * t.page_bytes,
                 mapped_bytes=t.mapped_pages * t.page_bytes, held_bytes=t.held_bytes,
@@ -287,8 +288,7 @@ class ElasticKVStorage:
                 mapped_pages=t.mapped_pages,
                 live_blocks=t.pages.live_blocks, free_blocks=t.num_free, maps=t.pages.maps,
                 unmaps=t.pages.unmaps, limit_bytes=t.allowed_bytes, cached_blocks=len(t.cached),
-                cached_bytes=len(t.cached) * t.block_bytes,
-                live_bytes=t.live_kv_blocks * t.block_bytes,
+                cached_bytes=cached_bytes, live_bytes=live_bytes,
                 floor_bytes=b.floor_bytes if b is not None else 0,
                 ceiling_bytes=b.ceiling_bytes if b is not None else None,
                 reclaimed_bytes=b.reclaimed_bytes if b is not None else 0,

@@ -246,7 +246,7 @@ class ElasticPool:
         limit (``kvmem.memory.reclaim``: free pages, then cached-only pages); trim free
         pages."""
         t, budget = self.table, self.view.budget
-        state = self.view.refresh(self.used_bytes, len(t.cached) * self.block_bytes)
+        state = self.view.refresh(*t.usage_bytes())
         reclaim.answer(t, budget, state,
                        lambda n: reclaim.give_back(t, n, budget.floor_bytes, self._drop_cached))
         reclaim.trim(t)
