@@ -23,6 +23,7 @@ from kvmem.cache.hashing import hash_request_tokens
 from kvmem.engine.config import EngineConfig
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
+from kvmem.errors import ConfigError
 from kvmem.tiers import Faults, OffloadConfig
 from kvmem.tiers.blocks import key_name
 from kvmem.tiers.faults import NO_FAULTS
@@ -197,6 +198,7 @@ _RESTART_SCRIPT = """
 import json, sys
 from kvmem.cache.hashing import hash_request_tokens
 from kvmem.engine.config import EngineConfig
+from kvmem.errors import ConfigError
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.tiers import OffloadConfig
@@ -399,6 +401,40 @@ def test_tier_misses_count_every_block_past_the_pool_hit(tmp_path, tiny_model):
         connector.shutdown()
 
 
+@pytest.mark.parametrize("min_load_tokens", [96, 97])
+def test_a_tier_hit_under_the_break_even_length_is_recomputed(tiny_model, min_load_tokens):
+    """``min_load_tokens``: a tier hit of 96 tokens loads at 96 and is recomputed at 97 (a
+    short hit in its tier, neither hit nor miss); the tokens are the same either way."""
+    rng = random.Random(7)
+    a, b = ([rng.randrange(0, 256) for _ in range(100)] for _ in range(2))
+    engine = make_engine(num_blocks=8, max_model_len=112, model=tiny_model,
+                         bytes_per_token=TINY_BYTES_PER_TOKEN,
+                         offload=OffloadConfig(cpu_bytes=16 << 20,
+                                               min_load_tokens=min_load_tokens))
+    connector = engine.offload
+    try:
+        _, first = run_one(engine, "a", a)
+        run_one(engine, "b", b)  # evicts a's blocks from the pool
+        connector.offload.drain()
+        request, again = run_one(engine, "a-again", a)
+        cpu = engine.snapshot().offload["cpu"]
+        loaded = min_load_tokens <= 96
+        assert request.num_cached_tokens == (96 if loaded else 0)
+        assert (cpu.hits, cpu.short_hits, cpu.misses) == ((6, 0, 12) if loaded else (0, 6, 12))
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        connector.shutdown()
+
+
+def test_the_break_even_length_is_a_whole_number_of_tokens():
+    with pytest.raises(ConfigError, match="--offload-min-load-tokens must be a whole number"):
+        OffloadConfig(cpu_bytes=1 << 20, min_load_tokens=-1)
+    with pytest.raises(ConfigError, match="--offload-min-load-tokens"):
+        EngineConfig(cpu_offload_gib=1, offload_min_load_tokens=1.5).offload_config()
+    assert "hits under 512 tokens recomputed" in OffloadConfig(
+        cpu_bytes=1 << 30, min_load_tokens=512).describe()
+
+
 def test_preempted_request_resumes_from_the_cpu_tier(tiny_model):
     """Two requests outgrow an 8-block pool: the newer is preempted, its blocks are offered
     to the CPU tier at once, the older one's growth evicts them from the pool, and the
@@ -484,6 +520,7 @@ def test_a_long_prompt_comes_back_from_a_disk_tier_with_fewer_staging_rows(tmp_p
 _INSTANCE_SCRIPT = """
 import json, sys
 from kvmem.engine.config import EngineConfig
+from kvmem.errors import ConfigError
 from kvmem.engine.llm_engine import LLMEngine
 from kvmem.engine.sampling_params import SamplingParams
 from kvmem.tiers import OffloadConfig

@@ -124,6 +124,17 @@ side.update_connector_output(output(sending={"r"}))
 assert not side.has_pending_block_frees()
 assert side.request_finished(request("v", computed=7), [3, 4]) == (False, None)  # all held
 assert side.request_finished(request("w", mm_features=[1], computed=17), [1, 2]) == (False, None)
+# min_load_tokens: a hit sparing fewer tokens is recomputed, its found blocks sent to the
+# workers as short hits (neither loaded nor missed), counted once when vLLM allocates
+short = SchedulerSide([GroupRule("full")], bs, num_ranks=1, min_load_tokens=9)
+short.update_connector_output(output(TierReport({0: [(n, True) for n in names[:2]]})))
+assert short.get_num_new_matched_tokens(request("x"), 0) == (0, False)  # 8 tokens < 9
+short.update_state_after_alloc(request("x"), NS(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)
+meta = short.build_connector_meta()
+assert meta.loads == [] and [key_name(k) for k in meta.short_hit_keys] == names[:2]
+assert meta.not_found_blocks == 2  # blocks 2 and 3: in no tier
+short.update_connector_output(output(TierReport({0: [(names[2], True)]})))
+assert short.get_num_new_matched_tokens(request("x"), 0) == (12, False)  # 12 >= 9: loads
 
 def deployment(tp=1, pp=1, groups=1, block=16, sched_block=16, sleep=False, mamba=None):
     pc = NS(world_size=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp)

@@ -22,12 +22,14 @@ BLOCK_NBYTES = 2 * SHAPE.elements_per_block * 4
 def test_extra_config_gives_offload_settings_and_faults(tmp_path) -> None:
     config, faults = parse_extra_config({
         "cpu_offload_gib": 0.5, "disk_offload_dir": str(tmp_path), "disk_offload_gib": 2,
-        "offload_policy": "seen-twice", "faults": {"store_delay_s": 0.25}})
+        "offload_policy": "seen-twice", "min_load_tokens": 2048,
+        "faults": {"store_delay_s": 0.25}})
     key = "KvmemConnector: kv_connector_extra_config[{!r}]".format
     assert config == OffloadConfig(cpu_bytes=GiB // 2, disk_dir=str(tmp_path),
-                                   disk_bytes=2 * GiB, policy="seen-twice", names=SettingNames(
+                                   disk_bytes=2 * GiB, policy="seen-twice",
+                                   min_load_tokens=2048, names=SettingNames(
                                        key("cpu_offload_gib"), key("disk_offload_dir"),
-                                       key("disk_offload_gib")))
+                                       key("disk_offload_gib"), key("min_load_tokens")))
     assert faults.store_delay_s == 0.25
     assert parse_extra_config({"cpu_offload_gib": 1})[0].disk_bytes == 0
     # a directory that does not exist yet is created by the tier
@@ -51,6 +53,10 @@ def a_file(tmp_path_factory):
     ({"cpu_offload_gib": float("nan")}, "non-negative number"),
     ({"cpu_offload_gib": True}, "must be a number of GiB"),
     ({"cpu_offload_gib": 1e9}, "'cpu_offload_gib'] 1e+09 exceeds the"),
+    ({"cpu_offload_gib": 1, "min_load_tokens": "512"}, "'min_load_tokens'] must be a whole "
+                                                       "number of tokens, 0 or more, got '512'"),
+    ({"cpu_offload_gib": 1, "min_load_tokens": -1}, "'min_load_tokens'] must be a whole"),
+    ({"cpu_offload_gib": 1, "min_load_tokens": True}, "'min_load_tokens'] must be a whole"),
     ({"disk_offload_gib": 1}, "'disk_offload_gib' needs 'disk_offload_dir'"),
     ({"disk_offload_dir": "/x"}, "'disk_offload_dir' needs 'disk_offload_gib'"),
     ({"disk_offload_dir": "FILE", "disk_offload_gib": 1}, "'disk_offload_dir'] 'FILE' is not a "

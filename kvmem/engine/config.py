@@ -62,6 +62,7 @@ class EngineConfig:
     disk_offload_dir: str | None = None
     disk_offload_gib: float = 0.0
     offload_policy: str = "lru"  # lru | seen-twice (admit a block on its second offer)
+    offload_min_load_tokens: int = 0  # tier hits sparing fewer tokens are recomputed
     # where KV bytes live (kvmem.memory): plain preallocated tensors, or elastic pages mapped
     # on demand under a limit shared with other engines on the device (ledger)
     kv_memory: str = "plain"  # plain | elastic
@@ -149,7 +150,8 @@ class EngineConfig:
         from kvmem.tiers.config import OffloadConfig
 
         return OffloadConfig.from_gib(self.cpu_offload_gib, self.disk_offload_dir,
-                                      self.disk_offload_gib, self.offload_policy)
+                                      self.disk_offload_gib, self.offload_policy,
+                                      min_load_tokens=self.offload_min_load_tokens)
 
     @property
     def world_size(self) -> int:
@@ -272,3 +274,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
                      choices=OFFLOAD_POLICIES,
                      help="tier admission: lru stores every block; seen-twice stores a block "
                           "on its second offer (default lru)")
+    off.add_argument("--offload-min-load-tokens", type=int, default=d.offload_min_load_tokens,
+                     metavar="N", help="recompute a prompt's prefix instead of loading it "
+                     "from a tier when the load would spare fewer than N tokens: the "
+                     "break-even length where a prefill is faster than the copy, e.g. on a "
+                     "fast GPU (default 0: every tier hit loads)")

@@ -32,6 +32,7 @@ class SettingNames:
     cpu_bytes: str = "--cpu-offload-gib"
     disk_dir: str = "--disk-offload-dir"
     disk_bytes: str = "--disk-offload-gib"
+    min_load_tokens: str = "--offload-min-load-tokens"
 
 
 FLAG_NAMES = SettingNames()
@@ -51,6 +52,10 @@ class OffloadConfig:
     # Host rows (pinned on CUDA) carrying blocks the CPU tier does not hold to the disk
     # writer: a store waits for one to be free (STAGING_WAIT_S at most), then skips the disk.
     staging_bytes: int = 512 * MiB
+    # A tier hit that would spare the request fewer prompt tokens than this is recomputed
+    # instead of loaded: on a fast device a short prefill beats a copy over the host link
+    # (0: every hit loads).
+    min_load_tokens: int = 0
     names: SettingNames = FLAG_NAMES
     # False: the directory is a name in a plan for another machine, never looked at here
     # (kvmem ui: a remote user must not learn which paths exist on the server)
@@ -70,20 +75,25 @@ class OffloadConfig:
             raise ConfigError("max_inflight_store_blocks must be at least 1")
         if self.staging_bytes < 1:
             raise ConfigError("staging_bytes must be at least 1")
+        if isinstance(self.min_load_tokens, bool) or not isinstance(self.min_load_tokens, int) \
+                or self.min_load_tokens < 0:
+            raise ConfigError(f"{self.names.min_load_tokens} must be a whole number of tokens, "
+                              f"0 or more, got {self.min_load_tokens!r}")
         if self.disk_dir and self.check_dir:
             check_disk_dir(self.disk_dir, self.names)
 
     @classmethod
     def from_gib(cls, cpu_offload_gib: float = 0.0, disk_offload_dir: str | None = None,
                  disk_offload_gib: float = 0.0, policy: str = "lru",
-                 check_dir: bool = True) -> OffloadConfig:
+                 check_dir: bool = True, min_load_tokens: int = 0) -> OffloadConfig:
         """Build from the CLI's GiB values (negative or non-finite values are rejected)."""
         for flag, value in (("--cpu-offload-gib", cpu_offload_gib),
                             ("--disk-offload-gib", disk_offload_gib)):
             if not value >= 0 or value == float("inf"):
                 raise ConfigError(f"{flag} must be a non-negative number of GiB, got {value!r}")
         return cls(cpu_bytes=int(cpu_offload_gib * GiB), disk_dir=disk_offload_dir,
-                   disk_bytes=int(disk_offload_gib * GiB), policy=policy, check_dir=check_dir)
+                   disk_bytes=int(disk_offload_gib * GiB), policy=policy, check_dir=check_dir,
+                   min_load_tokens=min_load_tokens)
 
     @property
     def enabled(self) -> bool:
@@ -98,7 +108,9 @@ class OffloadConfig:
             parts.append(f"disk {format_bytes(self.disk_bytes)} in {self.disk_dir}")
         if not parts:
             return "off"
-        return ", ".join(parts) + f" ({self.policy})"
+        below = f", hits under {self.min_load_tokens} tokens recomputed" \
+            if self.min_load_tokens else ""
+        return ", ".join(parts) + f" ({self.policy}{below})"
 
 
 def check_disk_dir(path: str, names: SettingNames = FLAG_NAMES) -> None:

@@ -138,6 +138,10 @@ class OffloadConnector:
             if first:
                 self.offload.record_lookups((), not_found)
             return False
+        if length * bs - hit.num_tokens < self.offload.config.min_load_tokens:
+            if first:  # below the break-even length: recomputing is faster
+                self.offload.record_short_hit([found[k] for k in keys], not_found)
+            return False
         combined = PrefixHit(length * bs, blocks, hashes, self.kv.pool.epoch)
         if not self.kv.allocate_slots(request, 0, prefix_hit=combined):
             if first:  # it waits for room and is searched again

@@ -188,6 +188,16 @@ class OffloadManager:
                 earlier = sum(hits[name] for name in order[order.index(t.name) + 1:])
                 t.record_lookup(hits[t.name], num_not_found + earlier)
 
+    def record_short_hit(self, found_in: Iterable[str], num_not_found: int) -> None:
+        """Count a prefix search whose hit spares fewer tokens than ``min_load_tokens``: its
+        blocks are recomputed. ``found_in`` names the tier each found block is in (a short
+        hit there, neither hit nor miss); ``num_not_found`` as for ``record_lookups``."""
+        self.record_lookups((), num_not_found)
+        by_tier = Counter(found_in)
+        for t in self.tiers:
+            if by_tier[t.name]:
+                t.record_short_hits(by_tier[t.name])
+
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many leading ``keys`` a tier holds (CPU first, then disk); counts hits/misses.
 

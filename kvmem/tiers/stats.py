@@ -43,6 +43,7 @@ class TierStats:
     load_seconds: float = 0.0  # reading them and copying them into the KV cache
     skipped_stores: int = 0  # stores dropped: tier full, busy, disabled or a write error
     not_admitted: int = 0  # stores the admission policy turned down (first sighting)
+    short_hits: int = 0  # blocks found here but recomputed: the hit was under min_load_tokens
     failed_loads: int = 0  # the sum of failed_load_causes
     failed_load_causes: dict[str, int] = field(default_factory=dict)
     evictions: int = 0
@@ -80,6 +81,8 @@ COUNTERS = {
     "load_seconds": "Seconds spent reading blocks from this tier into the KV cache",
     "skipped_stores": "Stores dropped (tier full or busy, write error, tier disabled)",
     "not_admitted": "Stores the admission policy turned down",
+    "short_hits": "KV blocks found in this tier but recomputed: the hit spared fewer prompt "
+                  "tokens than the break-even length (min_load_tokens)",
     "failed_loads": "KV blocks that could not be loaded, by cause",
     "evictions": "KV blocks evicted from this tier",
     "wasted_blocks": "KV blocks stored in this tier that left it without ever being loaded",

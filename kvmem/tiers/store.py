@@ -109,6 +109,10 @@ class BlockStore(ABC):
             self.stats.hits += hits
             self.stats.misses += misses
 
+    def record_short_hits(self, num_blocks: int) -> None:
+        with self._lock:
+            self.stats.short_hits += num_blocks
+
     def record_loaded(self, num_blocks: int, tokens: float, seconds: float) -> None:
         """Count blocks loaded intact into the KV cache: the prompt ``tokens`` they stand
         for (valued by ``value_hits``) and ``seconds`` of copying into the cache."""

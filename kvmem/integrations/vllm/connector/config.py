@@ -6,6 +6,7 @@
 | ``disk_offload_dir`` | directory of the disk tier (a namespace per model and rank inside) |
 | ``disk_offload_gib`` | disk tier budget per worker, GiB |
 | ``offload_policy`` | ``lru`` (default) or ``seen-twice`` (store a block on its second offer) |
+| ``min_load_tokens`` | a tier hit sparing fewer prompt tokens is recomputed (default 0) |
 | ``faults`` | injected faults (``kvmem.tiers.faults.Faults`` fields), for tests and drills |
 
 Types are strict, as kvmem's HTTP API's are: a number of GiB is a JSON number (``"4"`` is
@@ -29,7 +30,8 @@ from kvmem.tiers.disk_store import check_disk_budget
 from kvmem.tiers.faults import Faults
 from kvmem.units import GiB
 
-KEYS = ("cpu_offload_gib", "disk_offload_dir", "disk_offload_gib", "offload_policy", "faults")
+KEYS = ("cpu_offload_gib", "disk_offload_dir", "disk_offload_gib", "offload_policy",
+        "min_load_tokens", "faults")
 PREFIX = "KvmemConnector: kv_connector_extra_config"
 
 
@@ -39,7 +41,8 @@ def setting(key: str) -> str:
 
 
 NAMES = SettingNames(cpu_bytes=setting("cpu_offload_gib"), disk_dir=setting("disk_offload_dir"),
-                     disk_bytes=setting("disk_offload_gib"))
+                     disk_bytes=setting("disk_offload_gib"),
+                     min_load_tokens=setting("min_load_tokens"))
 
 
 def _is_number(value: Any) -> bool:
@@ -129,7 +132,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[OffloadConfig, 
         check_disk_budget(int(disk * GiB), Path(disk_dir), NAMES)
     check_host_memory(int(cpu * GiB), setting("cpu_offload_gib"))
     config = OffloadConfig(cpu_bytes=int(cpu * GiB), disk_dir=disk_dir,
-                           disk_bytes=int(disk * GiB), policy=policy, names=NAMES)
+                           disk_bytes=int(disk * GiB), policy=policy,
+                           min_load_tokens=extra.get("min_load_tokens", 0), names=NAMES)
     return config, _faults(extra.get("faults", {}))
 
 

@@ -116,7 +116,8 @@ class KvmemConnector(KVConnectorBase_V1, SupportsHMA):
             events = TierEvents(world_size, block_size, getattr(
                 kv_cache_config, "hash_block_size", None) or block_size) \
                 if _publishes_events(vllm_config) else None
-            self.scheduler_side = SchedulerSide(rules, block_size, world_size, events)
+            self.scheduler_side = SchedulerSide(rules, block_size, world_size, events,
+                                                min_load_tokens=config.min_load_tokens)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning("kvmem: kv_load_failure_policy is %r: a block that leaves a tier "
                             "between lookup and load fails its request; 'recompute' "

@@ -46,6 +46,8 @@ class KvmemConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     stores: list[BlockTransfer] = field(default_factory=list)
     not_found_blocks: int = 0  # looked up past vLLM's hit, held by no tier: misses
+    # found in the tiers but recomputed, the hit being under min_load_tokens
+    short_hit_keys: list[BlockKey] = field(default_factory=list)
     prefill_tokens: int = 0  # tokens the forward computes, if it computes prompt tokens
 
 

@@ -63,6 +63,7 @@ class _Match:
     start: int  # first block past vLLM's own hit
     num_blocks: int  # found in the tiers
     end: int  # blocks looked up: start .. end - 1
+    recomputed: bool = False  # found, but fewer tokens than min_load_tokens: not loaded
 
 
 def request_extra_keys(request: Any) -> bytes | None:
@@ -78,15 +79,18 @@ def request_extra_keys(request: Any) -> bytes | None:
 
 class SchedulerSide:
     def __init__(self, rules: list[GroupRule], block_size: int, num_ranks: int,
-                 events: TierEvents | None = None) -> None:
+                 events: TierEvents | None = None, *, min_load_tokens: int = 0) -> None:
+        """``min_load_tokens``: a tier hit sparing fewer tokens is recomputed."""
         self.rules = rules
         self.block_size = block_size
         self.num_ranks = num_ranks
         self.events = events
+        self.min_load_tokens = min_load_tokens
         # the groups whose loaded blocks count as hit tokens: those holding every position
         full = [g for g, rule in enumerate(rules) if rule.kind == "full"]
         self._counted = full or list(range(len(rules)))
         self._not_found = 0  # blocks this step's lookups found in no tier
+        self._short_hits: list[tuple[int, bytes]] = []  # found, recomputed (min_load_tokens)
         self._holders: Counter[str] = Counter()  # block name -> ranks holding it
         self._reported: set[int] = set()
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -158,8 +162,9 @@ class SchedulerSide:
             return 0, False
         hashes = self._block_hashes(request, end, extra)
         stop = self._longest_restorable(hashes, start, end)
-        self._matches[request.request_id] = _Match(start, stop - start, end)
-        return (stop - start) * bs, False
+        short = 0 < (stop - start) * bs < self.min_load_tokens
+        self._matches[request.request_id] = _Match(start, stop - start, end, short)
+        return (0 if short else (stop - start) * bs), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -168,6 +173,13 @@ class SchedulerSide:
             return
         n = num_external_tokens // self.block_size
         assert n <= match.num_blocks, "vLLM allocated more external tokens than offered"
+        if match.recomputed:  # its found blocks are neither loaded nor missed
+            hashes = self._hashes[request.request_id]
+            self._short_hits += [key for g in range(len(self.rules))
+                                 for i in range(match.start, match.start + match.num_blocks)
+                                 if self.loadable(key := (g, hashes[i]))]
+            self._not_found += (match.end - match.start - match.num_blocks) * len(self.rules)
+            return
         self._not_found += (match.end - match.start - n) * len(self.rules)
         if not n:
             return
@@ -221,8 +233,9 @@ class SchedulerSide:
         """This step's message; ``scheduled_tokens``: the tokens it computes per request."""
         meta = KvmemConnectorMetadata(loads=self._loads, stores=self._stores,
                                       not_found_blocks=self._not_found,
+                                      short_hit_keys=self._short_hits,
                                       prefill_tokens=prefill_step_tokens(scheduled_tokens))
-        self._loads, self._stores, self._not_found = [], [], 0
+        self._loads, self._stores, self._not_found, self._short_hits = [], [], 0, []
         return meta
 
     def update_connector_output(self, output: Any) -> None:

@@ -214,6 +214,9 @@ class WorkerSide:
         assert self.offload is not None
         start = time.perf_counter()
         self.offload.record_lookups((), meta.not_found_blocks)
+        if meta.short_hit_keys:
+            tiers = (self.offload.find(key) for key in meta.short_hit_keys)
+            self.offload.record_short_hit([t for t in tiers if t is not None], 0)
         for job in meta.loads:
             handle = self.offload.load(job.request_id, job.keys, job.block_ids,
                                        job.block_tokens or None)
