@@ -85,6 +85,9 @@ class Node:
                "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", f"kvmem-{rdzv_port}",
                "--rdzv-conf", f"is_host={int(rdzv_host)}",
+               # the rendezvous ranks nodes by (address, pid): an address each, as two
+               # machines have, so that node 0 is rank 0 even where pids wrap around
+               "--local-addr", f"127.0.0.{index + 1}",
                "-m", "kvmem", "serve", str(model_dir), *layout, *SERVE]
         with log.open("w") as out:
             self.agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
