@@ -179,10 +179,13 @@ TRITON_CHECK = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_attention import CASES, dense_attention, random_step
     from kvmem.engine.attention import get_attention_backend
+    from kvmem.engine.attention.triton_backend import TritonBackend
     device = {device!r}
-    backend = get_attention_backend("triton")
+    # the engine's backend, and decode tiles of one block and of eight (past most contexts)
+    backends = [get_attention_backend("triton"), TritonBackend(1), TritonBackend(8)]
     for name, (query_lens, seq_lens) in CASES.items():
-        for window in (None, 5):
+        for window, backend in ((None, backends[0]), (5, backends[0]), (None, backends[1]),
+                                (5, backends[1]), (None, backends[2]), (40, backends[2])):
             for hq, hkv, d in ((4, 2, 16), (3, 1, 24)):
                 q, k, v, cache, meta, keys, values = random_step(
                     query_lens, seq_lens, block_size=16, hq=hq, hkv=hkv, d=d, device=device)

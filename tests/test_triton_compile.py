@@ -63,7 +63,8 @@ def test_decode_kernels_compile(dtype, window):
                   "blocks_per_split": "i32"}
     decode = compile_for_hopper(tb._paged_decode_kernel, signature, dict(
         QUERIES_PER_KV=2, NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_H=16,
-        NUM_SPLITS=8, HAS_WINDOW=window, DOT_PRECISION=tb._dot_precision(TORCH_DTYPES[dtype])))
+        NUM_SPLITS=8, BLOCKS_PER_TILE=tb.DECODE_BLOCKS_PER_TILE, HAS_WINDOW=window,
+        DOT_PRECISION=tb._dot_precision(TORCH_DTYPES[dtype])))
     merge = compile_for_hopper(
         tb._decode_merge_kernel,
         {"PartAcc": "*fp32", "PartML": "*fp32", "Out": f"*{dtype}", "s_ot": "i32",

@@ -6,8 +6,9 @@ the blocks its causal range and sliding window can see) and keeps an online soft
 
 Decode-only steps: a program takes one sequence's query heads that share a KV head (the
 rows of its matmuls), so each K/V block is read once per KV head rather than once per
-query head, over one split of the context; a second kernel merges the splits' partial
-softmaxes. The splits give a small batch of long contexts enough programs to fill the
+query head, over one split of the context, a few blocks per loop step (gathered through
+the block table, so that more loads are in flight); a second kernel merges the splits'
+partial softmaxes. The splits give a small batch of long contexts enough programs to fill the
 device (flash-decoding).
 
 Block sizes must be powers of two of at least 16 (the matmul tile); for other sizes the
@@ -16,14 +17,18 @@ backend falls back to the reference path.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kvmem.engine.attention.metadata import AttentionMetadata
 from kvmem.engine.attention.reference import ReferenceBackend
+from kvmem.errors import ConfigError
 
 BLOCK_M = 16
+DECODE_BLOCKS_PER_TILE = 4  # KV blocks per loop step of the decode kernel (64 tokens at 16)
 _MASKED = tl.constexpr(-1.0e30)  # finite: a block with no visible key yields no NaNs
 
 
@@ -64,6 +69,36 @@ def _attend_block(q, m_i, l_i, acc, Cache, BlockTables, table_row, j, kv_h, visi
     visible = (n[None, :] <= visible_to[:, None]) & (n[None, :] < seq_len)
     if HAS_WINDOW:
         visible = visible & (n[None, :] > visible_to[:, None] - window)
+    s = tl.where(visible, s, _MASKED)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, Cache, BlockTables, table_row, j, end, kv_h, pos, window,
+                 scale, s_cb, s_ckv, s_ct, s_ch,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online softmax over ``TILE`` keys from position ``j * BLOCK_SIZE`` (one or more
+    blocks, each row gathered through the block table), those before ``end`` visible to
+    the one query token at ``pos``: longer tiles keep more loads in flight per program."""
+    n = j * BLOCK_SIZE + tl.arange(0, TILE)
+    in_range = n < end
+    block = tl.load(BlockTables + table_row + n // BLOCK_SIZE, mask=in_range, other=0)
+    d = tl.arange(0, BLOCK_D)
+    kv_ok = in_range[:, None] & (d < HEAD_DIM)[None, :]
+    base = Cache + block.to(tl.int64)[:, None] * s_cb + (n % BLOCK_SIZE)[:, None] * s_ct \
+        + kv_h * s_ch + d[None, :]
+    k = tl.load(base, mask=kv_ok, other=0.0)
+    v = tl.load(base + s_ckv, mask=kv_ok, other=0.0)
+    s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale
+    visible = in_range[None, :]
+    if HAS_WINDOW:
+        visible = visible & (n[None, :] > pos - window)
     s = tl.where(visible, s, _MASKED)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
@@ -122,7 +157,8 @@ def _paged_decode_kernel(
     s_qt, s_qh, s_cb, s_ckv, s_ct, s_ch, s_bt, window, blocks_per_split,
     QUERIES_PER_KV: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
@@ -142,12 +178,12 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], _MASKED, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    rows_pos = tl.full([BLOCK_H], 0, tl.int32) + pos  # every row is the one query token
-    for j in range(first, last):
-        m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, Cache, BlockTables, b * s_bt, j, kv_h, rows_pos, seq_len,
-            window, scale, s_cb, s_ckv, s_ct, s_ch, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-            HAS_WINDOW, DOT_PRECISION)
+    end = tl.minimum(seq_len, last * BLOCK_SIZE)  # this split's keys end here
+    for j in range(first, last, BLOCKS_PER_TILE):  # each tile starts at a visible key
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, Cache, BlockTables, b * s_bt, j, end, kv_h, pos, window,
+            scale, s_cb, s_ckv, s_ct, s_ch, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+            BLOCK_SIZE * BLOCKS_PER_TILE, HAS_WINDOW, DOT_PRECISION)
     row = (b * NUM_HEADS + h) * NUM_SPLITS + split  # this split's partial of head h
     tl.store(PartAcc + row[:, None] * BLOCK_D + d[None, :], acc, mask=h_ok[:, None])
     tl.store(PartML + row * 2, m_i, mask=h_ok)
@@ -192,9 +228,17 @@ def _supported_block_size(block_size: int) -> bool:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_blocks_per_tile: int | None = None) -> None:
+        """``decode_blocks_per_tile``: KV blocks a decode program reads per loop step (a
+        power of two; default ``KVMEM_DECODE_BLOCKS_PER_TILE``, else
+        ``DECODE_BLOCKS_PER_TILE``)."""
         self._reference = ReferenceBackend()
         self._sm_counts: dict[torch.device, int] = {}
+        tile = decode_blocks_per_tile or int(os.environ.get("KVMEM_DECODE_BLOCKS_PER_TILE",
+                                                            DECODE_BLOCKS_PER_TILE))
+        if tile < 1 or tile & (tile - 1):
+            raise ConfigError(f"KVMEM_DECODE_BLOCKS_PER_TILE must be a power of two, got {tile}")
+        self.decode_blocks_per_tile = tile
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, group_id: int, scale: float,
@@ -235,8 +279,10 @@ class TritonBackend:
         block_size = kv_cache.shape[2]
         queries_per_kv = num_heads // num_kv_heads
         max_blocks = -(-metadata.max_seq_len // block_size)
+        tile = self.decode_blocks_per_tile
         splits, per_split = decode_splits(num_seqs, num_kv_heads, max_blocks,
                                           self._programs(q.device))
+        per_split = -(-per_split // tile) * tile  # whole tiles: a split's end is a tile's
         part_acc = torch.empty((num_seqs * num_heads * splits, block_d), dtype=torch.float32,
                                device=q.device)
         part_ml = torch.empty((num_seqs * num_heads * splits, 2), dtype=torch.float32,
@@ -249,7 +295,7 @@ class TritonBackend:
             QUERIES_PER_KV=queries_per_kv, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(queries_per_kv)), NUM_SPLITS=splits,
-            HAS_WINDOW=sliding_window is not None,
+            BLOCKS_PER_TILE=tile, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION=_dot_precision(kv_cache.dtype))
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
