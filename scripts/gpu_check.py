@@ -41,7 +41,7 @@ SECTIONS: list[tuple[str, int, list[str]]] = [
     ("profile", 170, [PY, "benchmarks/gpu/profile_burst.py", "--out", "{work}",
                       "--budget-s", "150"]),
     ("speed", 260, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}", "--budget-s", "240"]),
-    ("tiers", 120, [PY, "benchmarks/gpu/tier_copies.py", "--out", "{work}", "--budget-s", "110"]),
+    ("tiers", 170, [PY, "benchmarks/gpu/tier_copies.py", "--out", "{work}", "--budget-s", "160"]),
 ]
 
 

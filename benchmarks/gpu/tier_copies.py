@@ -110,6 +110,166 @@ def check_bandwidth(args, report: common.Report) -> tuple[bool, str]:
                 f"({figures['load_gbs'] / h2d:.2f}x); reloaded blocks equal: {equal}")
 
 
+def decode_engine(args, model: str, cpu_gib: float, **options):
+    """Qwen3-0.6B's shape (the tiny Llama with --quick) with CUDA graphs and a CPU tier."""
+    from kvmem.engine.config import EngineConfig
+    from kvmem.engine.llm_engine import LLMEngine
+
+    cuda = args.device.startswith("cuda")
+    options.setdefault("enforce_eager", not cuda)
+    return LLMEngine(EngineConfig(model=model, load_format="dummy", device=args.device,
+                                  dtype="bfloat16" if cuda else "float32",
+                                  cpu_offload_gib=cpu_gib, **options))
+
+
+def timed_steps(engine, n: int, until=None) -> list[float]:
+    """Seconds of each of ``n`` engine steps (``until()`` true: stop early)."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        if until is not None and until():
+            break
+    return times
+
+
+def check_overlap(args, model: str, report: common.Report) -> tuple[bool, str]:
+    """Decode steps of a full batch alone, then while the CPU tier stores blocks and while
+    it loads them back, on its side stream: the copies must overlap the steps (at most
+    1.1x the step alone, medians)."""
+    import statistics
+
+    from kvmem.engine.sampling_params import SamplingParams
+
+    batch, prompt_len = (8, 64) if args.quick else (128, 512)
+    num_store = batch * prompt_len // 16  # every full block of the running requests
+    block_bytes = 28 * 2 * 16 * 8 * 128 * 2 if not args.quick else 4 * 2 * 16 * 2 * 64 * 4
+    engine = decode_engine(args, model, 1.2 * num_store * block_bytes / (1 << 30) + 0.01,
+                           max_model_len=2048, max_num_seqs=batch)
+    try:
+        manager = engine.offload.offload
+        pool = engine.kv_cache_manager.pool
+        dst = pool.take_new_blocks(num_store // 2, 0)  # where the loads land: no request's
+        params = SamplingParams(max_tokens=1500, temperature=0.6, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"d{i}", [(7 * i + j) % 251 + 1 for j in range(prompt_len)],
+                               params)
+        sched = engine.scheduler
+        while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1
+                                   for r in sched.running):
+            engine.step()
+        timed_steps(engine, 10)  # warm
+        alone = timed_steps(engine, 30)
+        src = [b for r in sched.running for b in
+               engine.kv_cache_manager.get_block_ids(r.request_id)[0][:prompt_len // 16]]
+        keys = [(0, i.to_bytes(16, "little")) for i in range(len(src))]
+        t0 = time.perf_counter()
+        queued = manager.offer(src, keys)
+        storing = timed_steps(engine, 400, until=lambda: manager.held_blocks == 0)
+        store_s = time.perf_counter() - t0
+        manager.drain()
+        t0 = time.perf_counter()
+        handle = manager.load("overlap-load", keys[:len(dst)], dst)
+        loading = timed_steps(engine, 400, until=handle.done.is_set)
+        load_s = time.perf_counter() - t0
+        manager.drain()
+        pool.free_blocks(dst)
+    finally:
+        engine.shutdown()
+    med = {k: statistics.median(v) * 1e3 for k, v in
+           (("alone", alone), ("storing", storing), ("loading", loading))}
+    figures = report.figure("overlap", {
+        "batch": batch, "step_ms": {k: round(v, 3) for k, v in med.items()},
+        "steps": {"alone": len(alone), "storing": len(storing), "loading": len(loading)},
+        "store_blocks": queued, "store_gbs": round(queued * block_bytes / store_s / GB, 2),
+        "load_blocks": len(dst), "load_gbs": round(len(dst) * block_bytes / load_s / GB, 2),
+        "store_over_alone": round(med["storing"] / med["alone"], 3),
+        "load_over_alone": round(med["loading"] / med["alone"], 3)})
+    ok = queued == len(src) and max(figures["store_over_alone"],
+                                    figures["load_over_alone"]) <= 1.1
+    return ok, (f"batch {batch}: step {med['alone']:.2f} ms alone, {med['storing']:.2f} ms "
+                f"over {len(storing)} steps of a store of {queued} blocks "
+                f"({figures['store_over_alone']:.2f}x, {figures['store_gbs']:.1f} GB/s), "
+                f"{med['loading']:.2f} ms over {len(loading)} steps of a load of {len(dst)} "
+                f"({figures['load_over_alone']:.2f}x, {figures['load_gbs']:.1f} GB/s)")
+
+
+def check_break_even(args, model: str, report: common.Report) -> tuple[bool | None, str]:
+    """Time to first token of a prompt loaded from the CPU tier against the same length
+    recomputed, over short lengths, in one engine: the shortest length where the load wins
+    is the break-even (``--offload-min-load-tokens``). Then an engine given that setting
+    must recompute a shorter hit (counted as short hits) and load a longer one."""
+    import statistics
+
+    import offload_ttft
+
+    lengths = (64, 128, 256) if args.quick else (128, 256, 512, 1024, 2048, 4096)
+    engine = decode_engine(args, model, 2.0 if not args.quick else 0.05,
+                           max_model_len=max(lengths) + 32, enforce_eager=True)
+    rows = {}
+    try:
+        offload_ttft.warm_up(engine, 250)
+        for n in lengths:
+            load, recompute = [], []
+            for rep in range(3):
+                base = 1000 * (n + rep)
+                prompt = [(base + 13 * j) % 240 + 5 for j in range(n)]
+                fresh = [(base + 17 * j + 3) % 240 + 5 for j in range(n)]
+                offload_ttft.ttft(engine, f"fill{n}.{rep}", prompt)
+                engine.offload.offload.drain()
+                if not engine.kv_cache_manager.reset_prefix_cache():
+                    raise RuntimeError("the prefix cache could not be reset")
+                t, _, cached = offload_ttft.ttft(engine, f"load{n}.{rep}", prompt)
+                if cached == 0:
+                    raise RuntimeError(f"{n} tokens: the CPU tier served none of the prompt")
+                load.append(t)
+                recompute.append(offload_ttft.ttft(engine, f"new{n}.{rep}", fresh)[0])
+                engine.offload.offload.drain()
+                engine.kv_cache_manager.reset_prefix_cache()
+            rows[n] = (statistics.median(load) * 1e3, statistics.median(recompute) * 1e3)
+    finally:
+        engine.shutdown()
+    wins = [n for n, (load, rec) in rows.items() if load < rec]
+    # the break-even: the shortest length from which every longer one loads faster
+    even = next((n for n in lengths if all(m in wins for m in lengths if m >= n)), None)
+    report.figure("break_even", {"ms_load_vs_recompute": {n: [round(a, 2), round(b, 2)]
+                                                          for n, (a, b) in rows.items()},
+                                 "min_load_tokens": even})
+    table = ", ".join(f"{n}: {a:.1f} vs {b:.1f} ms" for n, (a, b) in rows.items())
+    if even is None:
+        return None, f"no length up to {max(lengths)} loads faster ({table})"
+    if even == lengths[0]:
+        return True, f"every length loads faster: break-even at most {even} tokens ({table})"
+    below = lengths[lengths.index(even) - 1]
+    ok, why = short_hit_check(args, model, even, below)
+    return ok, f"break-even {even} tokens (load vs recompute: {table}); {why}"
+
+
+def short_hit_check(args, model: str, even: int, below: int) -> tuple[bool, str]:
+    """An engine with ``--offload-min-load-tokens even``: a ``below``-token prompt in the
+    CPU tier is recomputed (short hits), an ``even``-token one loaded."""
+    import offload_ttft
+
+    engine = decode_engine(args, model, 1.0 if not args.quick else 0.05,
+                           max_model_len=even + 32, enforce_eager=True,
+                           offload_min_load_tokens=even - 16)
+    cached = {}
+    try:
+        for n in (below, even):
+            prompt = [(29 * j + n) % 240 + 5 for j in range(n)]
+            offload_ttft.ttft(engine, f"fill{n}", prompt)
+            engine.offload.offload.drain()
+            engine.kv_cache_manager.reset_prefix_cache()
+            cached[n] = offload_ttft.ttft(engine, f"again{n}", prompt)[2]
+        short = engine.offload.offload.stats()["cpu"].short_hits
+    finally:
+        engine.shutdown()
+    ok = cached[below] == 0 and short > 0 and cached[even] > 0
+    return ok, (f"with --offload-min-load-tokens {even - 16}: {below} tokens recomputed "
+                f"({short} short-hit blocks), {even} tokens loaded ({cached[even]} cached)")
+
+
 def check_ttft(tokens: int, args, model: str, report: common.Report) -> tuple[bool, str]:
     import offload_ttft
 
@@ -162,6 +322,10 @@ def main() -> int:
     report.say(ANCHOR)
     report.check("CPU tier store and load bandwidth against a plain pinned copy_",
                  lambda: check_bandwidth(args, report))
+    report.check("decode steps while the CPU tier stores and loads on its side stream",
+                 lambda: check_overlap(args, model, report), needs_s=20)
+    report.check("break-even length of a CPU-tier load against recomputing",
+                 lambda: check_break_even(args, model, report), needs_s=20)
     for tokens in lengths:
         report.check(f"reload TTFT at {tokens} tokens",
                      lambda tokens=tokens: check_ttft(tokens, args, model, report),
