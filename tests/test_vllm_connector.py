@@ -230,6 +230,12 @@ assert worker.load_errors() == {6, 7}
 # blocks the tiers already hold are not copied again: the request is done at once
 worker.submit_stores(KvmemConnectorMetadata(stores=[BlockTransfer("u", [1], keys[:1])]))
 assert worker.finished_sending({"u"}) == {"u"}
+# short hits (under min_load_tokens) count in the tier holding each block, nothing else
+before = worker.offload.stats()["cpu"]
+worker.start_load(KvmemConnectorMetadata(short_hit_keys=keys[:2] + [(0, b"q" * 16)]))
+after = worker.offload.stats()["cpu"]
+assert (after.short_hits - before.short_hits, after.hits, after.misses) == \
+    (2, before.hits, before.misses), (before, after)
 try:
     WorkerSide(OffloadConfig(cpu_bytes=1 << 20), Faults(), place=RankPlace(0), model="m",
                deployment="d", kv_cache_config=config).register_kv_caches(
