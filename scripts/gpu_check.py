@@ -42,6 +42,7 @@ SECTIONS: list[tuple[str, int, list[str]]] = [
                       "--budget-s", "150"]),
     ("speed", 260, [PY, "benchmarks/gpu/engine_speed.py", "--out", "{work}", "--budget-s", "240"]),
     ("tiers", 170, [PY, "benchmarks/gpu/tier_copies.py", "--out", "{work}", "--budget-s", "160"]),
+    ("vllm", 170, [PY, "benchmarks/gpu/vllm_on_device.py", "--out", "{work}", "--budget-s", "150"]),
 ]
 
 
