@@ -330,7 +330,9 @@ class Engine:
         self.role = cfg["role"]
         path = work / f"{self.role}.json"
         path.write_text(json.dumps(cfg))
-        self.out_path, self.err_path = work / f"{self.role}.out", work / f"{self.role}.err"
+        logs = Path(args.out) / f"{NAME}-logs"  # beside the report: they come back with it
+        logs.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = logs / f"{self.role}.out", logs / f"{self.role}.err"
         argv = [engine_python(args), __file__, "--child", "--cfg", str(path), "--out",
                 str(args.out), "--device", args.device]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
@@ -446,8 +448,6 @@ def main() -> int:
         return 0
     work = Path(tempfile.gettempdir()) / f"kvmem-vllm-on-device-{os.getuid()}"
     work.mkdir(parents=True, exist_ok=True)
-    for stale in work.glob("*.log"):
-        stale.unlink()
     found: dict[str, dict[str, Any]] = {}
 
     if cuda:
