@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmem.engine.attention import AttentionMetadata, get_attention_backend, reference
 from kvmem.engine.attention.reference import length_buckets, step_plan
@@ -122,6 +124,49 @@ def test_length_buckets():
     alike = [200 + i for i in range(32)]  # within 20% of each other
     assert length_buckets(list(range(32)), alike) == [list(range(32))]
     assert len(length_buckets(list(range(64)), list(range(1, 65)))) == 4
+
+
+def written_out_build(query_lens, seq_lens, groups, block_size):
+    """Block tables and slot mappings as the metadata's contract states them, one id at a
+    time: rows 0-padded to the longest, token at position p of sequence b in slot
+    ``table[b][p // block_size] * block_size + p % block_size``."""
+    out = []
+    for group in groups:
+        width = max((len(row) for row in group), default=0) or 1
+        table = torch.tensor([list(row) + [0] * (width - len(row)) for row in group],
+                             dtype=torch.int32).reshape(len(group), width)
+        slots = [row[p // block_size] * block_size + p % block_size
+                 for row, q, n in zip(group, query_lens, seq_lens, strict=True)
+                 for p in range(n - q, n)]
+        out.append((table, torch.tensor(slots, dtype=torch.int64)))
+    return out
+
+
+@st.composite
+def batches(draw):
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    query_lens = draw(st.lists(st.integers(0, 9), max_size=6))
+    seq_lens = [q + draw(st.integers(0, 40)) for q in query_lens]
+    groups = [[draw(st.lists(st.integers(1, 999), min_size=-(-n // block_size),
+                             max_size=-(-n // block_size) + 2)) for n in seq_lens]
+              for _ in range(draw(st.integers(1, 2)))]
+    return query_lens, seq_lens, groups, block_size
+
+
+@given(batches())
+@settings(max_examples=200, deadline=None)
+def test_metadata_tables_and_slots_are_those_written_out(batch):
+    meta = AttentionMetadata.build(*batch)
+    for (table, slots), got_table, got_slots in zip(written_out_build(*batch),
+                                                    meta.block_tables, meta.slot_mappings,
+                                                    strict=True):
+        assert got_table.dtype == torch.int32 and torch.equal(got_table, table)
+        assert got_slots.dtype == torch.int64 and torch.equal(got_slots, slots)
+
+
+def test_a_position_past_the_block_table_is_refused():
+    with pytest.raises(IndexError, match="past its sequence's block table"):
+        AttentionMetadata.build([1], [33], [[[1, 2]]], 16)
 
 
 def test_step_plan_is_built_once_and_shared_by_layers(monkeypatch):
