@@ -2,14 +2,16 @@
 
 Three vLLM processes (each start-up costs about a minute), every check folded into them:
 
-1. plain vLLM: prompts A, B, A of 2,000 tokens, then C and D together; its greedy tokens
-   are the reference, and its second A keeps only vLLM's own prefix cache (640 tokens);
+1. plain vLLM: prompts A, B, A of 2,000 tokens, then C and D together, then A's first 600
+   tokens (a); its greedy tokens are the reference, and its second A keeps only vLLM's own
+   prefix cache (640 tokens);
 2. vLLM with ``KvmemConnector`` (CPU and disk tiers, stores slowed by an injected fault
    so blocks stay held): the second A comes back from kvmem's CPU tier; C and D arrive
    together and D needs the blocks C's store still holds (MISSION problem 3): no crash,
    no wrong token;
 3. a fresh vLLM with only the disk tier (same directory, where directories and links
-   named like its files were planted meanwhile): A is served from disk.
+   named like its files were planted meanwhile) and ``min_load_tokens`` 1000: a, whose
+   512 tokens on disk are under it, is recomputed; then A is served from disk.
 
 128 MiB of KV is 22 blocks of 128 tokens of the embedded model in fp32; a 2,000-token
 prompt takes 16, so B evicts most of A and D must wait for C's blocks.
@@ -41,7 +43,9 @@ if __name__ == "__main__":
         "plain": None,
         "tiers": {"cpu_offload_gib": 0.5, "disk_offload_dir": disk_dir,
                   "disk_offload_gib": 0.5, "faults": {"store_delay_s": 1.0}},
-        "disk": {"disk_offload_dir": disk_dir, "disk_offload_gib": 0.5},
+        # a hit of fewer than 1,000 tokens is recomputed (A's first 512 are on disk)
+        "disk": {"disk_offload_dir": disk_dir, "disk_offload_gib": 0.5,
+                 "min_load_tokens": 1000},
     }[mode]
     if extra is not None:
         from kvmem.integrations.vllm import kv_transfer_config
@@ -49,6 +53,7 @@ if __name__ == "__main__":
     llm = LLM(**kwargs)
     rng = random.Random(1)  # four prompts whose greedy answers all differ
     prompts = {name: [rng.randrange(10, 49000) for _ in range(2000)] for name in "ABCD"}
+    prompts["a"] = prompts["A"][:600]  # 4 full blocks of A, then a part of one
     params = SamplingParams(max_tokens=8, temperature=0)
 
     def run(*names):
@@ -57,7 +62,8 @@ if __name__ == "__main__":
         return [{"name": n, "tokens": list(o.outputs[0].token_ids),
                  "cached": o.num_cached_tokens} for n, o in zip(names, outs)]
 
-    results = run("A") if mode == "disk" else run("A") + run("B") + run("A") + run("C", "D")
+    results = run("a") + run("A") if mode == "disk" else \
+        run("A") + run("B") + run("A") + run("C", "D") + run("a")
     print("RESULT " + json.dumps(results), flush=True)
 """
 
@@ -288,7 +294,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict]
 def test_second_prompt_comes_back_from_cpu_tier_with_plain_vllm_tokens(runs) -> None:
     plain, _ = runs["plain"]
     tiers, log = runs["tiers"]
-    assert [r["name"] for r in tiers] == ["A", "B", "A", "C", "D"]
+    assert [r["name"] for r in tiers] == ["A", "B", "A", "C", "D", "a"]
     # plain vLLM keeps only the blocks B did not evict; kvmem's CPU tier has the rest
     assert plain[2]["cached"] == 640
     assert tiers[0]["cached"] == 0 and tiers[2]["cached"] >= 1900
@@ -303,7 +309,7 @@ def test_request_waits_for_blocks_held_by_a_store(runs) -> None:
     answer exactly as plain vLLM does."""
     plain, _ = runs["plain"]
     tiers, log = runs["tiers"]
-    c, d = tiers[3:]
+    c, d = tiers[3:5]
     assert c["tokens"] == plain[3]["tokens"] and d["tokens"] == plain[4]["tokens"]
     assert "Traceback" not in log
     assert "kvmem: rank 0 (pp stage 0, tp rank 0): store of 15 blocks" in log
@@ -314,8 +320,19 @@ def test_fresh_process_serves_prompt_from_disk_tier(runs) -> None:
     its files (which used to stop the worker at start-up): they are skipped and counted."""
     plain, _ = runs["plain"]
     disk, log = runs["disk"]
-    assert disk[0]["name"] == "A"
-    assert disk[0]["cached"] >= 1900
-    assert disk[0]["tokens"] == plain[0]["tokens"]
+    assert disk[1]["name"] == "A"
+    assert disk[1]["cached"] >= 1900
+    assert disk[1]["tokens"] == plain[0]["tokens"]
     assert "skipped 5 entries that are not regular files" in log
     assert "Traceback" not in log
+
+
+def test_a_hit_under_min_load_tokens_is_recomputed_and_a_longer_one_loaded(runs) -> None:
+    """The fresh process has ``min_load_tokens`` 1000: A's first 600 tokens find 512 on
+    disk and are recomputed (nothing cached, plain vLLM's tokens); then A itself, past
+    vLLM's own 512, finds 1,408 there and loads them."""
+    plain, _ = runs["plain"]
+    disk, _ = runs["disk"]
+    assert disk[0]["name"] == "a" and disk[0]["cached"] == 0
+    assert disk[0]["tokens"] == plain[5]["tokens"]
+    assert disk[1]["cached"] >= 1900
