@@ -51,6 +51,18 @@ def _store_kv_kernel(K, V, Cache, Slots, s_kt, s_kh, s_vt, s_vh, s_cb, s_ckv, s_
 
 
 @triton.jit
+def _fold_scores(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """The online softmax's update: fold the masked scores ``s`` of some keys, with their
+    values ``v``, into the rows' running max ``m_i``, sum ``l_i`` and output ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_block(q, m_i, l_i, acc, Cache, BlockTables, table_row, j, kv_h, visible_to,
                   seq_len, window, scale, s_cb, s_ckv, s_ct, s_ch,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -69,13 +81,7 @@ def _attend_block(q, m_i, l_i, acc, Cache, BlockTables, table_row, j, kv_h, visi
     visible = (n[None, :] <= visible_to[:, None]) & (n[None, :] < seq_len)
     if HAS_WINDOW:
         visible = visible & (n[None, :] > visible_to[:, None] - window)
-    s = tl.where(visible, s, _MASKED)
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _fold_scores(tl.where(visible, s, _MASKED), v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -99,13 +105,7 @@ def _attend_tile(q, m_i, l_i, acc, Cache, BlockTables, table_row, j, end, kv_h, 
     visible = in_range[None, :]
     if HAS_WINDOW:
         visible = visible & (n[None, :] > pos - window)
-    s = tl.where(visible, s, _MASKED)
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _fold_scores(tl.where(visible, s, _MASKED), v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
