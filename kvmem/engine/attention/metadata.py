@@ -89,26 +89,23 @@ class AttentionMetadata:
         """
         if len(query_lens) != len(seq_lens):
             raise ValueError("query_lens and seq_lens differ in length")
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
         q_lens = np.asarray(query_lens, dtype=np.int64)
-        first = np.repeat(np.asarray(seq_lens, dtype=np.int64) - q_lens, q_lens)
+        starts = np.concatenate(([0], np.cumsum(q_lens)))
         token_seq = np.repeat(np.arange(len(q_lens)), q_lens)  # each new token's sequence
-        positions = first + np.arange(len(token_seq)) - np.repeat(
-            np.asarray(starts[:-1], dtype=np.int64), q_lens)
+        # each new token's position: its sequence's cached length plus its index in the step
+        positions = np.repeat(np.asarray(seq_lens, dtype=np.int64) - q_lens - starts[:-1],
+                              q_lens) + np.arange(len(token_seq))
+        block_index, offset = np.divmod(positions, block_size)
         tables, slots = [], []
         for group in block_tables:
             table = padded_table(group)
-            block_index = positions // block_size
             if len(token_seq) and not (block_index < table.lens[token_seq]).all():
                 raise IndexError("a new token's position lies past its sequence's block table")
-            slot = table.ids[token_seq, block_index].astype(np.int64) * block_size \
-                + positions % block_size
+            slot = table.ids[token_seq, block_index].astype(np.int64) * block_size + offset
             tables.append(torch.from_numpy(table.ids).to(device))
             slots.append(torch.from_numpy(slot).to(device))
         return cls(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(device),
             seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
