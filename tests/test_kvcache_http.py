@@ -45,10 +45,12 @@ def ledger_dir(tmp_path, monkeypatch):
 
 
 def app_for(tiny, **config) -> object:
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(
-        model=str(tiny), served_model_name="tiny", max_model_len=128,
-        max_num_batched_tokens=32, **config)))
-    return create_app(engine, api_key="s3cret")
+    return create_app(AsyncLLMEngine(engine_for(tiny, **config)), api_key="s3cret")
+
+
+def engine_for(tiny, **config) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny), served_model_name="tiny", max_model_len=128,
+                                  max_num_batched_tokens=32, **config))
 
 
 def entry(ledger_dir, name="ctl"):
@@ -73,10 +75,15 @@ def test_kvcached_sizes_are_binary_and_kvmems_are_kept():
 
 
 def test_the_routes_steer_an_elastic_engine(tiny, ledger_dir):
-    app = app_for(tiny, kv_memory="elastic", engine_name="ctl", kv_cache_memory_bytes="4MiB")
+    engine = engine_for(tiny, kv_memory="elastic", engine_name="ctl",
+                        kv_cache_memory_bytes="4MiB")
+    app = create_app(AsyncLLMEngine(engine), api_key="s3cret")
     with TestClient(app) as http:
         assert http.get("/kvcache/status").status_code == 401  # behind the server's key
         complete(http, "hello there, a prompt of a few blocks " * 3)
+        # pre-mapping runs on after the request: let it finish, so that the status and the
+        # ledger entry read below see the same mapped pages
+        engine.kv_storage.settle()
         status = http.get("/kvcache/status", headers=KEY).json()
         assert status["self_ipc_name"] == "ctl"
         [seg] = status["segments"]
