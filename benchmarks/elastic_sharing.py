@@ -145,6 +145,8 @@ def start(engine: str, name: str, args: argparse.Namespace, ledger_dir: str, wor
             argv += ["--cpu-offload-gib", "1"]
         if not caching:
             argv += ["--no-enable-prefix-caching"]
+        if args.huge_pages:
+            argv += ["--kv-memory-huge-pages"]
     else:
         from kvmem.integrations.vllm import kv_transfer_config
 
@@ -288,6 +290,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (kvmem's engine)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="both engines map KV pages as transparent huge pages (CPU)")
     p.add_argument("--no-wake", action="store_true",
                    help="engines only poll the ledger (every 50 ms) rather than wake each "
                         "other: the comparison for the wake-ups")
@@ -322,7 +326,7 @@ def main() -> None:
     b = start(args.engine, "B", args, ledger_dir, work, tier=False, caching=False,
               cores=cores[1])
     out: dict = {"engine": args.engine, "tp": args.tp, "cpu": cpu_model(),
-                 "wake": not args.no_wake,
+                 "wake": not args.no_wake, "huge_pages": args.huge_pages,
                  "model": "tiny random Llama" if args.tiny else "SmolLM2-135M",
                  "total_bytes": args.total_mib * MiB}
     try:

@@ -7,9 +7,11 @@ times ``give_back`` of ``--mib`` MiB: choosing the pages, evicting their blocks 
 pool, unmapping them and the ledger write. ``--profile`` prints where the time goes;
 ``--busy-thread`` keeps another Python thread running meanwhile (as an engine's other
 threads may be), so that every call that lets go of the GIL can wait up to the
-interpreter's switch interval to get it back.
+interpreter's switch interval to get it back. ``--huge-pages``: pages of whole
+transparent huge pages (128 blocks, 2 MiB in each slot), as ``--kv-memory-huge-pages``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/give_back.py [--mib 20] [--rounds 8]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/give_back.py [--mib 20] [--rounds 8] \
+        [--huge-pages]
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ MiB = 1 << 20
 REQUEST_BLOCKS = 57  # a 900-token prompt in blocks of 16
 
 
-def cached_storage(seed: int, blocks: int) -> tuple[ElasticKVStorage, BlockPool]:
+def cached_storage(seed: int, blocks: int, *,
+                   huge_pages: bool = False) -> tuple[ElasticKVStorage, BlockPool]:
     """Storage whose ``blocks`` blocks all hold cached-free prefixes."""
     budget = Ledger.for_device("cpu", tempfile.mkdtemp()).register("A", ceiling_bytes=64 * MiB)
     storage = ElasticKVStorage(4, SlotShape(2, 16, 2, 64), torch.float32, max_blocks=1024,
-                               budget=budget, start=False)
+                               budget=budget, start=False, huge_pages=huge_pages)
     pool = BlockPool(storage.num_blocks, 1, **storage.pool_wiring())
     rng = random.Random(seed)
     taken = pool.take_new_blocks(blocks, 0)
@@ -63,12 +66,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--busy-thread", action="store_true")
+    p.add_argument("--huge-pages", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     profile = cProfile.Profile() if args.profile else None
     times, given = [], 0
     for seed in range(args.rounds):
-        storage, pool = cached_storage(seed, args.blocks)
+        storage, pool = cached_storage(seed, args.blocks, huge_pages=args.huge_pages)
         done = threading.Event()
         busy = threading.Thread(target=spin, args=(done,)) if args.busy_thread else None
         if busy is not None:

@@ -285,6 +285,28 @@ def test_elastic_in_vllms_cpu_build_is_planned_as_vllm_maps_it(capsys):
     assert "2 MiB" not in out
 
 
+def test_huge_pages_make_whole_huge_pages_of_a_page(capsys):
+    """SmolLM2's 98,304-byte block of one layer fills whole 2 MiB huge pages 64 at a time
+    (98,304 = 3 x 32 KiB); the command and the environment ask for huge pages."""
+    d = _json(capsys, VLLM_CPU_ELASTIC + ["--kv-memory-huge-pages"])
+    kv = d["kv_memory"]
+    assert (kv["granularity"], kv["blocks_per_page"]) == (2 << 20, 64)
+    assert kv["page_bytes"] == 64 * kv["block_bytes"]
+    assert d["engine_command"]["env"]["KVMEM_VLLM_KV_MEMORY_HUGE_PAGES"] == "1"
+    assert main(VLLM_CPU_ELASTIC + ["--kv-memory-huge-pages"]) == 0
+    assert "huge pages of 2.00 MiB on vLLM's CPU build" in capsys.readouterr().out
+    ours = ["plan", "smollm2", "--device", "cpu", "--engine", "kvmem", "--kv-memory",
+            "elastic", "--kv-cache-memory-bytes", "1GiB", "--kv-memory-huge-pages"]
+    d = _json(capsys, ours)
+    [rank] = d["kv_memory"]["ranks"]
+    assert rank["blocks_per_page"] == 64
+    assert d["engine_command"]["argv"][-1] == "--kv-memory-huge-pages"
+    for argv, message in ((ours[:6] + ours[8:], "needs --kv-memory elastic"),
+                          (ELASTIC + ["--kv-memory-huge-pages"], "for KV memory on the CPU")):
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_elastic_in_vllm_fails_the_check_where_vllm_would_refuse(capsys):
     """50 MiB maps 17 one-block pages; a 4,096-token request needs 32 and the null
     block's (vLLM's scheduler side refuses to start with the same figures)."""

@@ -44,6 +44,27 @@ def test_settings_from_the_environment() -> None:
                                    "KVMEM_VLLM_ENGINE_NAME": "chat"})
     assert named == ElasticSettings(engine_name="chat")
     assert settings_from_extra(s.to_extra()) == s
+    for word, huge in (("1", True), ("on", True), ("0", None), ("", None)):
+        h = elastic_from_env("m", {"KVMEM_VLLM_KV_MEMORY": "elastic",
+                                   "KVMEM_VLLM_KV_MEMORY_HUGE_PAGES": word})
+        assert h is not None and h.huge_pages is huge
+        assert settings_from_extra(h.to_extra()) == h
+
+
+@pytest.mark.parametrize(("device", "problem", "message"), [
+    ("cuda", None, "HUGE_PAGES=1 is for vLLM's CPU build; cuda's pages are the driver's"),
+    ("cpu", "shmem_enabled: never", "KVMEM_VLLM_KV_MEMORY_HUGE_PAGES=1: shmem_enabled: never"),
+])
+def test_huge_pages_are_checked_before_vllm_starts(monkeypatch, device, problem, message):
+    from types import SimpleNamespace
+
+    from kvmem.integrations.vllm.elastic import config
+    from kvmem.memory import huge_pages
+
+    monkeypatch.setattr(huge_pages, "huge_pages_problem", lambda shared: problem)
+    vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type=device))
+    with pytest.raises(ConfigError, match=message):
+        config.check_deployment(vllm_config, ElasticSettings(engine_name="e", huge_pages=True))
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -57,6 +78,9 @@ def test_settings_from_the_environment() -> None:
      "expected a JSON object"),
     ({"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_VLLM_KV_MEMORY_FAULTS": "[1"},
      "expected a JSON object"),
+    ({"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_VLLM_KV_MEMORY_HUGE_PAGES": "maybe"},
+     "KVMEM_VLLM_KV_MEMORY_HUGE_PAGES='maybe': expected 1 or 0"),
+    ({"KVMEM_VLLM_KV_MEMORY_HUGE_PAGES": "1"}, "KVMEM_VLLM_KV_MEMORY_HUGE_PAGES is set but"),
 ])
 def test_bad_settings_are_one_line(env, message) -> None:
     with pytest.raises(ConfigError) as err:
@@ -69,6 +93,7 @@ def test_bad_settings_are_one_line(env, message) -> None:
     ({"engine_name": "e", "limit": 1}, "unknown key 'limit'"),
     ({"engine_name": "e", "limit_bytes": "x"}, "cannot read 'x' as a size"),
     ({"engine_name": "e", "map_error_block": -2}, "must be a non-negative integer"),
+    ({"engine_name": "e", "huge_pages": "yes"}, r"\['huge_pages'\] must be true or false"),
 ])
 def test_bad_extra_config_is_one_line(extra, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         result.plan.notes.extend(result.offload_notes())
         print_plan(result.plan, result.command, plot=args.plot)
         if result.elastic is not None:
-            print("\n".join(elastic_lines(result.elastic, on_cpu=args.device == "cpu")))
+            print("\n".join(elastic_lines(result.elastic, on_cpu=args.device == "cpu",
+                                            huge_pages=result.huge_pages)))
     if args.check or result.plan.engine.num_blocks == 0:  # not one block: no engine starts
         result.plan.check_fit()
     if args.check and result.elastic_error is not None:

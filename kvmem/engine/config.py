@@ -68,6 +68,8 @@ class EngineConfig:
     kv_memory: str = "plain"  # plain | elastic
     kv_memory_limit_bytes: int | None = None  # elastic ceiling: default the planned budget
     kv_memory_floor_bytes: int | None = None  # elastic floor: reserved for this engine
+    # elastic on the CPU: pages of whole transparent huge pages (kvmem.memory.huge_pages)
+    kv_memory_huge_pages: bool = False
     engine_name: str | None = None  # the engine's name in the ledger (default: model-pid)
 
     def __post_init__(self) -> None:
@@ -110,6 +112,12 @@ class EngineConfig:
             if self.kv_memory != "elastic":
                 raise ConfigError(f"{field_name} needs kv_memory elastic")
             setattr(self, field_name, parse_size(value, field_name))
+        if self.kv_memory_huge_pages:
+            if self.kv_memory != "elastic":
+                raise ConfigError("kv_memory_huge_pages needs kv_memory elastic")
+            if self.device.startswith("cuda"):
+                raise ConfigError("kv_memory_huge_pages is for KV memory on the CPU; a GPU's "
+                                  "pages are the driver's 2 MiB granules already")
         floor, ceiling = self.kv_memory_floor_bytes, self.kv_memory_limit_bytes
         if floor is not None and ceiling is not None and floor > ceiling:
             raise ConfigError(f"kv_memory_floor_bytes {floor} is above kv_memory_limit_bytes "
@@ -260,6 +268,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
     mem.add_argument("--kv-memory-min", dest="kv_memory_floor_bytes", default=None,
                      metavar="SIZE", help="elastic: this engine's floor, reserved for it "
                                           "whatever other engines on the device do")
+    mem.add_argument("--kv-memory-huge-pages", action="store_true",
+                     help="elastic on the CPU: map KV pages as whole transparent huge pages, "
+                          "which the kernel gives back to other engines about ten times "
+                          "faster; each page is then at least 2 MiB in every KV tensor")
     mem.add_argument("--engine-name", default=None,
                      help="this engine's name in `kvmem top` / `kvmem limit` "
                           "(default: served model name + pid)")

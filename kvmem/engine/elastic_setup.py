@@ -48,6 +48,7 @@ from kvmem.engine.config import EngineConfig
 from kvmem.errors import ConfigError
 from kvmem.memory import ElasticKVStorage, Ledger, PageMapCoordinator, reclaim
 from kvmem.memory.budget import BudgetState, MemoryWait
+from kvmem.memory.huge_pages import check_huge_pages
 from kvmem.memory.sizing import CUDA_GRANULARITY, ElasticSizing, plan_elastic, useful_blocks
 from kvmem.memory.storage import SlotShape
 from kvmem.spec import ModelSpec
@@ -66,9 +67,14 @@ def default_engine_name(config: EngineConfig) -> str:
     return f"{name}-{os.getpid()}"
 
 
-def _granularity(device: torch.device) -> int:
+def _granularity(device: torch.device, *, huge_pages: bool, world_size: int) -> int:
     if device.type == "cuda":
+        if huge_pages:
+            raise ConfigError("--kv-memory-huge-pages is for KV memory on the CPU; a GPU's "
+                              "pages are the driver's 2 MiB granules already")
         return CUDA_GRANULARITY
+    if huge_pages:  # the other ranks' pages are in memory files rank 0 releases
+        return check_huge_pages(shared=world_size > 1, what="--kv-memory-huge-pages")
     import mmap
 
     return mmap.PAGESIZE
@@ -98,6 +104,7 @@ class ElasticSetup:
     max_model_len: int
     wait_timeout: float = 60.0
     floor_bytes: int = 0
+    huge_pages: bool = False  # CPU pages of whole transparent huge pages
     # the engine's step lock and loop wake (rank 0; the other ranks never give back)
     steps: StepGate | None = None
     storage: ElasticKVStorage | None = None
@@ -112,7 +119,8 @@ class ElasticSetup:
         """Rank ``rank``'s reservation, from ``kvmem.memory.sizing.plan_elastic`` over the
         engine's plan: the function ``kvmem plan --kv-memory elastic`` calls, so the
         planner and the engine agree on the blocks by construction (only the page
-        granularity is the device's: 2 MiB on a GPU, the OS page on CPU). ``steps``:
+        granularity is the device's: 2 MiB on a GPU, the OS page on CPU, or its huge
+        page with ``--kv-memory-huge-pages``). ``steps``:
         the engine's step boundary, which rank 0 gives memory back at."""
         if rank == 0 and steps is None:
             raise ConfigError("rank 0's elastic KV memory needs the engine's step lock")
@@ -128,7 +136,9 @@ class ElasticSetup:
                                  max_num_batched_tokens=batched, max_num_seqs=1) + states
 
         sizings = plan_elastic(kv_plan, spec, config.kv_memory_limit_bytes,
-                               granularity=_granularity(device),
+                               granularity=_granularity(
+                                   device, huge_pages=config.kv_memory_huge_pages,
+                                   world_size=world_size),
                                one_memory=device.type == "cpu")
         paged = [r.rank for r in kv_plan.ranks if r.num_slots and r.slot_page_bytes]
         sizing = sizings[paged.index(rank)]
@@ -143,7 +153,8 @@ class ElasticSetup:
         name = config.engine_name or default_engine_name(config)
         return cls(sizing, name, rank, world_size, device, need_blocks, max_model_len,
                    wait_timeout=config.distributed_timeout_s,
-                   floor_bytes=config.kv_memory_floor_bytes or 0, steps=steps)
+                   floor_bytes=config.kv_memory_floor_bytes or 0,
+                   huge_pages=config.kv_memory_huge_pages, steps=steps)
 
     @property
     def request_bytes(self) -> int:
@@ -166,7 +177,7 @@ class ElasticSetup:
                 num_slots, shape, dtype, max_blocks=self.sizing.max_blocks, device=str(device),
                 budget=budget, blocks_per_page=self.sizing.blocks_per_page, rank=self.rank,
                 world_size=self.world_size, wait_timeout=self.wait_timeout, start=False,
-                ledger_page_bytes=self.sizing.ledger_page_bytes)
+                ledger_page_bytes=self.sizing.ledger_page_bytes, huge_pages=self.huge_pages)
         except BaseException:
             if budget is not None:
                 budget.close()

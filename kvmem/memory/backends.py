@@ -2,7 +2,8 @@
 
 - ``MmapBackend`` (CPU): an anonymous ``MAP_NORESERVE`` mapping; a page is committed by
   populating it and released with ``madvise(MADV_DONTNEED)``, so resident memory follows
-  the mapped pages.
+  the mapped pages. ``huge_pages``: pages are whole transparent huge pages
+  (``kvmem.memory.huge_pages``), which the kernel releases many times faster.
 - ``SharedMmapBackend`` (CPU, ``kvmem.memory.shared_mmap``): the same over a memory file,
   whose pages another process can release;
 - ``FakeBackend``: records every operation and rejects a double map or a stray unmap;
@@ -23,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from kvmem.errors import KvmemError
+from kvmem.memory.huge_pages import check_huge_pages, huge_page_size
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +46,7 @@ class PageBackend(Protocol):
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0x0, 0x1, 0x2
 _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
-_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
+_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 14, 23
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -65,33 +67,44 @@ def _libc(*, holding_gil: bool = False) -> ctypes.CDLL:
 
 
 class MmapBackend:
-    """CPU pages over an anonymous, unreserved mapping."""
+    """CPU pages over an anonymous, unreserved mapping; ``huge_pages``: in units of the
+    kernel's huge page, the range aligned to it and advised ``MADV_HUGEPAGE``."""
 
     unmaps_ranges = True  # one unmap may cover pages mapped separately
 
-    def __init__(self) -> None:
-        self.granularity = mmap.PAGESIZE
+    def __init__(self, *, huge_pages: bool = False) -> None:
+        self.huge_pages = huge_pages
+        self.granularity = huge_page_size() if huge_pages else mmap.PAGESIZE
         self._libc = _libc()
         self._unmap_libc = _libc(holding_gil=True)
         self._addr: int | None = None
         self._size = 0
+        self._mapping = (0, 0)  # the whole mapping: guards and alignment slack included
         self._populate = True  # MADV_POPULATE_WRITE needs Linux 5.14; fall back to touching
 
     def reserve(self, nbytes: int) -> None:
         # An inaccessible page on each side: a stray access faults, and the range stays a
         # mapping of its own (the kernel merges neighbouring anonymous mappings otherwise,
         # e.g. with malloc's arenas, and /proc would report them together).
-        guard = self.granularity
-        base = self._libc.mmap(None, nbytes + 2 * guard, _PROT_NONE,
+        guard, align = mmap.PAGESIZE, self.granularity
+        total = nbytes + 2 * guard + align - mmap.PAGESIZE  # room to align the start
+        base = self._libc.mmap(None, total, _PROT_NONE,
                                _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if base in (None, _MAP_FAILED) or self._libc.mprotect(
-                base + guard, nbytes, _PROT_READ | _PROT_WRITE) != 0:
+        addr = -(-(base + guard) // align) * align if base not in (None, _MAP_FAILED) else 0
+        if not addr or self._libc.mprotect(addr, nbytes, _PROT_READ | _PROT_WRITE) != 0:
             err = ctypes.get_errno()
             if base not in (None, _MAP_FAILED):
-                self._libc.munmap(base, nbytes + 2 * guard)
+                self._libc.munmap(base, total)
             raise BackendError(f"cannot reserve {nbytes} bytes of address space: "
                                f"{os.strerror(err)}")
-        self._addr, self._size = base + guard, nbytes
+        self._addr, self._size, self._mapping = addr, nbytes, (base, total)
+        self._advise_huge_pages()
+
+    def _advise_huge_pages(self) -> None:
+        if self.huge_pages and self._libc.madvise(self._addr, self._size, _MADV_HUGEPAGE) != 0:
+            err = ctypes.get_errno()
+            self.close()
+            raise BackendError(f"madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}")
 
     def _check(self, offset: int, length: int) -> int:
         if self._addr is None or offset < 0 or offset + length > self._size:
@@ -121,28 +134,29 @@ class MmapBackend:
         addr = self._check(offset, length)
         return torch.frombuffer((ctypes.c_uint8 * length).from_address(addr), dtype=torch.uint8)
 
-    def resident_bytes(self) -> int:
+    def resident_bytes(self, field: str = "Rss") -> int:
         """This process's resident memory in the reservation now: the ``Rss`` that
         ``/proc/self/smaps`` reports for its mapping (pages only read, which the kernel
-        backs with its shared zero page, do not count)."""
+        backs with its shared zero page, do not count); ``field``: another of its
+        figures, such as ``AnonHugePages`` or ``FilePmdMapped`` (huge pages)."""
         if self._addr is None:
             return 0
         lo, hi, total, inside = self._addr, self._addr + self._size, 0, False
+        key = f"{field}:"
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split(maxsplit=1)[0]
                 if not head.endswith(":"):  # a mapping's first line: start-end perms ...
                     start, end = (int(x, 16) for x in head.split("-"))
                     inside = lo <= start and end <= hi
-                elif inside and head == "Rss:":
+                elif inside and head == key:
                     total += int(line.split()[1]) * 1024
         return total
 
     def close(self) -> None:
         # Tensors over the range must be dropped first; callers own that ordering.
         if self._addr is not None:
-            guard = self.granularity
-            self._libc.munmap(self._addr - guard, self._size + 2 * guard)
+            self._libc.munmap(*self._mapping)
             self._addr = None
 
 
@@ -198,17 +212,23 @@ class FakeBackend:
         pass
 
 
-def make_backend(device: str, *, shared: bool = False) -> PageBackend:
+def make_backend(device: str, *, shared: bool = False, huge_pages: bool = False) -> PageBackend:
     """The backend for a device string; CUDA's is imported only here, when asked for.
     ``shared``: on the CPU, pages in a memory file another process can release
-    (``kvmem.memory.shared_mmap``)."""
+    (``kvmem.memory.shared_mmap``); ``huge_pages``: on the CPU, whole transparent huge
+    pages (a ``ConfigError`` when the host's kernel gives none)."""
     kind = str(device).split(":")[0]
+    if huge_pages and kind != "cpu":
+        raise BackendError(f"huge pages are for CPU KV memory; {device}'s pages are the "
+                           "driver's granules already")
+    if huge_pages:
+        check_huge_pages(shared=shared)
     if kind == "cpu":
         if shared:
             from kvmem.memory.shared_mmap import SharedMmapBackend
 
-            return SharedMmapBackend()
-        return MmapBackend()
+            return SharedMmapBackend(huge_pages=huge_pages)
+        return MmapBackend(huge_pages=huge_pages)
     if kind == "cuda":
         from kvmem.memory.cuda_vmm import CudaVmmBackend
 

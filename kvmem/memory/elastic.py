@@ -77,7 +77,8 @@ class ElasticKVStorage:
                  budget: EngineBudget | None = None, reserve_pages: int = 2,
                  blocks_per_page: int | None = None, min_page_bytes: int = 0,
                  rank: int = 0, world_size: int = 1, wait_timeout: float = 30.0,
-                 start: bool = True, ledger_page_bytes: int | None = None) -> None:
+                 start: bool = True, ledger_page_bytes: int | None = None,
+                 huge_pages: bool = False) -> None:
         import torch
 
         if world_size < 1 or not 0 <= rank < world_size:
@@ -88,7 +89,7 @@ class ElasticKVStorage:
         self.shape, self.dtype, self.device = shape, dtype, device
         elem = torch.empty((), dtype=dtype).element_size()
         if backend is None:  # another rank's pages in a file rank 0 can release
-            backend = make_backend(device, shared=rank > 0)
+            backend = make_backend(device, shared=rank > 0, huge_pages=huge_pages)
         self._memory_file = getattr(backend, "memory_file", None)
         self.backend = with_injected_faults(backend, rank)
         self.geometry = PageGeometry.build(

@@ -71,8 +71,8 @@ class MemoryFile:
 class SharedMmapBackend(MmapBackend):
     """CPU pages over a memory file mapped shared (see the module docstring)."""
 
-    def __init__(self, name: str = FILE_NAME) -> None:
-        super().__init__()
+    def __init__(self, name: str = FILE_NAME, *, huge_pages: bool = False) -> None:
+        super().__init__(huge_pages=huge_pages)
         self.name = name
         self.fd: int | None = None
 
@@ -90,6 +90,7 @@ class SharedMmapBackend(MmapBackend):
                 err = ctypes.get_errno()
                 super().close()
                 raise BackendError(f"cannot map the KV memory file: {os.strerror(err)}")
+            self._advise_huge_pages()  # the file's mapping replaced the advised range
         except BaseException:
             os.close(fd)
             raise

@@ -159,15 +159,16 @@ class VllmElasticSizing:
                 "raise --kv-memory-limit or lower --max-model-len")
 
 
-def plan_vllm_elastic(plan, spec, limit_bytes: int | None = None, *,
-                      on_cpu: bool) -> VllmElasticSizing:
+def plan_vllm_elastic(plan, spec, limit_bytes: int | None = None, *, on_cpu: bool,
+                      granularity: int | None = None) -> VllmElasticSizing:
     """The elastic KV memory of a ``kvmem.plan`` result deployed on vLLM (``on_cpu``: its
-    CPU build, where every rank's KV lives in the one host's memory)."""
+    CPU build, where every rank's KV lives in the one host's memory; ``granularity``:
+    another than the device's, the huge page on the CPU)."""
     settings, engine = plan.settings, plan.engine
     paged = [r for r in plan.ranks if r.num_slots and r.slot_page_bytes]
     if not paged:
         raise ConfigError("an elastic KV cache needs at least one paged layer")
-    granularity = CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY
+    granularity = granularity or (CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY)
     # vLLM lays each layer's blocks out one after another: a block of one layer is the
     # stride every page must cover in whole granules
     k = lcm(*(blocks_per_page_for(r.slot_page_bytes, granularity) for r in paged))

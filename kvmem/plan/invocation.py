@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmem.errors import ConfigError
+from kvmem.integrations.vllm.elastic.config import HUGE_ENV as VLLM_HUGE_ENV
 from kvmem.integrations.vllm.elastic.config import LIMIT_ENV as VLLM_LIMIT_ENV
 from kvmem.integrations.vllm.elastic.config import MODE_ENV as VLLM_MODE_ENV
 from kvmem.memory.sizing import VllmElasticSizing
@@ -158,6 +159,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="elastic: also show the virtual reservation and the memory limit")
     m.add_argument("--kv-memory-limit", metavar="SIZE",
                    help="elastic: most KV memory mapped at once (default: the KV budget)")
+    m.add_argument("--kv-memory-huge-pages", action="store_true",
+                   help="elastic on the CPU: pages of whole transparent huge pages")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     o.add_argument("--engine", choices=("vllm", "sglang", "kvmem"),
@@ -382,9 +385,12 @@ def _elastic(args: argparse.Namespace, result, spec):
     vllm``, or ``--device cpu``, which plans vLLM's CPU build) what its scheduler side does
     with vLLM's own KV cache."""
     if args.kv_memory != "elastic":
-        if args.kv_memory_limit is not None:
-            raise ConfigError("--kv-memory-limit needs --kv-memory elastic")
+        for flag, value in (("--kv-memory-limit", args.kv_memory_limit),
+                            ("--kv-memory-huge-pages", args.kv_memory_huge_pages or None)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --kv-memory elastic")
         return None
+    from kvmem.memory.huge_pages import huge_page_size
     from kvmem.memory.sizing import (
         CPU_GRANULARITY,
         CUDA_GRANULARITY,
@@ -399,11 +405,14 @@ def _elastic(args: argparse.Namespace, result, spec):
     limit = (parse_size(args.kv_memory_limit, "--kv-memory-limit")
              if args.kv_memory_limit is not None else None)
     on_cpu = args.device == "cpu"
+    if args.kv_memory_huge_pages and not on_cpu:
+        raise ConfigError("--kv-memory-huge-pages is for KV memory on the CPU (--device cpu); "
+                          "a GPU's pages are the driver's 2 MiB granules already")
+    granularity = (huge_page_size() if args.kv_memory_huge_pages else CPU_GRANULARITY
+                   ) if on_cpu else CUDA_GRANULARITY
     if args.engine == "vllm" or (on_cpu and args.engine is None):
-        return plan_vllm_elastic(result, spec, limit, on_cpu=on_cpu)
-    return plan_elastic(result, spec, limit,
-                        granularity=CPU_GRANULARITY if on_cpu else CUDA_GRANULARITY,
-                        one_memory=on_cpu)
+        return plan_vllm_elastic(result, spec, limit, on_cpu=on_cpu, granularity=granularity)
+    return plan_elastic(result, spec, limit, granularity=granularity, one_memory=on_cpu)
 
 
 def _check_profile_matches(profiles, layout, settings, path: str) -> None:
@@ -458,15 +467,16 @@ def _elastic_fit_error(result, spec, sizings) -> str | None:
             "block); raise --kv-memory-limit or lower --max-model-len")
 
 
-def elastic_lines(elastic, on_cpu: bool) -> list[str]:
+def elastic_lines(elastic, on_cpu: bool, huge_pages: bool = False) -> list[str]:
     """The elastic reservation and limit, in words: kvmem's engine (each rank's sizing) or
-    vLLM's (a ``VllmElasticSizing``)."""
+    vLLM's (a ``VllmElasticSizing``); ``huge_pages``: CPU pages of whole huge pages."""
     from kvmem.units import format_bytes
 
     if isinstance(elastic, VllmElasticSizing):
         s = elastic
         blocks = "block" if s.blocks_per_page == 1 else "blocks"
-        granule = (f"OS pages of {format_bytes(s.granularity)} on vLLM's CPU build" if on_cpu
+        pages = "huge pages" if huge_pages else "OS pages"
+        granule = (f"{pages} of {format_bytes(s.granularity)} on vLLM's CPU build" if on_cpu
                    else f"{format_bytes(s.granularity)} granules on each GPU")
         where = ("every rank's KV, all in this host's memory" if on_cpu
                  else "rank 0's GPU; each GPU counts its own")
@@ -478,7 +488,7 @@ def elastic_lines(elastic, on_cpu: bool) -> list[str]:
                 f"most ({where}); one request of max_model_len maps {s.request_pages:,} pages "
                 "(incl. the null block's)"]
     lead = elastic[0]
-    granules = "OS pages" if on_cpu else "2 MiB granules"
+    granules = "2 MiB granules" if not on_cpu else "huge pages" if huge_pages else "OS pages"
     counted = ("rank 0's GPU" if not on_cpu else "this host's memory, every rank's KV"
                if len(elastic) > 1 else "this host's memory")
     return [f"elastic KV memory: limit {format_bytes(lead.limit_bytes)} in {counted} "
@@ -498,6 +508,7 @@ class PlanRun:
     elastic: list | VllmElasticSizing | None  # with --kv-memory elastic: each rank's sizing
     # in kvmem's engine, or vLLM's
     elastic_error: str | None  # why one request cannot run under the elastic limit
+    huge_pages: bool = False  # elastic CPU pages of whole transparent huge pages
 
     def document(self) -> dict:
         """The object `kvmem plan --json` prints."""
@@ -589,11 +600,16 @@ def build(args: argparse.Namespace, spec=None) -> PlanRun:
         command.argv += ["--kv-memory", "elastic"]
         if args.kv_memory_limit is not None:
             command.argv += ["--kv-memory-limit", str(elastic[0].limit_bytes)]
+        if args.kv_memory_huge_pages:
+            command.argv += ["--kv-memory-huge-pages"]
     if command is not None and in_vllm:
         env = {VLLM_MODE_ENV: "elastic"}
         if args.kv_memory_limit is not None:
             env[VLLM_LIMIT_ENV] = str(elastic.limit_bytes)
+        if args.kv_memory_huge_pages:
+            env[VLLM_HUGE_ENV] = "1"
         for cmd in (command, command.plugin):
             if cmd is not None:
                 cmd.env.update(env)
-    return PlanRun(result, command, offload_section, elastic, elastic_error)
+    return PlanRun(result, command, offload_section, elastic, elastic_error,
+                   huge_pages=bool(args.kv_memory_huge_pages))

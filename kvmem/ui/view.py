@@ -109,7 +109,8 @@ def page_view(run: PlanRun, device: str) -> dict:
         "ranks": rank_rows(run),
         "summary": summary(run),
         "vllm_log": vllm_log(run, device),
-        "elastic": (elastic_lines(run.elastic, on_cpu=device == "cpu")
+        "elastic": (elastic_lines(run.elastic, on_cpu=device == "cpu",
+                                   huge_pages=run.huge_pages)
                     if run.elastic is not None else []),
         "commands": commands(run),
         "warnings": warnings(run),

@@ -6,6 +6,9 @@
   (``kv_cache_memory_bytes``), which is the reservation.
 - ``KVMEM_VLLM_KV_MEMORY_MIN``: the engine's floor, reserved for it whatever other engines
   on the device do (default 0).
+- ``KVMEM_VLLM_KV_MEMORY_HUGE_PAGES``: ``1`` maps KV pages (on vLLM's CPU build) as whole
+  transparent huge pages, which the kernel releases about ten times faster when another
+  engine asks; needs the host's ``shmem_enabled`` at ``advise`` (``kvmem.memory.huge_pages``).
 - ``KVMEM_VLLM_ENGINE_NAME``: the engine's name in the ledger (``kvmem top``,
   ``kvmem limit NAME``); default ``vllm-<model>-<pid>``.
 - ``KVMEM_LEDGER_DIR``: where the ledger lives, as for kvmem's own engine (default
@@ -41,6 +44,7 @@ LIMIT_ENV = "KVMEM_VLLM_KV_MEMORY_LIMIT"
 MAX_ENV = "KVMEM_VLLM_KV_MEMORY_MAX"
 MIN_ENV = "KVMEM_VLLM_KV_MEMORY_MIN"
 NAME_ENV = "KVMEM_VLLM_ENGINE_NAME"
+HUGE_ENV = "KVMEM_VLLM_KV_MEMORY_HUGE_PAGES"
 FAULTS_ENV = "KVMEM_VLLM_KV_MEMORY_FAULTS"
 LEDGER_ENV = "KVMEM_LEDGER_DIR"
 
@@ -57,6 +61,7 @@ class ElasticSettings:
     ledger_dir: str | None = None  # None: $KVMEM_LEDGER_DIR or /dev/shm
     map_error_rank: int | None = None  # injected: this rank cannot map...
     map_error_block: int | None = None  # ...any block from this one on (None: 0)
+    huge_pages: bool | None = None  # CPU pages of whole transparent huge pages
 
     def to_extra(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -69,7 +74,7 @@ def elastic_from_env(model: str,
     ``model`` names the engine by default (its last path part and this process id)."""
     env = os.environ if environ is None else environ
     mode = env.get(MODE_ENV, "").strip()
-    others = [name for name in (LIMIT_ENV, MAX_ENV, MIN_ENV, NAME_ENV, FAULTS_ENV)
+    others = [name for name in (LIMIT_ENV, MAX_ENV, MIN_ENV, NAME_ENV, FAULTS_ENV, HUGE_ENV)
               if env.get(name, "").strip()]
     if not mode:
         if others:
@@ -92,7 +97,18 @@ def elastic_from_env(model: str,
     check_engine_name(name)
     faults = _faults(env.get(FAULTS_ENV, "").strip())
     return ElasticSettings(engine_name=name, limit_bytes=limit, floor_bytes=floor,
-                           ledger_dir=env.get(LEDGER_ENV, "").strip() or None, **faults)
+                           ledger_dir=env.get(LEDGER_ENV, "").strip() or None,
+                           huge_pages=_switch(HUGE_ENV, env.get(HUGE_ENV, "")) or None,
+                           **faults)
+
+
+def _switch(name: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "on", "yes"):
+        return True
+    if word in ("", "0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"{name}={text!r}: expected 1 or 0")
 
 
 def default_engine_name(model: str) -> str:
@@ -140,10 +156,13 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> ElasticSettings:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
             raise ConfigError(f"{PREFIX}[{key!r}] must be a non-negative integer, got {value!r}")
+    huge = extra.get("huge_pages")
+    if huge is not None and not isinstance(huge, bool):
+        raise ConfigError(f"{PREFIX}['huge_pages'] must be true or false, got {huge!r}")
     return ElasticSettings(engine_name=name, limit_bytes=limit, floor_bytes=floor,
                            ledger_dir=extra.get("ledger_dir"),
                            map_error_rank=extra.get("map_error_rank"),
-                           map_error_block=extra.get("map_error_block"))
+                           map_error_block=extra.get("map_error_block"), huge_pages=huge or None)
 
 
 def with_elastic(kv_transfer: Mapping[str, Any] | None,
@@ -183,10 +202,19 @@ def check_deployment(vllm_config: Any, settings: ElasticSettings) -> None:
     one-line ConfigError): a ledger can be made where ``KVMEM_LEDGER_DIR`` points, and the
     ceiling holds one request of ``max_model_len`` on the ledger's device (every rank's
     KV on a CPU, rank 0's on a GPU; kvmem's plan of the deployment, which the engine core
-    checks again, exactly, in vLLM's own blocks)."""
+    checks again, exactly, in vLLM's own blocks), and huge pages, when asked for, are
+    to be had (vLLM's CPU build, whose KV lives in memory files)."""
+    from kvmem.memory.huge_pages import huge_pages_problem
     from kvmem.memory.ledger import Ledger
 
     device_type = vllm_config.device_config.device_type
+    if settings.huge_pages:
+        if device_type != "cpu":
+            raise ConfigError(f"{HUGE_ENV}=1 is for vLLM's CPU build; {device_type}'s pages "
+                              "are the driver's granules already")
+        problem = huge_pages_problem(shared=True)
+        if problem:
+            raise ConfigError(f"{HUGE_ENV}=1: {problem}")
     Ledger.for_device(ledger_device(device_type), settings.ledger_dir).read()
     if settings.limit_bytes is None:
         return

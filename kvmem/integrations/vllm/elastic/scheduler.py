@@ -28,6 +28,7 @@ from kvmem.integrations.vllm.elastic.pool import BlockRange, ElasticPool
 from kvmem.integrations.vllm.elastic.release import WorkerFile
 from kvmem.integrations.vllm.elastic.watch import LedgerWatch
 from kvmem.memory.budget import MemoryWait
+from kvmem.memory.huge_pages import huge_page_size
 from kvmem.memory.ledger import Ledger
 from kvmem.memory.pages import blocks_per_page_for
 from kvmem.memory.sizing import CUDA_GRANULARITY
@@ -98,7 +99,7 @@ class ElasticScheduler:
         if device == "cpu":
             import mmap
 
-            granularity = mmap.PAGESIZE
+            granularity = huge_page_size() if settings.huge_pages else mmap.PAGESIZE
             block_bytes = sum(self.rank_bytes)  # every rank's KV lives in this memory
         else:
             granularity = CUDA_GRANULARITY

@@ -122,7 +122,8 @@ class ElasticWorker:
         """The reservation as vLLM's KV buffer, with the null block mapped."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        backend = self.backend or make_backend(str(device), shared=True)
+        backend = self.backend or make_backend(str(device), shared=True,
+                                               huge_pages=bool(self.settings.huge_pages))
         g = backend.granularity
         size = -(-self.layout.size // g) * g
         try:
