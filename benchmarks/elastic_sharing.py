@@ -30,6 +30,12 @@ same way every time. The phases:
    CPU tier loaded for it (from its /metrics);
 5. kill -9 of A in the middle of a burst of A's while B waits for memory A holds: how long
    until A's entry is gone from the ledger and B runs, and B's burst finishes.
+
+``--huge-pages``: both engines map KV pages as transparent huge pages
+(``--kv-memory-huge-pages``, ``KVMEM_VLLM_KV_MEMORY_HUGE_PAGES=1``); their pages are then
+coarser (8 MiB for the tiny Llama at tp 1), so give the engines room for several:
+``--tiny --reservation-mib 96 --total-mib 80``. Memory files (tp 2, vLLM) need the host's
+``shmem_enabled`` at ``advise``.
 """
 
 from __future__ import annotations
@@ -160,6 +166,8 @@ def start(engine: str, name: str, args: argparse.Namespace, ledger_dir: str, wor
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cpu_offload_gib=1))]
         if not caching:
             argv += ["--no-enable-prefix-caching"]
+        if args.huge_pages:
+            env["KVMEM_VLLM_KV_MEMORY_HUGE_PAGES"] = "1"
         env.update({"KVMEM_VLLM_KV_MEMORY": "elastic", "KVMEM_VLLM_ENGINE_NAME": name,
                     "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
                     "VLLM_CPU_OMP_THREADS_BIND": cores, "HF_HUB_OFFLINE": "1",
