@@ -286,6 +286,30 @@ def config_error(**env):
             os.environ.pop(key)
     return None
 
+# huge pages: one line where this host gives memory files none; else vLLM's KV cache
+# over a reservation of whole huge pages
+from kvmem.memory.huge_pages import huge_pages_problem
+out["huge_pages_problem"] = huge_pages_problem(shared=True)
+out["huge_pages_error"] = config_error(KVMEM_VLLM_KV_MEMORY_HUGE_PAGES="1")
+if out["huge_pages_problem"] is None:
+    os.environ["KVMEM_VLLM_KV_MEMORY_HUGE_PAGES"] = "1"
+    huge_cfg = engine_config(model, 1, 256 << 20, 16, 16)
+    os.environ.pop("KVMEM_VLLM_KV_MEMORY_HUGE_PAGES")
+    conn = KvmemElasticConnector(huge_cfg, KVConnectorRole.WORKER, worker_configs[0])
+    with conn.get_mem_pool_context():
+        views = allocate_kv_cache(worker_configs[0], torch.device("cpu"),
+                                  cfg.cache_config.get_resolved_kv_cache_layout(), None)
+    hw = conn.worker_side
+    hw.apply(1, ((True, 7, 8),))
+    for t in views.values():
+        t[7].fill_(1.0)
+    out["huge_granularity"] = hw.backend.granularity
+    out["huge_resident"] = hw.backend.resident_bytes()
+    out["huge_mapped"] = hw.granules.mapped_bytes
+    out["huge_backed"] = (hw.backend.resident_bytes("ShmemPmdMapped")
+                          + hw.backend.resident_bytes("FilePmdMapped"))
+    del views, conn, hw
+
 out["limit_below_a_request"] = config_error(KVMEM_VLLM_KV_MEMORY_LIMIT="1MiB")
 os.environ["KVMEM_LEDGER_DIR"] = "/proc"
 out["ledger_in_proc"] = config_error()
@@ -396,3 +420,18 @@ def test_settings_the_deployment_cannot_meet_are_one_line_before_an_engine_start
     assert result["ledger_in_proc"].startswith(
         "cannot open the KV memory ledger /proc/kvmem-ledger-cpu.json")
     assert "\n" not in result["ledger_in_proc"]
+
+
+def test_huge_pages_where_the_host_gives_memory_files_them(result) -> None:
+    """``KVMEM_VLLM_KV_MEMORY_HUGE_PAGES=1``: on a host whose ``shmem_enabled`` gives memory
+    files no huge pages, vLLM stops with the one line naming the setting while it builds
+    its config; where it does, vLLM's KV cache lies over whole huge pages."""
+    problem = result["huge_pages_problem"]
+    if problem is not None:
+        assert result["huge_pages_error"] == f"KVMEM_VLLM_KV_MEMORY_HUGE_PAGES=1: {problem}"
+        return
+    assert result["huge_pages_error"] is None
+    assert result["huge_granularity"] == 2 << 20
+    # the null block's granules and block 7's, each a whole huge page, all resident
+    assert result["huge_resident"] == result["huge_mapped"] > 0
+    assert result["huge_mapped"] % (2 << 20) == 0 and result["huge_backed"] > 0

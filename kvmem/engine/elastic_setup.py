@@ -183,9 +183,10 @@ class ElasticSetup:
                 budget.close()
             raise
         s = self.sizing
-        logger.info("elastic KV memory: %s reserved (%d blocks, pages of %d blocks = %s), "
+        logger.info("elastic KV memory: %s reserved (%d blocks, pages of %d blocks = %s%s), "
                     "limit %s (%d blocks), ledger name %r", format_bytes(s.reserved_bytes),
                     s.max_blocks, s.blocks_per_page, format_bytes(s.page_bytes),
+                    " in huge pages" if self.huge_pages else "",
                     format_bytes(s.limit_bytes), s.limit_blocks, self.name)
         return self.storage
 
