@@ -270,7 +270,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, model_positional: bool =
                                           "whatever other engines on the device do")
     mem.add_argument("--kv-memory-huge-pages", action="store_true",
                      help="elastic on the CPU: map KV pages as whole transparent huge pages, "
-                          "which the kernel gives back to other engines about ten times "
+                          "which the kernel gives back to other engines over ten times "
                           "faster; each page is then at least 2 MiB in every KV tensor")
     mem.add_argument("--engine-name", default=None,
                      help="this engine's name in `kvmem top` / `kvmem limit` "

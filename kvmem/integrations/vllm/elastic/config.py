@@ -7,7 +7,7 @@
 - ``KVMEM_VLLM_KV_MEMORY_MIN``: the engine's floor, reserved for it whatever other engines
   on the device do (default 0).
 - ``KVMEM_VLLM_KV_MEMORY_HUGE_PAGES``: ``1`` maps KV pages (on vLLM's CPU build) as whole
-  transparent huge pages, which the kernel releases about ten times faster when another
+  transparent huge pages, which the kernel releases over ten times faster when another
   engine asks; needs the host's ``shmem_enabled`` at ``advise`` (``kvmem.memory.huge_pages``).
 - ``KVMEM_VLLM_ENGINE_NAME``: the engine's name in the ledger (``kvmem top``,
   ``kvmem limit NAME``); default ``vllm-<model>-<pid>``.
