@@ -51,6 +51,10 @@ def cli_json(argv: list[str]) -> dict:
     return json.loads(out)
 
 
+HUGE_QUERY = ("model=smollm2&device=cpu&kv_cache_memory_bytes=1GiB&engine=kvmem"
+              "&kv_memory=elastic&kv_memory_huge_pages=true")
+
+
 @pytest.mark.parametrize("query, argv", [
     (README_QUERY, README_EXAMPLE),
     (README_QUERY + "&engine=vllm", README_EXAMPLE + ["--engine", "vllm"]),
@@ -63,11 +67,19 @@ def cli_json(argv: list[str]) -> dict:
      ["qwen3-8b", "--gpu", "H100", "--enforce-eager", "--cpu-offload-gib", "4", "--engine",
       "kvmem", "--kv-memory", "elastic", "--kv-memory-limit", "8GiB"]),
     ("model=qwen3-8b&gpu=H100&enforce_eager=false&device=gpu", ["qwen3-8b", "--gpu", "H100"]),
+    (HUGE_QUERY, ["smollm2", "--device", "cpu", "--kv-cache-memory-bytes", "1GiB", "--engine",
+                  "kvmem", "--kv-memory", "elastic", "--kv-memory-huge-pages"]),
 ])
 def test_api_plan_is_the_cli_json_document(server, query, argv):
     status, doc = api(server, "plan", query)
     assert status == 200
     assert doc == cli_json(argv)
+
+
+def test_the_page_says_when_elastic_pages_are_huge_pages(server):
+    _, view = api(server, "view", HUGE_QUERY)
+    assert "pages of 64 (huge pages)" in view["elastic"][0]
+    assert view["commands"][0]["shell"].endswith("--kv-memory-huge-pages")
 
 
 def test_the_readme_example_over_the_api(server):
