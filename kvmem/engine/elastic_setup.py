@@ -68,10 +68,7 @@ def default_engine_name(config: EngineConfig) -> str:
 
 
 def _granularity(device: torch.device, *, huge_pages: bool, world_size: int) -> int:
-    if device.type == "cuda":
-        if huge_pages:
-            raise ConfigError("--kv-memory-huge-pages is for KV memory on the CPU; a GPU's "
-                              "pages are the driver's 2 MiB granules already")
+    if device.type == "cuda":  # huge pages there: make_backend refuses them in one line
         return CUDA_GRANULARITY
     if huge_pages:  # the other ranks' pages are in memory files rank 0 releases
         return check_huge_pages(shared=world_size > 1, what="--kv-memory-huge-pages")
